@@ -1,0 +1,32 @@
+"""The attention layer a model calls: it holds the layer's identity, the backend does the work."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixlm.kernels.forward_batch import ForwardBatch
+
+
+class PagedAttention(nn.Module):
+    """softmax(q k^T * scaling) v over the request's cached and new tokens, read from the pool.
+
+    Has no weights: it names the layer (``layer_id``, the pool layer its KV lives in) and
+    the head layout, and delegates to ``forward_batch.attn_backend``.
+    """
+
+    def __init__(
+        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float
+    ):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """q: (T, H, D), k, v: (T, H_kv, D) -> (T, H, D)."""
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)

@@ -1,0 +1,97 @@
+"""Rotary position embeddings (RoFormer, Su et al. 2021) and their context-length scalings.
+
+Supported ``rope_type`` values: ``default``, ``linear`` (position interpolation, Chen et al.
+2023), ``dynamic`` (dynamic NTK-aware scaling), ``llama3`` (Llama 3.1's frequency-banded
+scaling). The rotation uses the "rotate half" layout of Hugging Face Llama checkpoints: the
+first and second halves of each head are the two coordinates of each rotated pair.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    """theta_i = base^(-2i/d) for i < d/2."""
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def llama3_inv_freq(head_dim: int, base: float, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth band between."""
+    inv_freq = default_inv_freq(head_dim, base)
+    factor = params["factor"]
+    low_freq_factor = params.get("low_freq_factor", 1.0)
+    high_freq_factor = params.get("high_freq_factor", 4.0)
+    old_context = params.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to query and key heads at given positions.
+
+    cos/sin are tabulated once for ``max_position`` positions; ``forward`` indexes them, so
+    a batch of ragged sequences costs one gather.
+
+    ``dynamic`` scaling: positions below the model's ``max_position_embeddings`` use the
+    unscaled frequencies (exactly what transformers computes for such sequences); beyond
+    it, the NTK-scaled base for the full serving context is used. Keeping the frequencies
+    fixed per position (instead of per sequence length) keeps cached keys valid.
+    """
+
+    def __init__(
+        self, head_dim: int, max_position: int, params: dict[str, Any], trained_context: int
+    ):
+        super().__init__()
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+            )
+        base = float(params.get("rope_theta", 10000.0))
+        self.head_dim = head_dim
+        positions = torch.arange(max_position, dtype=torch.float32)
+        if rope_type == "dynamic" and max_position > trained_context:
+            factor = params["factor"]
+            scaled_base = base * (
+                (factor * max_position / trained_context) - (factor - 1)
+            ) ** (head_dim / (head_dim - 2))
+            short = torch.outer(positions[:trained_context], default_inv_freq(head_dim, base))
+            long = torch.outer(positions[trained_context:], default_inv_freq(head_dim, scaled_base))
+            angles = torch.cat([short, long])
+        else:
+            if rope_type == "llama3":
+                inv_freq = llama3_inv_freq(head_dim, base, params)
+            else:
+                inv_freq = default_inv_freq(head_dim, base)
+            if rope_type == "linear":
+                positions = positions / params["factor"]
+            angles = torch.outer(positions, inv_freq)  # (max_position, head_dim / 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: (T, H, D), k: (T, H_kv, D), positions: (T,) -> rotated q, k of the same shapes."""
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D/2)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x.dtype)

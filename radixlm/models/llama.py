@@ -1,0 +1,145 @@
+"""Llama (Touvron et al. 2023) and the models that share its decoder: Llama 2/3, SmolLM2, Mistral.
+
+A pre-norm decoder: x + attn(norm(x)), then + mlp(norm(x)); grouped-query attention with
+rotary positions; a gated SiLU MLP; an optionally tied output embedding. Qwen2 (QKV bias)
+and Qwen3 (per-head q/k RMSNorm) are the same block with those switches on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.models.layers.attention import PagedAttention
+from radixlm.models.layers.layernorm import RMSNorm
+from radixlm.models.layers.linear import StackedLinear
+from radixlm.models.layers.mlp import GatedMLP
+from radixlm.models.layers.rotary_embedding import RotaryEmbedding
+from radixlm.models.model_config import rope_parameters
+from radixlm.models.weight_loading import load_named_weights
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, layer_id: int, max_position: int,
+        qkv_bias: bool = False, qk_norm: bool = False,
+    ):
+        """``qkv_bias``/``qk_norm``: Qwen2's projection bias, Qwen3's per-head norms."""
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = StackedLinear(
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+            bias=qkv_bias or attention_bias,
+        )
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, max_position, rope_parameters(config),
+            trained_context=getattr(config, "max_position_embeddings", max_position),
+        )
+        self.attn = PagedAttention(
+            layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split_output(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, forward_batch)  # (T, H, D)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, max_position: int, **attn_options):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, max_position, **attn_options)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False))
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this block's output, the residual stream before it is added)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, forward_batch)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids -> final hidden states; ``compute_logits`` maps chosen rows to the vocabulary."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: PretrainedConfig, max_position: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(
+                config, i, max_position, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,) -> hidden states (T, hidden)."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, forward_batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, hidden) -> float32 logits (N, vocab)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(hidden, weight.t()).float()
+
+    # Checkpoint tensors that land in a shard of a stacked (fused) parameter.
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, self.stacked_params)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral 7B: the Llama decoder (sliding windows of its first release are not modelled)."""

@@ -1,0 +1,106 @@
+"""What the runtime needs to know of a model, read once from its Hugging Face config."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+
+
+@dataclass
+class ModelConfig:
+    """The architecture facts the runtime sizes pools and picks kernels by.
+
+    ``hf_config`` keeps the full Hugging Face config for the model files; the fields here
+    are the ones the runtime itself reads (KV layout, vocabulary, context, stop tokens).
+    """
+
+    path: Path
+    hf_config: PretrainedConfig
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: set[int] = field(default_factory=set)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_path(cls, path: str | Path, trust_remote_code: bool = False) -> ModelConfig:
+        path = Path(path)
+        try:
+            hf = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (ValueError, OSError, KeyError) as err:
+            raise ValueError(f"cannot read the model config in {path}: {err}") from err
+        architectures = getattr(hf, "architectures", None) or []
+        if not architectures:
+            raise ValueError(f"{path}/config.json names no 'architectures'")
+        num_heads = hf.num_attention_heads
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of "
+                f"num_key_value_heads ({num_kv_heads})"
+            )
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        generation = _read_generation_config(path)
+        eos = _as_id_set(generation.get("eos_token_id")) | _as_id_set(hf.eos_token_id)
+        return cls(
+            path=path,
+            hf_config=hf,
+            architecture=architectures[0],
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            hidden_size=hf.hidden_size,
+            vocab_size=hf.vocab_size,
+            max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
+            eos_token_ids=eos,
+            generation_defaults={
+                k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation
+            },
+        )
+
+    def kv_bytes_per_token(self, dtype_size: int) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+
+
+def rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
+    """The RoPE settings as one dict with ``rope_type`` and ``rope_theta``.
+
+    transformers 5 keeps them in ``config.rope_parameters``; 4.x in ``rope_theta`` and
+    ``rope_scaling``. Both are read so either version's configs load.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        params = {**scaling, **params}
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _read_generation_config(path: Path) -> dict[str, Any]:
+    file = path / "generation_config.json"
+    if not file.exists():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from err
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}

@@ -1,0 +1,25 @@
+"""Model classes by the ``architectures`` name in a Hugging Face config."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from radixlm.models.llama import LlamaForCausalLM, MistralForCausalLM
+from radixlm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    """The class serving ``architecture``; an unknown one raises ``ValueError`` listing the known."""
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}"
+        ) from None

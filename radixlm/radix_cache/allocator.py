@@ -1,0 +1,97 @@
+"""The paged allocator of KV slots (PagedAttention's block table, one level down).
+
+The token-to-KV pool holds ``num_pages * page_size`` slots. A slot index ``s`` lies in page
+``s // page_size``. Page 0 is reserved: its slots are where padded positions write and read,
+so a gather over a padded index table never touches a live token. All other pages are handed
+out whole: a request's tokens fill its last page before a new one is taken, so a page belongs
+to exactly one owner (a request, or a radix-tree node once cached).
+
+Invariants (checked by tests after every engine run):
+- ``available_size() + (tokens held by requests and the cache) == size``;
+- a page is either in the free list or owned, never both, never twice in the free list.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OutOfKVSlots(RuntimeError):
+    """Raised when an allocation cannot be served; callers evict or retract and retry."""
+
+
+class TokenToKVPoolAllocator:
+    """Hands out KV slot indices in pages of ``page_size`` tokens.
+
+    ``size`` is the number of usable token slots (a multiple of ``page_size``); the reserved
+    page 0 is not counted in it.
+    """
+
+    def __init__(self, size: int, page_size: int = 1, device: str | torch.device = "cpu"):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if size < page_size:
+            raise ValueError(f"the KV pool must hold at least one page ({page_size} tokens), got {size}")
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self.size = self.num_pages * page_size
+        self.device = torch.device(device)
+        self.reset()
+
+    def reset(self) -> None:
+        # Pages 1..num_pages are usable; page 0 is the padding page.
+        self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
+
+    def available_size(self) -> int:
+        """Free token slots (whole free pages only)."""
+        return len(self._free_pages) * self.page_size
+
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        """Slots for ``num_tokens`` tokens in fresh pages (the last page may be partly used)."""
+        if num_tokens == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        pages = self._take_pages(-(-num_tokens // self.page_size))
+        return self._page_slots(pages)[:num_tokens]
+
+    def alloc_extend(self, last_slot: int, num_tokens: int) -> torch.Tensor:
+        """Slots for ``num_tokens`` tokens that follow the token stored at ``last_slot``.
+
+        The slots after ``last_slot`` inside its page are used first, then fresh pages, so
+        each request's tokens stay packed into its own pages. ``last_slot < 0`` means the
+        sequence is empty so far.
+        """
+        if last_slot < 0 or self.page_size == 1:
+            return self.alloc(num_tokens)
+        offset = last_slot % self.page_size + 1
+        in_page = min(self.page_size - offset, num_tokens)
+        head = torch.arange(last_slot + 1, last_slot + 1 + in_page, dtype=torch.int64)
+        rest = num_tokens - in_page
+        if rest == 0:
+            return head.to(self.device)
+        pages = self._take_pages(-(-rest // self.page_size))
+        return torch.cat([head.to(self.device), self._page_slots(pages)[:rest]])
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Returns the pages that ``slots`` lie in. Every slot of a freed page must be dead."""
+        if slots.numel() == 0:
+            return
+        if self.page_size == 1:
+            pages = slots.tolist()
+        else:
+            pages = torch.unique(slots // self.page_size).tolist()
+        self._free_pages.extend(pages)
+
+    def _take_pages(self, num_pages: int) -> list[int]:
+        if num_pages > len(self._free_pages):
+            raise OutOfKVSlots(
+                f"need {num_pages} KV pages, {len(self._free_pages)} free "
+                f"(page_size={self.page_size})"
+            )
+        pages = self._free_pages[-num_pages:]
+        del self._free_pages[-num_pages:]
+        return pages
+
+    def _page_slots(self, pages: list[int]) -> torch.Tensor:
+        base = torch.tensor(pages, dtype=torch.int64) * self.page_size
+        slots = (base[:, None] + torch.arange(self.page_size)).reshape(-1)
+        return slots.to(self.device)

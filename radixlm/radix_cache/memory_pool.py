@@ -1,0 +1,67 @@
+"""The KV memory: a request-to-token index table and a token-to-KV pool, both allocated once.
+
+- ``ReqToTokenPool``: one row per running request; row r, column i holds the KV slot of
+  token i of the request in row r. Rows are handed out and returned by request.
+- ``MHATokenToKVPool``: per layer, one K and one V buffer of shape (num_slots, H_kv, D).
+  Slot indices come from ``TokenToKVPoolAllocator``; slots of page 0 are padding.
+
+No KV tensor is ever allocated per request: a request owns indices, not memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Rows of KV slot indices, one per running request."""
+
+    def __init__(self, max_requests: int, max_context_len: int, device: str | torch.device):
+        self.size = max_requests
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros(
+            (max_requests, max_context_len), dtype=torch.int64, device=device
+        )
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        """A free row, or None when every row is taken."""
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def reset(self) -> None:
+        self._free_rows = list(range(self.size - 1, -1, -1))
+
+
+class MHATokenToKVPool:
+    """K and V for every slot of every layer (multi-head, grouped- or multi-query layout).
+
+    ``num_slots`` includes the reserved padding page; slot indices are those of the allocator.
+    """
+
+    def __init__(
+        self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: str | torch.device,
+    ):
+        self.num_slots = num_slots
+        self.dtype = dtype
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores k, v (T, H_kv, D) of the new tokens at ``slots`` (T,)."""
+        self.k_buffers[layer_id][slots] = k.to(self.dtype)
+        self.v_buffers[layer_id][slots] = v.to(self.dtype)
+
+    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+    def bytes_per_token(self) -> int:
+        k = self.k_buffers[0]
+        return 2 * len(self.k_buffers) * k.shape[1] * k.shape[2] * k.element_size()

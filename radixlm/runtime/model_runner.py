@@ -1,0 +1,118 @@
+"""Owns the model, its KV memory and the attention backend; runs one forward pass per batch."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from radixlm.kernels.attention_backend import AttentionBackend
+from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
+from radixlm.kernels.torch_native_backend import TorchNativeAttentionBackend
+from radixlm.models.loader import load_model
+from radixlm.models.model_config import ModelConfig
+from radixlm.radix_cache.allocator import TokenToKVPoolAllocator
+from radixlm.radix_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """The model plus the memory it attends over.
+
+    Pools are allocated here, once: ``max_total_tokens`` KV slots (rounded down to whole
+    pages) and ``max_running_requests`` request rows of ``context_length`` entries.
+    """
+
+    def __init__(self, args: ServerArgs, model_config: ModelConfig):
+        self.args = args
+        self.model_config = model_config
+        self.device = args.resolved_device()
+        self.dtype = args.resolved_dtype()
+        if args.num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(args.num_threads)
+        self.context_length = args.context_length or model_config.max_position_embeddings
+        self.model = load_model(model_config, self.dtype, self.device, self.context_length)
+        self.max_total_tokens = self._kv_pool_tokens()
+        page_size = args.page_size
+        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, page_size, self.device)
+        self.max_total_tokens = self.allocator.size
+        self.kv_pool = MHATokenToKVPool(
+            self.allocator.size + page_size,  # + the reserved padding page
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+            self.dtype, self.device,
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            args.max_running_requests, self.context_length, self.device
+        )
+        self.attn_backend = self._make_attention_backend()
+        logger.info(
+            "model %s loaded: %s on %s, KV pool of %d tokens (%.1f MiB)",
+            model_config.architecture, self.dtype, self.device, self.max_total_tokens,
+            self.max_total_tokens * self.kv_pool.bytes_per_token() / 2**20,
+        )
+
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Runs the model over the batch's new tokens -> hidden states (T, hidden)."""
+        self.attn_backend.init_forward_metadata(forward_batch)
+        with torch.inference_mode():
+            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden)
+
+    def make_forward_batch(
+        self, mode: ForwardMode, input_ids: list[int], positions: list[int],
+        out_cache_loc: torch.Tensor, req_pool_indices: list[int],
+        prefix_lens: list[int], extend_lens: list[int],
+    ) -> ForwardBatch:
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        return ForwardBatch(
+            mode=mode,
+            input_ids=as_tensor(input_ids),
+            positions=as_tensor(positions),
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=as_tensor(req_pool_indices),
+            seq_lens=as_tensor(seq_lens),
+            prefix_lens=as_tensor(prefix_lens),
+            extend_seq_lens=as_tensor(extend_lens),
+            req_to_token=self.req_to_token_pool.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            seq_lens_list=seq_lens,
+            extend_seq_lens_list=extend_lens,
+        )
+
+    def _kv_pool_tokens(self) -> int:
+        if self.args.max_total_tokens is not None:
+            return self.args.max_total_tokens
+        per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        budget = int(_available_memory(self.device) * self.args.kv_cache_memory_fraction)
+        useful = self.args.max_running_requests * self.context_length
+        return max(self.args.page_size, min(budget // per_token, useful))
+
+    def _make_attention_backend(self) -> AttentionBackend:
+        # Only the torch-native backend exists so far; "auto" picks it everywhere.
+        return TorchNativeAttentionBackend()
+
+
+def _available_memory(device: torch.device) -> int:
+    """Free bytes on ``device`` (host memory available to new allocations on the CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

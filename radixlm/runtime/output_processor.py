@@ -1,0 +1,136 @@
+"""After a forward pass: logits for the rows that need them, next tokens, logprobs, stop checks."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from radixlm.runtime.logprobs import token_logprobs
+from radixlm.runtime.request import Req, finish_length, finish_stop
+from radixlm.runtime.sampler import Sampler
+
+
+class OutputProcessor:
+    """Turns a batch's hidden states into each request's next token and finish state.
+
+    Only the rows that matter go through the LM head: each request's last new token (to
+    sample from) and, for requests that asked for prompt logprobs, the prompt rows whose
+    next-token distribution they asked about.
+    """
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, compute_logits, eos_token_ids: set[int],
+        context_length: int,
+    ):
+        self.tokenizer = tokenizer
+        self.compute_logits = compute_logits
+        self.eos_token_ids = eos_token_ids
+        self.context_length = context_length
+
+    def process(
+        self, reqs: list[Req], hidden: torch.Tensor, prefix_lens: list[int],
+        extend_lens: list[int], sampler: Sampler,
+    ) -> None:
+        rows: list[int] = []
+        input_row_ranges: list[tuple[int, int, int]] = []  # (first logits row, count, position)
+        last_rows: list[int] = []
+        sample_rows: list[int] = []
+        offset = 0
+        for req, prefix, extend in zip(reqs, prefix_lens, extend_lens):
+            first_position = self._first_input_logprob_position(req, prefix)
+            if first_position is not None and first_position < prefix + extend - 1:
+                count = prefix + extend - 1 - first_position
+                start = offset + first_position - prefix
+                input_row_ranges.append((len(rows), count, first_position))
+                rows += range(start, start + count)
+            else:
+                input_row_ranges.append((len(rows), 0, prefix))
+            last_rows.append(len(rows))
+            rows.append(offset + extend - 1)
+            offset += extend
+        logits = self.compute_logits(hidden[rows])  # (len(rows), V)
+        to_sample: list[Req] = []
+        for req, (first, count, position), last in zip(reqs, input_row_ranges, last_rows):
+            if req.logprobs is not None and req.logprobs.start is not None:
+                self._add_input_logprobs(req, logits[first : first + count], position)
+            if req.kv_len == req.seq_len and not self._ends_before_sampling(req):
+                to_sample.append(req)
+                sample_rows.append(last)
+        if not to_sample:
+            return
+        sample_logits = logits[sample_rows]
+        next_ids = sampler.sample(sample_logits, to_sample)
+        for req, token, row_logits in zip(to_sample, next_ids, sample_logits):
+            if req.logprobs is not None:
+                self._add_output_logprob(req, row_logits[None], token)
+            self._append_token(req, token)
+
+    def _first_input_logprob_position(self, req: Req, prefix: int) -> int | None:
+        """The first prompt position whose logits this extend must produce, if any.
+
+        The logprob of prompt token i comes from the logits at position i - 1.
+        """
+        if req.logprobs is None or req.logprobs.start is None or req.output_ids:
+            return None
+        return max(req.logprobs.start - 1, prefix, 0)
+
+    def _add_input_logprobs(self, req: Req, logits: torch.Tensor, position: int) -> None:
+        spec = req.logprobs
+        decode = self._decode_one if spec.with_text else None
+        if spec.start == 0 and not req.input_token_logprobs:
+            first = req.input_ids[0]
+            req.input_token_logprobs.append([None, first, decode(first) if decode else None])
+            if spec.top_k:
+                req.input_top_logprobs.append(None)
+        if logits.shape[0] == 0:
+            return
+        targets = req.input_ids[position + 1 : position + 1 + logits.shape[0]]
+        entries, tops = token_logprobs(logits, targets, spec.top_k, decode)
+        req.input_token_logprobs += entries
+        req.input_top_logprobs += tops
+
+    def _add_output_logprob(self, req: Req, logits: torch.Tensor, token: int) -> None:
+        spec = req.logprobs
+        decode = self._decode_one if spec.with_text else None
+        entries, tops = token_logprobs(logits, [token], spec.top_k, decode)
+        req.output_token_logprobs += entries
+        req.output_top_logprobs += tops
+
+    def _ends_before_sampling(self, req: Req) -> bool:
+        """A request with no output budget (prefill only, or a full context) ends here."""
+        if req.sampling.max_new_tokens == 0:
+            req.finish_reason = finish_length(0)
+        elif req.seq_len >= self.context_length:
+            req.finish_reason = finish_length(len(req.output_ids))
+        else:
+            return False
+        req.final_text = req.detokenizer.text + req.detokenizer.finish()
+        return True
+
+    def _append_token(self, req: Req, token: int) -> None:
+        params = req.sampling
+        req.output_ids.append(token)
+        new_text = req.detokenizer.feed([token])
+        stop_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        if token in stop_ids and len(req.output_ids) >= params.min_new_tokens:
+            req.finish_reason = finish_stop(token)
+        elif req.stop_matcher is not None and new_text:
+            text = req.detokenizer.text
+            found = req.stop_matcher.search(text, len(new_text))
+            if found is not None:
+                start, end, matched = found
+                req.finish_reason = finish_stop(matched)
+                req.final_text = text[: end if params.no_stop_trim else start]
+                return
+        if req.finish_reason is None and (
+            len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_length
+        ):
+            req.finish_reason = finish_length(len(req.output_ids))
+        if req.finish_reason is not None:
+            req.detokenizer.finish()
+            req.final_text = req.detokenizer.text
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])

@@ -1,0 +1,97 @@
+"""A request's life inside the runtime: its inputs, its KV, its output so far, and how it ended."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixlm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+def finish_stop(matched: str | int) -> dict[str, Any]:
+    return {"type": "stop", "matched": matched}
+
+
+def finish_length(length: int) -> dict[str, Any]:
+    return {"type": "length", "length": length}
+
+
+def finish_abort(message: str) -> dict[str, Any]:
+    return {"type": "abort", "message": message}
+
+
+@dataclass
+class LogprobRequest:
+    """What logprobs a request wants back.
+
+    ``start`` is the first prompt position whose logprob is returned (None: output only).
+    """
+
+    start: int | None = None
+    top_k: int = 0
+    with_text: bool = False
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request.
+
+    States: waiting (no ``req_pool_idx``) -> running (holds a request row and the KV slots
+    of its first ``kv_len`` tokens) -> finished (``finish_reason`` set, row and slots
+    returned). The tokens of the sequence are ``input_ids + output_ids``.
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    logprobs: LogprobRequest | None = None
+    stream: bool = False
+    created: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    # The final text (stop string trimmed); None until the request finishes.
+    final_text: str | None = None
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    last_slot: int = -1
+    cached_tokens: int = 0
+    input_token_logprobs: list[list[Any]] = field(default_factory=list)
+    input_top_logprobs: list[Any] = field(default_factory=list)
+    output_token_logprobs: list[list[Any]] = field(default_factory=list)
+    output_top_logprobs: list[Any] = field(default_factory=list)
+    stop_matcher: StopStringMatcher | None = None
+
+    def __post_init__(self) -> None:
+        params = self.sampling
+        if params.stop or params.stop_regex:
+            self.stop_matcher = StopStringMatcher(params.stop or [], params.stop_regex or [])
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    def streamed_text(self) -> str:
+        """The output text safe to show now: complete characters, no partial stop string."""
+        if self.final_text is not None:
+            return self.final_text
+        text = self.detokenizer.text
+        if self.stop_matcher is not None:
+            held = self.stop_matcher.held_back(text)
+            text = text[: len(text) - held]
+        return text
+
+    def slots(self, req_to_token: torch.Tensor) -> torch.Tensor:
+        """The KV slots of the tokens this request holds."""
+        return req_to_token[self.req_pool_idx, : self.kv_len]

@@ -1,0 +1,141 @@
+"""Sampling parameters of one request, as the SGLang native API names them."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+GREEDY_TEMPERATURE = 1e-6
+"""A temperature below this means greedy decoding."""
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next tokens and when to stop.
+
+    Built with ``from_dict``, which rejects unknown keys; ``__post_init__`` validates ranges
+    and raises ``ValueError`` naming the field and what is allowed.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
+        if params is None:
+            return cls()
+        if not isinstance(params, dict):
+            raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameters {unknown}; known: {sorted(known)}")
+        return cls(**params)
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=0)
+        _check_int("min_new_tokens", self.min_new_tokens, minimum=0)
+        _check_int("n", self.n, minimum=1)
+        _check_int("top_k", self.top_k, minimum=-1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or a positive integer, got 0")
+        _check_number("temperature", self.temperature, low=0.0)
+        _check_number("top_p", self.top_p, low=0.0, high=1.0)
+        if self.top_p <= 0.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, low=0.0)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        for pattern in self.stop_regex or []:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as err:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: "
+                                 f"{err}") from None
+        if self.stop_token_ids is not None and not all(
+            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if self.sampling_seed is not None:
+            _check_int("sampling_seed", self.sampling_seed, minimum=0)
+        if self.logit_bias is not None:
+            self._check_logit_bias()
+        constraints = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k)]
+        if constraints:
+            raise ValueError(
+                f"{constraints[0]}: constrained decoding (regex, json_schema, ebnf) is not "
+                "available in this version of radixlm"
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named in the parameters must exist in the vocabulary."""
+        ids = list(self.stop_token_ids or [])
+        ids += [int(t) for t in (self.logit_bias or {})]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad} in stop_token_ids/logit_bias are outside the "
+                             f"vocabulary (size {vocab_size})")
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must map token ids to biases")
+        for token, bias in self.logit_bias.items():
+            try:
+                int(token)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias key {token!r} is not a token id") from None
+            _check_number(f"logit_bias[{token!r}]", bias, low=-100.0, high=100.0)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, low: float, high: float = math.inf) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not low <= value <= high:
+        bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")

@@ -1,0 +1,102 @@
+"""The runtime's options: one dataclass shared by the Engine and (later) the HTTP server."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+
+import torch
+
+ATTENTION_BACKENDS = ("auto", "torch_native")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ServerArgs:
+    """Options of a radixlm runtime.
+
+    Every field is validated in ``__post_init__``; a bad value raises ``ValueError`` naming
+    the field and the allowed values.
+    """
+
+    model_path: str | None = None
+    """A Hugging Face model directory, a ``.gguf`` file or a hub id; None: the default model."""
+    tokenizer_path: str | None = None
+    dtype: str = "auto"
+    """``auto``: bfloat16 on GPUs and on CPUs with native bf16, else float32."""
+    device: str = "auto"
+    attention_backend: str = "auto"
+    max_total_tokens: int | None = None
+    """KV pool size in tokens; None: sized from ``kv_cache_memory_fraction``."""
+    kv_cache_memory_fraction: float = 0.2
+    """Share of the available memory given to the KV pool when ``max_total_tokens`` is None."""
+    page_size: int = 1
+    max_running_requests: int = 64
+    context_length: int | None = None
+    """Longest sequence (prompt + output); None: the model's ``max_position_embeddings``."""
+    random_seed: int = 0
+    num_threads: int | None = None
+    """Torch intra-op threads on the CPU; None: leave torch's default."""
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _check_positive("page_size", self.page_size)
+        _check_positive("max_running_requests", self.max_running_requests)
+        if self.max_total_tokens is not None:
+            _check_positive("max_total_tokens", self.max_total_tokens)
+        if self.context_length is not None:
+            _check_positive("context_length", self.context_length)
+        if self.num_threads is not None:
+            _check_positive("num_threads", self.num_threads)
+        if not 0.0 < self.kv_cache_memory_fraction < 1.0:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
+            )
+
+    @classmethod
+    def from_kwargs(cls, model_path: str | None = None, **options) -> ServerArgs:
+        """Builds from keyword options, rejecting unknown ones by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown Engine options {unknown}; known options: {sorted(known)}")
+        return cls(model_path=model_path, **options)
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        if self.resolved_device().type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+    def replace(self, **changes) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU computes bf16 matmuls natively (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,109 @@
+"""Tiny randomly initialised ``transformers`` models, written to disk, and their references.
+
+Each model directory holds a config, float32 safetensors, and a small byte-level BPE
+tokenizer trained here, so the Engine loads it exactly like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+VOCAB_SIZE = 384
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France; Berlin is the capital of Germany.",
+    "def add(a, b):\n    return a + b\n",
+    "In 1492, Columbus sailed the ocean blue. Numbers: 0 1 2 3 4 5 6 7 8 9.",
+    "Héllo wörld, ünïcödé and emoji \U0001f600 are bytes too.",
+] * 20
+
+# (architecture, config class, extra config fields)
+ARCHITECTURES = {
+    "LlamaForCausalLM": (transformers.LlamaConfig, {}),
+    "MistralForCausalLM": (transformers.MistralConfig, {"sliding_window": None}),
+    "Qwen2ForCausalLM": (transformers.Qwen2Config, {}),
+    "Qwen3ForCausalLM": (transformers.Qwen3Config, {"head_dim": 16}),
+}
+KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+
+
+def write_tiny_model(
+    directory: Path, architecture: str = "LlamaForCausalLM", kv: str = "gqa",
+    tied: bool = False, seed: int = 0, **overrides,
+) -> Path:
+    """Writes a 2-layer model of ``architecture`` into ``directory`` and returns it."""
+    config_class, extra = ARCHITECTURES[architecture]
+    tokenizer = tiny_tokenizer()
+    fields = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=KV_HEADS[kv],
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+        initializer_range=0.1,  # peaky logits: greedy ties between implementations are unlikely
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        architectures=[architecture],
+        **extra,
+    )
+    fields.update(overrides)
+    config = config_class(**fields)
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).float().eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@functools.lru_cache(maxsize=8)
+def reference_model(directory: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32
+    ).eval()
+
+
+@torch.inference_mode()
+def reference_prompt_logprobs(directory: Path, input_ids: list[int]) -> torch.Tensor:
+    """log p(token_i | tokens_<i) for i >= 1, from transformers: (len - 1,)."""
+    logits = reference_model(directory)(torch.tensor([input_ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs[:-1].gather(1, torch.tensor(input_ids[1:])[:, None])[:, 0]
+
+
+@torch.inference_mode()
+def reference_greedy(directory: Path, input_ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy continuation, EOS included like any other token."""
+    model = reference_model(directory)
+    out = model(torch.tensor([input_ids]), use_cache=True)
+    tokens = []
+    for _ in range(num_tokens):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                    use_cache=True)
+    return tokens
