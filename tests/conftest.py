@@ -23,9 +23,10 @@ def tiny_model_dir(tmp_path_factory):
 
     def make(architecture: str = "LlamaForCausalLM", kv: str = "gqa", tied: bool = False,
              **overrides) -> Path:
-        key = (architecture, kv, tied, tuple(sorted(overrides.items())))
+        key = (architecture, kv, tied, repr(sorted(overrides.items())))
         if key not in made:
-            directory = tmp_path_factory.mktemp(f"{architecture}-{kv}-{'tied' if tied else 'untied'}")
+            name = f"{architecture}-{kv}-{'tied' if tied else 'untied'}"
+            directory = tmp_path_factory.mktemp(name)
             made[key] = write_tiny_model(directory, architecture, kv, tied, **overrides)
         return made[key]
 
@@ -59,8 +60,11 @@ def engine_for(tiny_model_dir):
 
 
 def assert_engine_idle(engine: radixlm.Engine) -> None:
-    """No request left behind: all KV slots and request rows are free again."""
+    """No request left behind: every KV slot is free or held by the prefix cache (unlocked),
+    and every request row is free."""
     runner = engine.runner
+    tree = engine.memory.tree_cache
     assert engine.scheduler.is_idle()
-    assert runner.allocator.available_size() == runner.allocator.size
+    assert tree.protected_size() == 0
+    assert runner.allocator.available_size() + tree.total_size() == runner.allocator.size
     assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size

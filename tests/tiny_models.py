@@ -104,6 +104,7 @@ def reference_greedy(directory: Path, input_ids: list[int], num_tokens: int) -> 
     tokens = []
     for _ in range(num_tokens):
         tokens.append(int(out.logits[0, -1].argmax()))
-        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
-                    use_cache=True)
+        # transformers 5 calls the KV cache ``cache``; 4.x called it ``past_key_values``.
+        name = "cache" if "cache" in out else "past_key_values"
+        out = model(torch.tensor([[tokens[-1]]]), use_cache=True, **{name: out[name]})
     return tokens

@@ -65,15 +65,28 @@ class TorchNativeAttentionBackend(AttentionBackend):
         return self._attend(q, k, v, layer, forward_batch)
 
     def forward_decode(self, q, k, v, layer, forward_batch):
-        return self._attend(q, k, v, layer, forward_batch)
+        """One query per request: two small batched matmuls beat SDPA's kernel setup."""
+        keys, values = self._gather_kv(k, v, layer, forward_batch)  # (B, H_kv, S, D)
+        b, group = q.shape[0], layer.num_heads // layer.num_kv_heads
+        queries = q.view(b, layer.num_kv_heads, group, layer.head_dim)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * layer.scaling
+        if self._layout.mask is not None:  # (B, 1, 1, S) broadcasts over (B, H_kv, G, S)
+            scores = scores.masked_fill(~self._layout.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)  # (B, H_kv, G, S)
+        out = torch.matmul(probs, values)  # (B, H_kv, G, D)
+        return out.reshape(b, layer.num_heads, layer.head_dim)
+
+    def _gather_kv(self, k, v, layer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores the new K/V, then reads every request's K/V as (B, H_kv, S, D)."""
+        fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        k_buffer, v_buffer = fb.kv_pool.get_kv(layer.layer_id)
+        slots = self._layout.kv_slots
+        return k_buffer[slots].transpose(1, 2), v_buffer[slots].transpose(1, 2)
 
     def _attend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
         layout = self._layout
-        fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        k_buffer, v_buffer = fb.kv_pool.get_kv(layer.layer_id)
+        keys, values = self._gather_kv(k, v, layer, fb)  # (B, H_kv, S, D)
         b, num_q = layout.batch_size, layout.max_queries
-        keys = k_buffer[layout.kv_slots].transpose(1, 2)  # (B, H_kv, S, D)
-        values = v_buffer[layout.kv_slots].transpose(1, 2)
         if layout.query_rows is None:
             queries = q.view(b, num_q, *q.shape[1:])  # (B, Q, H, D)
         else:
@@ -81,7 +94,7 @@ class TorchNativeAttentionBackend(AttentionBackend):
             queries[layout.query_rows] = q
             queries = queries.view(b, num_q, *q.shape[1:])
         out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2).to(keys.dtype),  # (B, H, Q, D)
+            queries.transpose(1, 2),  # (B, H, Q, D)
             keys,
             values,
             attn_mask=layout.mask,
@@ -92,4 +105,4 @@ class TorchNativeAttentionBackend(AttentionBackend):
         out = out.transpose(1, 2).reshape(b * num_q, *q.shape[1:])
         if layout.query_rows is not None:
             out = out[layout.query_rows]
-        return out.to(q.dtype)
+        return out

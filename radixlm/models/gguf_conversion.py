@@ -6,7 +6,7 @@ renamed to the Hugging Face name, and the query/key rows that llama.cpp stores i
 order are put back in Hugging Face's order. The tokenizer is rebuilt from the GGUF metadata with
 transformers' own GGUF tokenizer converter.
 
-Supported GGUF architectures: llama (Llama, SmolLM, Mistral-as-llama), qwen2 and qwen3.
+Supported GGUF architectures: llama (Llama 1/2-style, SmolLM), qwen2 and qwen3.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ _GLOBAL_TENSORS = {
     "output.weight": "lm_head.weight",
 }
 
-_BLOCK_TENSORS = {
+_LLAMA_BLOCK_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
@@ -69,14 +69,15 @@ _BLOCK_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_TENSORS = _LLAMA_BLOCK_TENSORS | {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-
-_LLAMA_BLOCK_TENSORS = tuple(list(_BLOCK_TENSORS)[:9])
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -184,16 +185,19 @@ def _build_config(
     return config
 
 
-def _hf_tensor_name(gguf_name: str, arch: str, num_layers: int) -> str:
+def _hf_tensor_name(gguf_name: str, arch: str, num_layers: int, path: Path) -> str:
     """The Hugging Face parameter name of one GGUF tensor; unknown tensors raise ValueError."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     prefix, _, rest = gguf_name.partition(".")
     layer, _, suffix = rest.partition(".")
-    allowed = _LLAMA_BLOCK_TENSORS + SUPPORTED_GGUF_ARCHITECTURES[arch].extra_block_tensors
+    allowed = tuple(_LLAMA_BLOCK_TENSORS) + SUPPORTED_GGUF_ARCHITECTURES[arch].extra_block_tensors
     if prefix == "blk" and layer.isdigit() and int(layer) < num_layers and suffix in allowed:
         return f"model.layers.{layer}.{_BLOCK_TENSORS[suffix]}"
-    raise ValueError(f"unexpected tensor {gguf_name!r} for GGUF architecture {arch!r}")
+    raise ValueError(
+        f"GGUF file {str(path)!r} holds tensor {gguf_name!r}, which the converter cannot map "
+        f"for architecture {arch!r}"
+    )
 
 
 def _expected_tensors(arch: str, config: dict) -> set[str]:
@@ -201,7 +205,7 @@ def _expected_tensors(arch: str, config: dict) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config["tie_word_embeddings"]:
         names.add("lm_head.weight")
-    suffixes = _LLAMA_BLOCK_TENSORS + SUPPORTED_GGUF_ARCHITECTURES[arch].extra_block_tensors
+    suffixes = tuple(_LLAMA_BLOCK_TENSORS) + SUPPORTED_GGUF_ARCHITECTURES[arch].extra_block_tensors
     for layer in range(config["num_hidden_layers"]):
         names.update(f"model.layers.{layer}.{_BLOCK_TENSORS[s]}" for s in suffixes)
     return names
@@ -212,14 +216,24 @@ def _convert_tensors(reader, arch: str, config: dict, path: Path, progress: bool
     from gguf.quants import dequantize
 
     spec = SUPPORTED_GGUF_ARCHITECTURES[arch]
+    heads_of = {
+        ".attn_q.": config["num_attention_heads"],
+        ".attn_k.": config["num_key_value_heads"],
+    }
     tensors: dict[str, np.ndarray] = {}
     for tensor in tqdm(reader.tensors, desc="radixlm: dequantizing GGUF", disable=not progress):
-        hf_name = _hf_tensor_name(tensor.name, arch, config["num_hidden_layers"])
+        hf_name = _hf_tensor_name(tensor.name, arch, config["num_hidden_layers"], path)
         weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if spec.permutes_qk and ".attn_q." in tensor.name:
-            weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
-        elif spec.permutes_qk and ".attn_k." in tensor.name:
-            weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
+        for marker, heads in heads_of.items():
+            if marker not in tensor.name:
+                continue
+            if weight.shape[0] != heads * config["head_dim"]:
+                raise ValueError(
+                    f"GGUF file {str(path)!r}: {tensor.name} has {weight.shape[0]} rows, "
+                    f"expected {heads} heads x head_dim {config['head_dim']}"
+                )
+            if spec.permutes_qk:
+                weight = unpermute_rotary_rows(weight, heads)
         tensors[hf_name] = np.ascontiguousarray(weight)
     missing = sorted(_expected_tensors(arch, config) - tensors.keys())
     if missing:
@@ -264,7 +278,7 @@ def convert_gguf_to_hf(
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        _write_model_files(staging, config, tensors, path)
+        _write_model_files(staging, config, tensors, path, meta.get("tokenizer.ggml.pre"))
         _apply_umask_permissions(staging)
         if out.exists():
             out.rmdir()  # empty (checked above); os.replace cannot replace a directory portably
@@ -276,7 +290,9 @@ def convert_gguf_to_hf(
     return out
 
 
-def _write_model_files(directory: Path, config: dict, tensors: dict, gguf_path: Path) -> None:
+def _write_model_files(
+    directory: Path, config: dict, tensors: dict, gguf_path: Path, tokenizer_pre_type: str | None
+) -> None:
     """Write config, weights, tokenizer and generation config into `directory`."""
     from safetensors.numpy import save_file
 
@@ -284,7 +300,7 @@ def _write_model_files(directory: Path, config: dict, tensors: dict, gguf_path: 
     _write_json(directory / "config.json", config)
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     _write_json(directory / "generation_config.json", generation)
-    _write_tokenizer(gguf_path, directory, model_max_length=config["max_position_embeddings"])
+    _write_tokenizer(gguf_path, directory, config["max_position_embeddings"], tokenizer_pre_type)
 
 
 def _apply_umask_permissions(directory: Path) -> None:
@@ -314,6 +330,13 @@ class _GGUFTokenizer:
     chat_template: str | None
 
 
+# llama.cpp pre-tokenizers that isolate every digit before the GPT-2 split, as the original
+# Hugging Face tokenizers do with `Digits(individual_digits=True)`. transformers' GGUF converter
+# falls back to the plain GPT-2 split for these, which tokenizes "x  1" as x,Ġ,Ġ,1 instead of
+# SmolLM2's x,ĠĠ,1.
+_DIGIT_SPLIT_PRE_TOKENIZERS = frozenset({"smollm", "starcoder", "refact", "codeshell"})
+
+
 def _read_gguf_tokenizer(path: Path) -> _GGUFTokenizer:
     """Build the tokenizer the GGUF describes with transformers' GGUF tokenizer converter.
 
@@ -327,10 +350,9 @@ def _read_gguf_tokenizer(path: Path) -> _GGUFTokenizer:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        names = ("bos_token", "eos_token", "unk_token", "pad_token")
         return _GGUFTokenizer(
             backend=tok.backend_tokenizer,
-            special_tokens={name: getattr(tok, name) for name in names},
+            special_tokens={name: getattr(tok, name) for name in _SPECIAL_TOKEN_NAMES},
             add_bos_token=bool(getattr(tok, "add_bos_token", False)),
             add_eos_token=bool(getattr(tok, "add_eos_token", False)),
             chat_template=tok.chat_template,
@@ -339,25 +361,33 @@ def _read_gguf_tokenizer(path: Path) -> _GGUFTokenizer:
     backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
     return _GGUFTokenizer(
         backend=backend,
-        special_tokens={
-            name: tokenizer_config.get(name)
-            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
-        },
+        special_tokens={name: tokenizer_config.get(name) for name in _SPECIAL_TOKEN_NAMES},
         add_bos_token=bool(tokenizer_config.get("add_bos_token", False)),
         add_eos_token=bool(tokenizer_config.get("add_eos_token", False)),
         chat_template=tokenizer_config.get("chat_template"),
     )
 
 
-def _write_tokenizer(gguf_path: Path, directory: Path, model_max_length: int) -> None:
+def _write_tokenizer(
+    gguf_path: Path, directory: Path, model_max_length: int, pre_tokenizer_type: str | None
+) -> None:
     """Write `tokenizer.json` and `tokenizer_config.json` for the GGUF's tokenizer.
 
     The BOS/EOS that `add_bos_token`/`add_eos_token` ask for is also baked into tokenizer.json's
     post-processor, so a bare `tokenizers.Tokenizer.from_file` encodes like AutoTokenizer does.
+    For the digit-splitting pre-tokenizers (SmolLM2's "smollm") the pre-tokenizer is rebuilt as
+    the original Hugging Face tokenizer (and llama.cpp) splits text.
     """
-    from tokenizers import processors
+    from tokenizers import pre_tokenizers, processors
 
     tok = _read_gguf_tokenizer(gguf_path)
+    if pre_tokenizer_type in _DIGIT_SPLIT_PRE_TOKENIZERS:
+        tok.backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     bos, eos = tok.special_tokens["bos_token"], tok.special_tokens["eos_token"]
     prefix = [bos] if tok.add_bos_token and bos else []
     suffix = [eos] if tok.add_eos_token and eos else []

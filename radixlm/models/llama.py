@@ -18,14 +18,14 @@ from radixlm.models.layers.attention import PagedAttention
 from radixlm.models.layers.layernorm import RMSNorm
 from radixlm.models.layers.linear import StackedLinear
 from radixlm.models.layers.mlp import GatedMLP
-from radixlm.models.layers.rotary_embedding import RotaryEmbedding
+from radixlm.models.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from radixlm.models.model_config import rope_parameters
 from radixlm.models.weight_loading import load_named_weights
 
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, layer_id: int, max_position: int,
+        self, config: PretrainedConfig, layer_id: int,
         qkv_bias: bool = False, qk_norm: bool = False,
     ):
         """``qkv_bias``/``qk_norm``: Qwen2's projection bias, Qwen3's per-head norms."""
@@ -42,49 +42,50 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, max_position, rope_parameters(config),
-            trained_context=getattr(config, "max_position_embeddings", max_position),
-        )
         self.attn = PagedAttention(
             layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
+        """rope: the (cos, sin) of each token's position; x: (T, hidden) -> (T, hidden)."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj.split_output(self.qkv_proj(x))
-        q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(t, -1, self.head_dim)  # (T, H + 2 H_kv, D)
+        h, h_kv = self.num_heads, self.num_kv_heads
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k, v = qkv.split([h, h_kv, h_kv], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        else:
+            qk, v = qkv[:, : h + h_kv], qkv[:, h + h_kv :]
+        # q and k sit side by side, so one rotation covers both.
+        qk = apply_rotary(qk, *rope)  # (T, H + H_kv, D)
+        q, k = qk[:, :h], qk[:, h:]
         out = self.attn(q, k, v, forward_batch)  # (T, H, D)
         return self.o_proj(out.reshape(t, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int, max_position: int, **attn_options):
+    def __init__(self, config: PretrainedConfig, layer_id: int, **attn_options):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, max_position, **attn_options)
+        self.self_attn = LlamaAttention(config, layer_id, **attn_options)
         self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False))
+            config.hidden_size, config.intermediate_size,
+            bias=bool(getattr(config, "mlp_bias", False)),
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-        forward_batch: ForwardBatch,
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+        residual: torch.Tensor | None, forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this block's output, the residual stream before it is added)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, forward_batch)
+        h = self.self_attn(rope, h, forward_batch)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -100,12 +101,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
-                config, i, max_position, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm
-            )
+            LlamaDecoderLayer(config, i, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary_emb = RotaryEmbedding(
+            head_dim, max_position, rope_parameters(config),
+            trained_context=getattr(config, "max_position_embeddings", max_position),
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
@@ -117,9 +121,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (T,) -> hidden states (T, hidden)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.lookup(positions, x.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, forward_batch)
+            x, residual = layer(rope, x, residual, forward_batch)
         x, _ = self.norm(x, residual)
         return x
 

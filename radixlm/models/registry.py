@@ -16,7 +16,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 
 
 def model_class(architecture: str) -> type[nn.Module]:
-    """The class serving ``architecture``; an unknown one raises ``ValueError`` listing the known."""
+    """The class serving ``architecture``; an unknown one is a ``ValueError`` listing the known."""
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:

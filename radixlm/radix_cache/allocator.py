@@ -31,7 +31,9 @@ class TokenToKVPoolAllocator:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if size < page_size:
-            raise ValueError(f"the KV pool must hold at least one page ({page_size} tokens), got {size}")
+            raise ValueError(
+                f"the KV pool must hold at least one page ({page_size} tokens), got {size}"
+            )
         self.page_size = page_size
         self.num_pages = size // page_size
         self.size = self.num_pages * page_size

@@ -5,10 +5,10 @@ the slots of a prefix are the concatenation of the values along its path (RadixA
 Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs", 2024).
 
 Ownership: a slot index is held by exactly one party, a request or the tree. ``insert``
-never frees: it returns how many leading tokens were already cached and the caller frees
-its duplicate ``indices[:n]`` (and, with ``page_size > 1``, the unaligned tail). ``evict``
-is the only call that frees, through the allocator. ``reset`` drops everything without
-freeing: the caller resets the allocator with it.
+never frees: it returns how many leading tokens ``n`` were already cached, and the caller
+frees the slots it holds for them itself (see ``RadixCache.insert``) and, with
+``page_size > 1``, the unaligned tail. ``evict`` is the only call that frees, through the
+allocator. ``reset`` drops everything without freeing: the caller resets the allocator.
 
 Invariants:
 - every non-root edge is non-empty, ``len(node.key) == len(node.value)``, and with
@@ -81,8 +81,10 @@ class RadixCache:
     """A prefix cache of KV slots indexed by a radix tree over token ids.
 
     Request life cycle: ``match_prefix`` then ``inc_lock_ref(last_node)`` so the prefix
-    cannot be evicted while the request runs; when it finishes, ``insert`` its tokens, free
-    the duplicates, and ``dec_lock_ref`` the node it locked.
+    cannot be evicted while the request runs (its slot row starts with ``indices``, which
+    stay the tree's); when it finishes, ``insert`` its tokens, free its duplicates, and
+    ``dec_lock_ref`` the node it locked. A chunked prefill that caches its first chunk does
+    ``insert``, then a fresh ``match_prefix``, locks the new ``last_node`` and unlocks the old.
     """
 
     keeps_inserted = True  # insert keeps indices[returned:aligned_len]; see NoPrefixCache
@@ -142,8 +144,10 @@ class RadixCache:
         already cached.
 
         Only the page-aligned part of ``key`` is inserted. The tree keeps a copy of
-        ``indices[n:aligned_len]`` (``n`` the return value) and never frees: the caller
-        frees ``indices[:n]`` (duplicates of cached slots) and ``indices[aligned_len:]``.
+        ``indices[n:aligned_len]`` (``n`` the return value) and never frees. The caller
+        frees ``indices[aligned_len:]`` and the duplicates among ``indices[:n]``: the slots
+        it allocated itself, i.e. ``indices[m:n]`` when ``indices[:m]`` came from its own
+        (locked) ``match_prefix``, or all of ``indices[:n]`` when every slot was fresh.
         """
         key = self._key_tuple(key)
         if len(key) != len(indices):
@@ -178,7 +182,7 @@ class RadixCache:
         """Locks ``node`` and its ancestors (root excluded) against eviction."""
         if node is not self.root and node.parent is None:
             raise ValueError(f"{node} was evicted; lock the node returned by a fresh match")
-        while node is not self.root:
+        while node.parent is not None:  # stops at the root
             if node.lock_ref == 0:
                 if not node.children:
                     self._evict_queue.remove(node)
@@ -189,9 +193,9 @@ class RadixCache:
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Releases one lock taken by ``inc_lock_ref(node)``."""
-        while node is not self.root:
-            if node.lock_ref <= 0:
-                raise ValueError(f"{node} is not locked")
+        if node.parent is not None and node.lock_ref <= 0:
+            raise ValueError(f"{node} is not locked")
+        while node.parent is not None:  # ancestors hold at least node's locks
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._protected_tokens -= len(node.key)
@@ -281,7 +285,9 @@ class RadixCache:
             node.last_access_time = self._clock
             self._evict_queue.add(node)
             node = node.parent
-        pass
+        while node is not None:
+            node.last_access_time = self._clock
+            node = node.parent
 
     def _child_key(
         self, parent: TreeNode, key: Sequence[int], pos: int, extra_key: str | None

@@ -19,14 +19,17 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixlm.models.default_model import resolve_model_path
 from radixlm.models.model_config import ModelConfig
+from radixlm.radix_cache.no_cache import NoPrefixCache
+from radixlm.radix_cache.radix_tree import RadixCache
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.request import LogprobRequest, Req
 from radixlm.runtime.request_inputs import normalize_inputs
+from radixlm.runtime.request_memory import RequestMemory
 from radixlm.runtime.sampler import Sampler
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.scheduler import Scheduler, pages_for
 from radixlm.runtime.server_args import ServerArgs
 
 
@@ -55,7 +58,12 @@ class Engine:
             self.tokenizer, self.runner.compute_logits, self.model_config.eos_token_ids,
             self.context_length,
         )
-        self.scheduler = Scheduler(self.runner, processor, sampler)
+        cache_class = NoPrefixCache if self.server_args.disable_radix_cache else RadixCache
+        tree_cache = cache_class(self.runner.allocator, self.runner.allocator.page_size)
+        self.memory = RequestMemory(
+            self.runner.req_to_token_pool, self.runner.allocator, tree_cache
+        )
+        self.scheduler = Scheduler(self.runner, self.memory, processor, sampler)
         # Re-entrant: a caller may generate while holding an unfinished stream of its own.
         self._lock = threading.RLock()
         self._closed = False
@@ -73,17 +81,24 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        extra_key: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generates for one prompt (a dict back) or a list of prompts (a list back).
 
         With ``stream=True`` returns an iterator of chunks whose ``text`` is cumulative; for a
-        list of prompts each chunk carries its prompt's ``index``.
+        list of prompts each chunk carries its prompt's ``index``. ``extra_key`` is a
+        prefix-cache namespace (a tenant, a LoRA): requests under different keys never
+        share cached KV.
         """
         self._check_open()
+        if extra_key is not None and not isinstance(extra_key, str):
+            raise ValueError(f"extra_key must be a string, got {type(extra_key).__name__}")
         reqs, batched = self._make_requests(
             prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
             top_logprobs_num, return_text_in_logprobs, stream, rid,
         )
+        for req in reqs:
+            req.extra_key = extra_key
         if stream:
             return self._stream(reqs, batched)
         with self._lock:
@@ -97,6 +112,14 @@ class Engine:
             messages, tokenize=False, add_generation_prompt=True
         )
 
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache. Refused (returns False) while requests are in flight."""
+        with self._lock:
+            if not self.scheduler.is_idle():
+                return False
+            self.memory.flush()
+            return True
+
     def get_server_info(self) -> dict[str, Any]:
         runner = self.runner
         return {
@@ -106,6 +129,7 @@ class Engine:
             "kv_bytes_per_token": runner.kv_pool.bytes_per_token(),
             "available_kv_tokens": runner.allocator.available_size(),
             "page_size": runner.allocator.page_size,
+            "cache_tokens": self.memory.tree_cache.total_size(),
             "dtype": str(runner.dtype).removeprefix("torch."),
             "device": str(runner.device),
         }
@@ -169,7 +193,7 @@ class Engine:
     def _check_fits(self, input_ids: list[int], params: SamplingParams) -> None:
         """Clamps the output budget to the context; refuses what the KV pool can never hold."""
         params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(input_ids))
-        need = len(input_ids) + params.max_new_tokens
+        need = pages_for(len(input_ids) + params.max_new_tokens, self.runner.allocator.page_size)
         pool = self.runner.max_total_tokens
         if need > pool:
             raise ValueError(

@@ -23,6 +23,12 @@ class OutputProcessor:
         context_length: int,
     ):
         self.tokenizer = tokenizer
+        # Special tokens' texts, for stop strings naming them (their text is never shown).
+        self.special_tokens = {
+            tid: tokenizer.convert_ids_to_tokens(tid) for tid in tokenizer.all_special_ids
+        }
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.special_tokens.update({tid: t.content for tid, t in added.items() if t.special})
         self.compute_logits = compute_logits
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
@@ -68,11 +74,14 @@ class OutputProcessor:
     def _first_input_logprob_position(self, req: Req, prefix: int) -> int | None:
         """The first prompt position whose logits this extend must produce, if any.
 
-        The logprob of prompt token i comes from the logits at position i - 1.
+        As in SGLang, ``logprob_start_len = s`` asks for the logprobs of prompt tokens
+        s + 1 .. L - 1, computed from the logits at positions s .. L - 2 (plus a null entry
+        for token 0 when s == 0). Prefix-cache matches are capped at s, so those positions
+        are always computed here.
         """
         if req.logprobs is None or req.logprobs.start is None or req.output_ids:
             return None
-        return max(req.logprobs.start - 1, prefix, 0)
+        return max(req.logprobs.start, prefix)
 
     def _add_input_logprobs(self, req: Req, logits: torch.Tensor, position: int) -> None:
         spec = req.logprobs
@@ -98,39 +107,51 @@ class OutputProcessor:
 
     def _ends_before_sampling(self, req: Req) -> bool:
         """A request with no output budget (prefill only, or a full context) ends here."""
-        if req.sampling.max_new_tokens == 0:
-            req.finish_reason = finish_length(0)
-        elif req.seq_len >= self.context_length:
-            req.finish_reason = finish_length(len(req.output_ids))
-        else:
-            return False
-        req.final_text = req.detokenizer.text + req.detokenizer.finish()
-        return True
+        if req.sampling.max_new_tokens == 0 or req.seq_len >= self.context_length:
+            self._finish(req, finish_length(len(req.output_ids)), None)
+            return True
+        return False
 
     def _append_token(self, req: Req, token: int) -> None:
+        """Appends a sampled token and decides whether the request ends with it.
+
+        Stops, in order: a stop token (EOS unless ``ignore_eos``, or ``stop_token_ids``),
+        whose text is trimmed unless ``no_stop_trim``; a stop string or regex in the text,
+        trimmed likewise (a stop string equal to a special token's text also matches that
+        token, though such text never shows); the output budget or the context.
+        """
         params = req.sampling
         req.output_ids.append(token)
+        text_before = len(req.detokenizer.text)
         new_text = req.detokenizer.feed([token])
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         if token in stop_ids and len(req.output_ids) >= params.min_new_tokens:
-            req.finish_reason = finish_stop(token)
-        elif req.stop_matcher is not None and new_text:
-            text = req.detokenizer.text
-            found = req.stop_matcher.search(text, len(new_text))
+            self._finish(req, finish_stop(token), None if params.no_stop_trim else text_before)
+        elif req.stop_matcher is not None:
+            found = None
+            if new_text:
+                found = req.stop_matcher.search(req.detokenizer.text, len(new_text))
+            elif token in self.special_tokens:
+                special = self.special_tokens[token]
+                if special in req.stop_matcher.stop:
+                    found = (text_before, text_before, special)
             if found is not None:
                 start, end, matched = found
-                req.finish_reason = finish_stop(matched)
-                req.final_text = text[: end if params.no_stop_trim else start]
-                return
+                self._finish(req, finish_stop(matched), end if params.no_stop_trim else start)
         if req.finish_reason is None and (
             len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_length
         ):
-            req.finish_reason = finish_length(len(req.output_ids))
-        if req.finish_reason is not None:
-            req.detokenizer.finish()
-            req.final_text = req.detokenizer.text
+            self._finish(req, finish_length(len(req.output_ids)), None)
+
+    @staticmethod
+    def _finish(req: Req, reason: dict, text_end: int | None) -> None:
+        """Ends ``req``; its text is cut at ``text_end`` (None: all of it, flushed)."""
+        req.finish_reason = reason
+        req.detokenizer.finish()
+        text = req.detokenizer.text
+        req.final_text = text if text_end is None else text[:text_end]
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

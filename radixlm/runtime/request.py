@@ -41,7 +41,8 @@ class Req:
     """One generation request.
 
     States: waiting (no ``req_pool_idx``) -> running (holds a request row and the KV slots
-    of its first ``kv_len`` tokens) -> finished (``finish_reason`` set, row and slots
+    of its first ``kv_len`` tokens, the first ``len(prefix_indices)`` of them locked in the
+    prefix cache) -> finished (``finish_reason`` set; KV handed to the cache or freed, row
     returned). The tokens of the sequence are ``input_ids + output_ids``.
     """
 
@@ -56,9 +57,14 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     # The final text (stop string trimmed); None until the request finishes.
     final_text: str | None = None
+    extra_key: str | None = None
+    """Namespace of the prefix cache: requests with different keys never share KV."""
     req_pool_idx: int | None = None
     kv_len: int = 0
     last_slot: int = -1
+    # The cached prefix this request runs on (tree-owned slots) and the node locked for it.
+    prefix_indices: torch.Tensor | None = None
+    last_node: Any = None
     cached_tokens: int = 0
     input_token_logprobs: list[list[Any]] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)
@@ -79,6 +85,10 @@ class Req:
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
 
+    def max_total_len(self) -> int:
+        """The most tokens this request's sequence can reach."""
+        return len(self.input_ids) + self.sampling.max_new_tokens
+
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
 
@@ -91,7 +101,3 @@ class Req:
             held = self.stop_matcher.held_back(text)
             text = text[: len(text) - held]
         return text
-
-    def slots(self, req_to_token: torch.Tensor) -> torch.Tensor:
-        """The KV slots of the tokens this request holds."""
-        return req_to_token[self.req_pool_idx, : self.kv_len]

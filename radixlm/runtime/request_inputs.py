@@ -60,7 +60,9 @@ def normalize_inputs(
                 raise ValueError("input_ids must be a list of ints or a list of lists of ints")
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+                raise ValueError(
+                    f"input_ids {bad[:5]} are outside the vocabulary (size {vocab_size})"
+                )
         name = "input_ids"
     if batched and not id_lists:
         raise ValueError(f"{name} is an empty list")

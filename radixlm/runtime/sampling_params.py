@@ -71,20 +71,18 @@ class SamplingParams:
         _check_number("repetition_penalty", self.repetition_penalty, low=0.0)
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        if isinstance(self.stop_regex, str):
-            self.stop_regex = [self.stop_regex]
+        self.stop = _string_list("stop", self.stop)
+        self.stop_regex = _string_list("stop_regex", self.stop_regex)
         for pattern in self.stop_regex or []:
             try:
                 re.compile(pattern)
             except (re.error, TypeError) as err:
                 raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: "
                                  f"{err}") from None
-        if self.stop_token_ids is not None and not all(
-            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+        if self.stop_token_ids is not None and not (
+            isinstance(self.stop_token_ids, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    for t in self.stop_token_ids)
         ):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if self.sampling_seed is not None:
@@ -126,6 +124,17 @@ class SamplingParams:
             except (TypeError, ValueError):
                 raise ValueError(f"logit_bias key {token!r} is not a token id") from None
             _check_number(f"logit_bias[{token!r}]", bias, low=-100.0, high=100.0)
+
+
+def _string_list(name: str, value: Any) -> list[str] | None:
+    """None, or a non-empty list of non-empty strings (a lone string becomes a list)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings")
+    return value
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -1,10 +1,11 @@
 """First-come continuous batching: each step either prefills newly admitted requests or decodes
 every running one, and finished requests leave the batch at once.
 
+A request is admitted with its longest cached prefix (which it then does not compute).
 Admission reserves, for every running request, KV for all the tokens it may still produce,
-so a decode step never runs out of slots and nothing needs retracting. (The full scheduler
-with chunked prefill, cache-aware policies and retraction replaces this policy; the step
-structure stays.)
+counting what the prefix cache could evict as available, so a decode step never runs out
+of slots and nothing needs retracting. (The full scheduler with chunked prefill,
+cache-aware policies and retraction replaces this policy; the step structure stays.)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from radixlm.kernels.forward_batch import ForwardMode
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.request import Req, finish_abort
+from radixlm.runtime.request_memory import RequestMemory
 from radixlm.runtime.sampler import Sampler
 
 
@@ -27,9 +29,11 @@ class Scheduler:
     first ``kv_len`` tokens; waiting and finished requests hold neither.
     """
 
-    def __init__(self, runner: ModelRunner, output_processor: OutputProcessor, sampler: Sampler,
+    def __init__(self, runner: ModelRunner, memory: RequestMemory,
+                 output_processor: OutputProcessor, sampler: Sampler,
                  max_prefill_tokens: int = 8192):
         self.runner = runner
+        self.memory = memory
         self.output_processor = output_processor
         self.sampler = sampler
         self.max_prefill_tokens = max_prefill_tokens
@@ -59,91 +63,86 @@ class Scheduler:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-            self._release(req)
+            self.memory.release(req)
         req.finish_reason = finish_abort(message)
         req.final_text = req.detokenizer.text
 
     def _admit(self) -> list[Req]:
-        allocator = self.runner.allocator
-        rows = self.runner.req_to_token_pool.available_size()
+        memory = self.memory
+        rows = memory.req_to_token_pool.available_size()
         reserved = sum(self._tokens_still_needed(r) for r in self.running)
-        budget = allocator.available_size() - reserved
         prefill_tokens = 0
         admitted: list[Req] = []
         while self.waiting and len(admitted) < rows:
             req = self.waiting[0]
-            need = self._tokens_still_needed(req)
-            new_tokens = req.seq_len - req.kv_len
+            memory.match_and_lock(req)
+            need = self._tokens_still_needed(req, len(req.prefix_indices))
+            new_tokens = req.seq_len - len(req.prefix_indices)
             too_many = prefill_tokens + new_tokens > self.max_prefill_tokens and admitted
-            if need > budget or too_many:
+            if need > memory.available_tokens() - reserved or too_many:
+                memory.unlock(req)
                 break
-            admitted.append(self.waiting.popleft())
-            budget -= need
+            self.waiting.popleft()
+            memory.assign_row(req)
+            admitted.append(req)
+            reserved += need
             prefill_tokens += new_tokens
         return admitted
 
-    def _tokens_still_needed(self, req: Req) -> int:
-        """KV slots ``req`` may still take: the rest of its prompt and of its output budget,
-        rounded up to whole pages."""
-        remaining_output = max(req.sampling.max_new_tokens - len(req.output_ids), 0)
-        tokens = req.seq_len - req.kv_len + remaining_output
-        page = self.runner.allocator.page_size
-        return -(-tokens // page) * page + (page if page > 1 else 0)
+    def _tokens_still_needed(self, req: Req, kv_len: int | None = None) -> int:
+        """KV slots ``req`` may still take beyond its first ``kv_len`` tokens, in whole pages.
+
+        A request's own tokens fill its own pages, so over its life it holds
+        ``pages(prompt + max_new_tokens)``; of these it has ``pages(kv_len)`` already.
+        """
+        kv_len = req.kv_len if kv_len is None else kv_len
+        return pages_for(req.max_total_len(), self.memory.page_size) - pages_for(
+            kv_len, self.memory.page_size
+        )
 
     def _run_extend(self, reqs: list[Req]) -> list[Req]:
-        runner = self.runner
-        input_ids, positions, rows, prefix_lens, extend_lens, slots = [], [], [], [], [], []
-        for req in reqs:
-            req.req_pool_idx = runner.req_to_token_pool.alloc()
-            new_ids = req.all_ids()[req.kv_len:]
-            slots.append(self._alloc_slots(req, len(new_ids)))
-            input_ids += new_ids
-            positions += range(req.kv_len, req.kv_len + len(new_ids))
-            rows.append(req.req_pool_idx)
-            prefix_lens.append(req.kv_len)
-            extend_lens.append(len(new_ids))
-            req.kv_len += len(new_ids)
-        batch = runner.make_forward_batch(
-            ForwardMode.EXTEND, input_ids, positions, torch.cat(slots), rows,
-            prefix_lens, extend_lens,
-        )
-        hidden = runner.forward(batch)
         self.running.extend(reqs)
-        return self._process(reqs, hidden, prefix_lens, extend_lens)
+        return self._forward(ForwardMode.EXTEND, reqs, [r.all_ids()[r.kv_len :] for r in reqs])
 
     def _run_decode(self) -> list[Req]:
         reqs = list(self.running)
-        slots = torch.cat([self._alloc_slots(req, 1) for req in reqs])
-        prefix_lens = [req.kv_len for req in reqs]
-        batch = self.runner.make_forward_batch(
-            ForwardMode.DECODE, [req.output_ids[-1] for req in reqs], prefix_lens, slots,
-            [req.req_pool_idx for req in reqs], prefix_lens, [1] * len(reqs),
-        )
-        for req in reqs:
-            req.kv_len += 1
-        hidden = self.runner.forward(batch)
-        return self._process(reqs, hidden, prefix_lens, [1] * len(reqs))
+        return self._forward(ForwardMode.DECODE, reqs, [[r.output_ids[-1]] for r in reqs])
 
-    def _alloc_slots(self, req: Req, num_tokens: int) -> torch.Tensor:
-        slots = self.runner.allocator.alloc_extend(req.last_slot, num_tokens)
-        row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx]
-        row[req.kv_len : req.kv_len + num_tokens] = slots
-        if num_tokens:
-            req.last_slot = int(slots[-1])
-        return slots
+    def _forward(self, mode: ForwardMode, reqs: list[Req], new_ids: list[list[int]]) -> list[Req]:
+        """Allocates KV for each request's new tokens, runs the model, processes the output.
+
+        A request's ``kv_len`` advances as soon as its slots are allocated, so that if a
+        later allocation or the forward pass fails, aborting the requests frees everything.
+        """
+        input_ids, positions, slots, prefix_lens, extend_lens = [], [], [], [], []
+        for req, ids in zip(reqs, new_ids):
+            slots.append(self.memory.alloc(req, len(ids)))
+            input_ids += ids
+            positions += range(req.kv_len, req.kv_len + len(ids))
+            prefix_lens.append(req.kv_len)
+            extend_lens.append(len(ids))
+            req.kv_len += len(ids)
+        batch = self.runner.make_forward_batch(
+            mode, input_ids, positions, torch.cat(slots), [r.req_pool_idx for r in reqs],
+            prefix_lens, extend_lens,
+        )
+        hidden = self.runner.forward(batch)
+        return self._process(reqs, hidden, prefix_lens, extend_lens)
 
     def _process(
         self, reqs: list[Req], hidden: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]
     ) -> list[Req]:
         self.output_processor.process(reqs, hidden, prefix_lens, extend_lens, self.sampler)
-        for req in reqs:
+        for req, extend in zip(reqs, extend_lens):
             if req.finished:
                 self.running.remove(req)
-                self._release(req)
+                self.memory.release(req)
+            elif extend > 1:
+                # A new prompt becomes shareable at once, not only when its request ends.
+                self.memory.cache_unfinished(req)
         return reqs
 
-    def _release(self, req: Req) -> None:
-        pool = self.runner.req_to_token_pool
-        self.runner.allocator.free(req.slots(pool.req_to_token))
-        pool.free(req.req_pool_idx)
-        req.req_pool_idx, req.kv_len, req.last_slot = None, 0, -1
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Slots of the whole pages that ``num_tokens`` tokens occupy."""
+    return -(-num_tokens // page_size) * page_size

@@ -31,6 +31,8 @@ class ServerArgs:
     kv_cache_memory_fraction: float = 0.2
     """Share of the available memory given to the KV pool when ``max_total_tokens`` is None."""
     page_size: int = 1
+    disable_radix_cache: bool = False
+    """Compute every prompt in full (the baseline the prefix cache is measured against)."""
     max_running_requests: int = 64
     context_length: int | None = None
     """Longest sequence (prompt + output); None: the model's ``max_position_embeddings``."""

@@ -21,7 +21,7 @@ from radixlm.models.gguf_conversion import convert_gguf_to_hf, unpermute_rotary_
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 96, 2
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"]
+MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d", "Ġ Ġ"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -105,12 +105,18 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[rest]}"
 
 
+def q8_0_round_trip(weight: np.ndarray) -> np.ndarray:
+    return gguf.quants.dequantize(gguf.quants.quantize(weight, QType.Q8_0), QType.Q8_0)
+
+
 def write_tiny_gguf(
     path: Path,
     arch: str = "llama",
     with_output: bool = False,
     add_bos: bool = False,
     skip_tensor: str | None = None,
+    pre: str = "default",
+    extra: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a tiny GGUF; return the float32 weights the conversion must reproduce (HF layout).
 
@@ -133,7 +139,7 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(len(tiny_vocab()))
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tiny_vocab())
     writer.add_token_types([3] * len(SPECIALS) + [1] * (len(tiny_vocab()) - len(SPECIALS)))
     writer.add_token_merges(MERGES)
@@ -153,14 +159,15 @@ def write_tiny_gguf(
             stored = llama_cpp_permute(weight, KV_HEADS)
         if weight.ndim == 2 and not name.startswith("blk.0.attn_"):
             quantized = gguf.quants.quantize(stored, QType.Q8_0)
-            expected[hf_name] = gguf.quants.dequantize(gguf.quants.quantize(weight, QType.Q8_0),
-                                                       QType.Q8_0)  # fmt: skip
+            expected[hf_name] = q8_0_round_trip(weight)
             if name != skip_tensor:
                 writer.add_tensor(name, quantized, raw_dtype=QType.Q8_0)
         else:
             expected[hf_name] = weight
             if name != skip_tensor:
                 writer.add_tensor(name, stored)
+    for name, weight in (extra or {}).items():
+        writer.add_tensor(name, weight)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -218,6 +225,19 @@ def test_tokenizer_round_trips_and_renders_chat_template(tmp_path):
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    "pre,pieces",
+    [("default", ["x", "Ġ", "Ġ", "1", "2"]), ("smollm", ["x", "ĠĠ", "1", "2"])],
+)
+def test_smollm_pre_tokenizer_isolates_digits_before_the_gpt2_split(tmp_path, pre, pieces):
+    """llama.cpp's "smollm" splits on each digit first, so a space run before one stays whole."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", pre=pre)
+    out = convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "hf", progress=False)
+
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.convert_ids_to_tokens(tok("x  12").input_ids) == pieces
 
 
 def test_add_bos_token_flag_prepends_exactly_one_bos(tmp_path):
@@ -291,6 +311,20 @@ def test_missing_tensor_raises_and_leaves_no_directory(tmp_path):
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
         convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "hf", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"rope_freqs.weight": np.ones(HEAD_DIM // 2, np.float32)}, "RoPE scaling"),
+        ({"blk.0.attn_q_norm.weight": np.ones(HEAD_DIM, np.float32)}, "attn_q_norm"),
+        ({"blk.7.attn_norm.weight": np.ones(HIDDEN, np.float32)}, "blk.7.attn_norm"),
+    ],
+)
+def test_tensor_the_converter_cannot_map_raises(tmp_path, extra, message):
+    write_tiny_gguf(tmp_path / "tiny.gguf", extra=extra)
+    with pytest.raises(ValueError, match=message):
+        convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "hf", progress=False)
 
 
 def test_failure_while_writing_leaves_no_partial_directory(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ def make_cache(page_size: int = 1, size: int = 1024) -> tuple[TokenToKVPoolAlloc
 def put(
     allocator: TokenToKVPoolAllocator, cache: RadixCache, key: list[int], ns: str | None = None
 ) -> tuple[torch.Tensor, int]:
-    """Inserts ``key`` with fresh slots the way the engine must: frees what the tree did not keep."""
+    """Inserts ``key`` with fresh slots as the engine must: frees what the tree did not keep."""
     indices = allocator.alloc(len(key))
     cached = cache.insert(key, indices, ns)
     aligned = len(key) - len(key) % cache.page_size
@@ -109,6 +109,21 @@ def test_insert_returns_already_cached_count(inserted, key, expected):
     assert cache.total_size() == before + len(key) - expected
 
 
+def test_request_life_cycle_frees_only_slots_the_request_allocated():
+    allocator, cache = make_cache(size=64)
+    put(allocator, cache, [1, 2])
+    match = cache.match_prefix([1, 2, 3, 4])  # request A reuses [1, 2], computes [3, 4]
+    cache.inc_lock_ref(match.last_node)
+    row = torch.cat([match.indices, allocator.alloc(2)])
+    put(allocator, cache, [1, 2, 3])  # meanwhile request B caches [1, 2, 3]
+    cached = cache.insert([1, 2, 3, 4], row)
+    assert cached == 3
+    allocator.free(row[len(match.indices) : cached])  # A's own duplicate of token 3 only
+    cache.dec_lock_ref(match.last_node)
+    assert allocator.available_size() + cache.total_size() == allocator.size
+    assert cache.match_prefix([1, 2, 3, 4]).indices[:2].tolist() == match.indices.tolist()
+
+
 def test_insert_copies_the_callers_indices():
     allocator, cache = make_cache()
     indices = allocator.alloc(3)
@@ -135,6 +150,28 @@ def test_page_size_4_aligns_match_and_insert_to_pages():
     assert len(cache.match_prefix([0, 1, 2, 3, 4, 5, 6, 99]).indices) == 4  # mismatch in page 2
     assert len(cache.match_prefix([0, 1, 2]).indices) == 0
     assert cache.insert(key[:8], allocator.alloc(8)) == 8
+
+
+@pytest.mark.parametrize("query", [[0, 1, 2, 3, 4, 5, 6, 99], [0, 1, 2, 3, 4, 5, 6, 99, 8]])
+def test_page_size_4_mismatch_inside_a_page_matches_only_whole_pages(query):
+    allocator, cache = make_cache(page_size=4)
+    put(allocator, cache, list(range(8)))
+    result = cache.match_prefix(query)
+    assert len(result.indices) == 4 and result.last_node.key == (0, 1, 2, 3)
+    _, cached = put(allocator, cache, query)
+    assert cached == 4
+
+
+def test_splitting_a_locked_edge_keeps_both_halves_locked():
+    allocator, cache = make_cache()
+    put(allocator, cache, [1, 2, 3, 4, 5, 6])
+    node = cache.match_prefix([1, 2, 3, 4, 5, 6]).last_node
+    cache.inc_lock_ref(node)
+    upper = cache.match_prefix([1, 2, 3]).last_node
+    assert upper.lock_ref == 1 and node.parent is upper
+    assert cache.evict(100) == 0 and cache.protected_size() == 6
+    cache.dec_lock_ref(node)
+    assert cache.evictable_size() == 6 and cache.evict(100) == 6
 
 
 def test_extra_key_namespaces_share_nothing():
@@ -209,6 +246,18 @@ def test_eviction_takes_the_least_recently_used_leaf_first():
     assert len(cache.match_prefix([2, 2, 2]).indices) == 0
 
 
+def test_match_refreshes_access_time_along_the_whole_path():
+    allocator, cache = make_cache()
+    put(allocator, cache, [1, 2, 3])
+    put(allocator, cache, [1, 2, 4])
+    put(allocator, cache, [9, 9])
+    other = cache.match_prefix([9, 9]).last_node
+    node = cache.match_prefix([1, 2, 3]).last_node
+    assert node.parent.last_access_time == node.last_access_time > other.last_access_time
+    assert cache.evict(3) == 3  # [4] then [9, 9]; [1, 2, 3] was used last
+    assert len(cache.match_prefix([1, 2, 3]).indices) == 3
+
+
 def test_evicted_node_cannot_be_locked():
     allocator, cache = make_cache()
     put(allocator, cache, [1, 2])
@@ -267,6 +316,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     page_size = 1
     num_pages = 40
     max_len = 12
+    alphabet = 4
 
     def __init__(self):
         super().__init__()
@@ -277,21 +327,21 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.touched: dict[tuple, int] = {}  # model tick of the prefix's last use
         self.locks: dict[tuple, int] = {}  # locks held on the prefix or an extension of it
         self.held: list[tuple[TreeNode, str | None, tuple[int, ...]]] = []
-        self.seen: list[tuple[int, ...]] = []
+        self.inserted: list[tuple[int, ...]] = []
         self.tick = 0
 
     # -- model helpers --
 
     def draw_key(self, data) -> tuple[int, ...]:
-        """A fresh key, or a cut of an earlier key with a new tail, so prefixes collide."""
+        """Mostly a cut of an inserted key plus a new tail (so prefixes collide, inside pages
+        too), sometimes a fresh key."""
         base: tuple[int, ...] = ()
-        if self.seen and data.draw(st.booleans()):
-            earlier = data.draw(st.sampled_from(self.seen))
+        if self.inserted and data.draw(st.integers(0, 3)) > 0:
+            earlier = data.draw(st.sampled_from(self.inserted))
             base = earlier[: data.draw(st.integers(0, len(earlier)))]
-        tail = data.draw(st.lists(st.integers(0, 3), max_size=self.max_len - len(base)))
-        key = base + tuple(tail)
-        self.seen.append(key)
-        return key
+        token = st.integers(0, self.alphabet - 1)
+        tail = data.draw(st.lists(token, max_size=self.max_len - len(base)))
+        return base + tuple(tail)
 
     def model_match_len(self, ns, key) -> int:
         n, p = 0, self.page_size
@@ -334,14 +384,15 @@ class RadixCacheMachine(RuleBasedStateMachine):
         expected = self.model_match_len(ns, key)
         cached = self.cache.insert(key, indices, ns)
         assert cached == expected
+        if aligned:
+            self.inserted.append(key)
         self.allocator.free(indices[:cached])
         self.allocator.free(indices[aligned:])
         for e in self.page_ends(cached, aligned):
             self.slots[(ns, key[:e])] = indices[e - self.page_size : e].tolist()
         self.model_touch(ns, key, aligned)
 
-    def match_and_check(self, data, ns):
-        key = self.draw_key(data)
+    def match_and_check(self, key, ns):
         n = self.model_match_len(ns, key)
         result = self.cache.match_prefix(key, ns)
         assert result.indices.tolist() == self.model_slots(ns, key, n)
@@ -352,11 +403,14 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), ns=NAMESPACES)
     def match(self, data, ns):
-        self.match_and_check(data, ns)
+        self.match_and_check(self.draw_key(data), ns)
 
+    @precondition(lambda self: self.inserted)
     @rule(data=st.data(), ns=NAMESPACES)
     def lock(self, data, ns):
-        node, prefix = self.match_and_check(data, ns)
+        earlier = data.draw(st.sampled_from(self.inserted))
+        key = earlier[: data.draw(st.integers(self.page_size, len(earlier)))]
+        node, prefix = self.match_and_check(key, ns)
         self.cache.inc_lock_ref(node)
         self.held.append((node, ns, prefix))
         for e in self.page_ends(0, len(prefix)):
@@ -370,7 +424,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
         for e in self.page_ends(0, len(prefix)):
             self.locks[(ns, prefix[:e])] -= 1
 
-    @rule(num_tokens=st.integers(0, 16))
+    @precondition(lambda self: self.cache.total_size() > 0)
+    @rule(num_tokens=st.integers(1, 16))
     def evict(self, num_tokens):
         self.evict_and_check(num_tokens)
 
@@ -399,7 +454,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert self.allocator.available_size() == free_before + freed
         remaining = {id(n) for n, *_ in self.tree_nodes()}
         assert remaining == set(nodes)
-        for node, ns, tokens, start in victims:
+        for _, ns, tokens, start in victims:
             for e in self.page_ends(start, len(tokens)):
                 del self.slots[(ns, tokens[:e])]
 
@@ -430,8 +485,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
             for e in self.page_ends(start, len(tokens)):
                 in_tree[(ns, tokens[:e])] = value[e - start - self.page_size : e - start]
         assert in_tree == self.slots
-        for node, ns, prefix in self.held:
-            assert node is self.cache.root or path_tokens(node) == prefix
+        for node, ns, prefix in self.held:  # held nodes are still attached, at the same prefix
+            assert node is self.cache.root or (path_tokens(node), node.extra_key) == (prefix, ns)
 
     @invariant()
     def every_slot_is_owned_once(self):
@@ -454,6 +509,7 @@ class PagedRadixCacheMachine(RadixCacheMachine):
     page_size = 4
     num_pages = 16
     max_len = 18
+    alphabet = 2  # so whole pages collide often
 
 
 STATEFUL_SETTINGS = settings(

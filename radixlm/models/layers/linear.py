@@ -37,6 +37,3 @@ class StackedLinear(nn.Linear):
             )
         with torch.no_grad():
             target[offset : offset + size].copy_(tensor)
-
-    def split_output(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return y.split([size for _, size in self.shard_offsets.values()], dim=-1)

@@ -82,16 +82,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: (T, H, D), k: (T, H_kv, D), positions: (T,) -> rotated q, k of the same shapes."""
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D/2)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """The rotation for ``positions`` (T,), computed once per batch and shared by all layers:
+        (cos, signed sin), each (T, 1, D) in ``dtype``, for ``apply_rotary``."""
+        cos = self.cos[positions]  # (T, D/2)
+        sin = self.sin[positions]
+        cos_full = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(dtype)
+        signed_sin = torch.cat([-sin, sin], dim=-1).unsqueeze(1).to(dtype)
+        return cos_full, signed_sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return rotated.to(x.dtype)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotates each (first-half, second-half) pair of x (T, H, D) by its position's angle:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as three fused elementwise ops."""
+    swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (x2, x1)
+    return torch.addcmul(x * cos, swapped, signed_sin)

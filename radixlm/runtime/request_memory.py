@@ -1,0 +1,132 @@
+"""The KV memory a request holds, and how it passes to and from the prefix cache.
+
+A request's KV slots live in its row of ``req_to_token``. The first ``len(req.prefix_indices)``
+of them belong to the tree (matched at admission, locked while the request runs); the rest
+were allocated for the request and are its own until it hands them to the tree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.radix_cache.allocator import OutOfKVSlots, TokenToKVPoolAllocator
+from radixlm.radix_cache.memory_pool import ReqToTokenPool
+from radixlm.radix_cache.no_cache import NoPrefixCache
+from radixlm.radix_cache.radix_tree import RadixCache
+from radixlm.runtime.request import Req
+
+
+class RequestMemory:
+    """Request rows, KV slots and the prefix cache, operated on per request.
+
+    Invariant (checked by tests after every run):
+    ``allocator.available_size() + tree.total_size() + slots held by running requests
+    (beyond their tree prefix) == allocator.size``.
+    """
+
+    def __init__(
+        self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
+        tree_cache: RadixCache | NoPrefixCache,
+    ):
+        self.req_to_token_pool = req_to_token_pool
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.page_size = allocator.page_size
+
+    def available_tokens(self) -> int:
+        """KV slots that can be had now: free ones plus what the cache could evict."""
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def match_and_lock(self, req: Req) -> None:
+        """Finds the request's cached prefix and locks it against eviction.
+
+        The match is capped at prompt length - 1 (the last prompt token must be computed to
+        sample from it) and at the first position whose prompt logprob was asked for.
+        """
+        limit = len(req.input_ids) - 1
+        if req.logprobs is not None and req.logprobs.start is not None:
+            limit = min(limit, req.logprobs.start)
+        match = self.tree_cache.match_prefix(req.input_ids[:limit], req.extra_key)
+        req.prefix_indices = match.indices
+        req.last_node = match.last_node
+        self.tree_cache.inc_lock_ref(match.last_node)
+
+    def unlock(self, req: Req) -> None:
+        """Undoes ``match_and_lock`` for a request that was not admitted after all."""
+        self.tree_cache.dec_lock_ref(req.last_node)
+        req.prefix_indices, req.last_node = None, None
+
+    def assign_row(self, req: Req) -> None:
+        """Gives the request a row holding its cached prefix."""
+        row = self.req_to_token_pool.alloc()
+        assert row is not None, "admission checks for a free row first"
+        prefix = req.prefix_indices
+        self.req_to_token[row, : len(prefix)] = prefix
+        req.req_pool_idx, req.kv_len = row, len(prefix)
+        req.cached_tokens = len(prefix)
+        req.last_slot = int(prefix[-1]) if len(prefix) else -1
+
+    def alloc(self, req: Req, num_tokens: int) -> torch.Tensor:
+        """Slots for the request's next ``num_tokens`` tokens, evicting from the cache if needed."""
+        page = self.page_size
+        shortfall = -(-num_tokens // page) * page - self.allocator.available_size()
+        if shortfall > 0:
+            self.tree_cache.evict(shortfall)
+        try:
+            slots = self.allocator.alloc_extend(req.last_slot, num_tokens)
+        except OutOfKVSlots as err:
+            raise OutOfKVSlots(f"{err}; the scheduler's reservation was wrong") from err
+        self.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + num_tokens] = slots
+        if num_tokens:  # the caller advances req.kv_len
+            req.last_slot = int(slots[-1])
+        return slots
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Shares what the running request has computed so far, and keeps running on it.
+
+        Its KV enters the tree; slots that duplicate ones cached meanwhile are freed and
+        replaced in its row by the cached ones; the lock moves to the new deepest node.
+        """
+        if not self.tree_cache.keeps_inserted:
+            return
+        kv_len = req.kv_len
+        aligned = kv_len - kv_len % self.page_size
+        if aligned <= len(req.prefix_indices):
+            return
+        tokens = req.all_ids()[:aligned]
+        slots = self.req_to_token[req.req_pool_idx, :aligned]
+        already = self.tree_cache.insert(tokens, slots, req.extra_key)
+        self._free_duplicates(req, slots, already)
+        match = self.tree_cache.match_prefix(tokens, req.extra_key)
+        self.req_to_token[req.req_pool_idx, : len(match.indices)] = match.indices
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.tree_cache.inc_lock_ref(match.last_node)
+        req.prefix_indices, req.last_node = match.indices, match.last_node
+
+    def release(self, req: Req) -> None:
+        """Hands a finished (or aborted) request's KV to the cache and frees the rest."""
+        slots = self.req_to_token[req.req_pool_idx, : req.kv_len].clone()
+        own_start = len(req.prefix_indices)
+        if self.tree_cache.keeps_inserted:
+            aligned = req.kv_len - req.kv_len % self.page_size
+            tokens = req.all_ids()[:aligned]
+            already = self.tree_cache.insert(tokens, slots[:aligned], req.extra_key)
+            self._free_duplicates(req, slots, already)
+            own_start = max(aligned, own_start)
+        self.allocator.free(slots[own_start:])
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.kv_len, req.last_slot = None, 0, -1
+        req.prefix_indices, req.last_node = None, None
+
+    def _free_duplicates(self, req: Req, slots: torch.Tensor, already_cached: int) -> None:
+        """Frees the request's own slots for tokens another request cached first."""
+        start = len(req.prefix_indices)
+        if already_cached > start:
+            self.allocator.free(slots[start:already_cached])
+
+    def flush(self) -> None:
+        """Empties the cache; only valid while no request holds KV."""
+        self.tree_cache.reset()
+        self.allocator.reset()

@@ -1,0 +1,173 @@
+"""RotaryEmbedding against transformers' RoPE initialisation, and scaled tiny Llamas end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import assert_engine_idle
+from tiny_models import reference_greedy, reference_prompt_logprobs, write_tiny_model
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+import radixlm
+from radixlm.models.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from radixlm.models.model_config import rope_parameters
+
+HEAD_DIM = 16
+TRAINED_CONTEXT = 512
+POSITIONS = torch.tensor([0, 1, 2, 7, 31, 64, 100, 255, 300, 511])
+
+# rope_parameters of the config, as transformers 5 spells them.
+ROPE_SETTINGS = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "default_theta_500k": {"rope_type": "default", "rope_theta": 500000.0},
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "llama3": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64, "rope_theta": 10000.0,
+    },
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+}
+
+
+def llama_config(rope: dict) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        hidden_size=HEAD_DIM * 4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=TRAINED_CONTEXT, rope_parameters=dict(rope),
+    )
+
+
+def transformers_angles(config: transformers.LlamaConfig, positions: torch.Tensor,
+                        seq_len: int | None = None) -> torch.Tensor:
+    """position * inv_freq from transformers' own initialisation: (P, HEAD_DIM / 2)."""
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":
+        init = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding
+        inv_freq, scaling = init.compute_default_rope_parameters(config)
+    elif seq_len is None:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len)
+    assert scaling == 1.0  # none of these types rescales cos/sin
+    return torch.outer(positions.float(), inv_freq.float())
+
+
+def ours(config: transformers.LlamaConfig, max_position: int = TRAINED_CONTEXT) -> RotaryEmbedding:
+    return RotaryEmbedding(HEAD_DIM, max_position, rope_parameters(config), TRAINED_CONTEXT)
+
+
+@pytest.mark.parametrize("setting", list(ROPE_SETTINGS))
+def test_cos_sin_match_transformers_rope_init(setting):
+    config = llama_config(ROPE_SETTINGS[setting])
+    rope = ours(config)
+    angles = transformers_angles(config, POSITIONS)
+    torch.testing.assert_close(rope.cos[POSITIONS], angles.cos(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(rope.sin[POSITIONS], angles.sin(), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("setting", ["linear", "llama3"])
+def test_scaled_rope_really_differs_from_default(setting):
+    """Guards the comparison above against a scaling that is silently ignored."""
+    scaled = ours(llama_config(ROPE_SETTINGS[setting]))
+    default = ours(llama_config(ROPE_SETTINGS["default"]))
+    assert (scaled.cos[POSITIONS[1:]] - default.cos[POSITIONS[1:]]).abs().max() > 0.1
+
+
+def test_dynamic_below_trained_context_equals_default():
+    dynamic = ours(llama_config(ROPE_SETTINGS["dynamic"]), max_position=2 * TRAINED_CONTEXT)
+    default = ours(llama_config(ROPE_SETTINGS["default"]), max_position=2 * TRAINED_CONTEXT)
+    torch.testing.assert_close(dynamic.cos[:TRAINED_CONTEXT], default.cos[:TRAINED_CONTEXT])
+    torch.testing.assert_close(dynamic.sin[:TRAINED_CONTEXT], default.sin[:TRAINED_CONTEXT])
+
+
+def test_dynamic_beyond_trained_context_uses_ntk_base_for_the_serving_context():
+    config = llama_config(ROPE_SETTINGS["dynamic"])
+    serving = 2 * TRAINED_CONTEXT
+    rope = ours(config, max_position=serving)
+    positions = torch.tensor([TRAINED_CONTEXT, TRAINED_CONTEXT + 100, serving - 1])
+    angles = transformers_angles(config, positions, seq_len=serving)
+    torch.testing.assert_close(rope.cos[positions], angles.cos(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(rope.sin[positions], angles.sin(), atol=2e-5, rtol=0)
+
+
+def test_rotation_uses_the_rotate_half_layout_of_transformers():
+    config = llama_config(ROPE_SETTINGS["llama3"])
+    rope = ours(config)
+    torch.manual_seed(0)
+    q, k = torch.randn(len(POSITIONS), 4, HEAD_DIM), torch.randn(len(POSITIONS), 2, HEAD_DIM)
+    cos, sin = rope.lookup(POSITIONS, torch.float32)
+    got_q, got_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    angles = transformers_angles(config, POSITIONS)
+    # transformers' layout: q (1, H, P, D), cos/sin (1, P, D) duplicated over both halves.
+    cos_hf = torch.cat([angles.cos()] * 2, dim=-1)[None]
+    sin_hf = torch.cat([angles.sin()] * 2, dim=-1)[None]
+    expected_q, expected_k = transformers.models.llama.modeling_llama.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos_hf, sin_hf
+    )
+    torch.testing.assert_close(got_q, expected_q[0].transpose(0, 1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_k, expected_k[0].transpose(0, 1), atol=1e-5, rtol=0)
+
+
+def test_unknown_rope_type_is_refused_by_name():
+    with pytest.raises(ValueError, match="yarn"):
+        RotaryEmbedding(HEAD_DIM, 64, {"rope_type": "yarn", "factor": 2.0}, 64)
+
+
+@pytest.mark.parametrize(
+    ("legacy", "expected"),
+    [
+        ({"type": "linear", "factor": 2.0}, "linear"),
+        ({k: v for k, v in ROPE_SETTINGS["llama3"].items() if k != "rope_theta"}, "llama3"),
+        (None, "default"),
+    ],
+)
+def test_rope_parameters_reads_legacy_and_current_config_fields(legacy, expected):
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, rope_scaling=legacy)
+    params = rope_parameters(config)
+    assert params["rope_type"] == expected
+    assert params["rope_theta"] == 10000.0
+
+
+END_TO_END_ROPE = {
+    "linear_factor_2": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    "llama3_factor_8": ROPE_SETTINGS["llama3"],
+}
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France; Berlin is",
+    "def add(a, b):\n    return a + b\n",
+    "Héllo",
+]
+GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def scaled_model_dirs(tmp_path_factory):
+    """Tiny Llamas with RoPE scaling (tiny_model_dir cannot take dict-valued overrides)."""
+    return {
+        name: write_tiny_model(
+            tmp_path_factory.mktemp(f"llama-rope-{name}"), "LlamaForCausalLM", "gqa",
+            rope_parameters=dict(rope),
+        )
+        for name, rope in END_TO_END_ROPE.items()
+    }
+
+
+@pytest.mark.parametrize("name", list(END_TO_END_ROPE))
+def test_scaled_rope_llama_matches_transformers_tokens_and_prompt_logprobs(
+    scaled_model_dirs, name
+):
+    path = scaled_model_dirs[name]
+    assert transformers.AutoConfig.from_pretrained(path).rope_parameters["rope_type"] == (
+        END_TO_END_ROPE[name]["rope_type"]
+    )
+    engine = radixlm.Engine(str(path), dtype="float32", max_total_tokens=2048)
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    outs = engine.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True,
+                           logprob_start_len=0)
+    for prompt_ids, out in zip(ids, outs, strict=True):
+        assert out["output_ids"] == reference_greedy(path, prompt_ids, 24)
+        got = torch.tensor([entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]])
+        torch.testing.assert_close(
+            got, reference_prompt_logprobs(path, prompt_ids), atol=1e-4, rtol=0
+        )
+    assert_engine_idle(engine)
