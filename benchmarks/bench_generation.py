@@ -3,6 +3,10 @@
 Both run in this process on the same converted weights, alternating run by run, so the
 ratios hold even on a shared, noisy machine. Absolute figures are printed for context only.
 
+radixlm picks its CPU threads per forward pass (one for small batches); transformers runs
+twice, with all of torch's threads (its default, the reference configuration) and with one
+thread (its best on a small, shared CPU), so both ratios are shown.
+
     python benchmarks/bench_generation.py [--dtypes bfloat16 float32] [--repeats 3]
 """
 
@@ -35,7 +39,10 @@ def radixlm_run(engine: radixlm.Engine, prompts: list[str], new_tokens: int) -> 
     return elapsed
 
 
-def transformers_run(model, tokenizer, prompts: list[str], new_tokens: int) -> float:
+def transformers_run(
+    model, tokenizer, prompts: list[str], new_tokens: int, threads: int
+) -> float:
+    torch.set_num_threads(threads)
     inputs = tokenizer(prompts, return_tensors="pt", padding=True)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -48,16 +55,21 @@ def transformers_run(model, tokenizer, prompts: list[str], new_tokens: int) -> f
     return elapsed
 
 
-def compare(engine, model, tokenizer, prompts, new_tokens, repeats) -> tuple[float, float]:
-    """Median output tokens/s of (radixlm, transformers), runs interleaved."""
-    ours, theirs = [], []
+def compare(engine, model, tokenizer, prompts, new_tokens, repeats, thread_counts):
+    """Median output tokens/s of radixlm and of transformers at each thread count,
+    runs interleaved."""
     total = len(prompts) * new_tokens
+    ours: list[float] = []
+    theirs: dict[int, list[float]] = {t: [] for t in thread_counts}
     radixlm_run(engine, prompts, 4)  # warm-up
-    transformers_run(model, tokenizer, prompts, 4)
+    for threads in thread_counts:
+        transformers_run(model, tokenizer, prompts, 4, threads)
     for _ in range(repeats):
         ours.append(total / radixlm_run(engine, prompts, new_tokens))
-        theirs.append(total / transformers_run(model, tokenizer, prompts, new_tokens))
-    return statistics.median(ours), statistics.median(theirs)
+        for threads in thread_counts:
+            elapsed = transformers_run(model, tokenizer, prompts, new_tokens, threads)
+            theirs[threads].append(total / elapsed)
+    return statistics.median(ours), {t: statistics.median(v) for t, v in theirs.items()}
 
 
 def main() -> None:
@@ -70,8 +82,13 @@ def main() -> None:
     path = default_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    print(f"model {path}, torch threads {torch.get_num_threads()}")
-    print(f"{'dtype':<9} {'workload':<22} {'radixlm tok/s':>14} {'transformers':>13} {'ratio':>7}")
+    all_threads = torch.get_num_threads()
+    thread_counts = sorted({all_threads, 1}, reverse=True)
+    print(f"model {path}; transformers at {thread_counts} threads")
+    header = f"{'dtype':<9} {'workload':<20} {'radixlm':>8}"
+    for t in thread_counts:
+        header += f" {f'hf@{t}thr':>9} {'ratio':>6}"
+    print(header + "   (output tokens/s)")
     for dtype in args.dtypes:
         engine = radixlm.Engine(str(path), dtype=dtype, max_total_tokens=16 * 512)
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -82,11 +99,15 @@ def main() -> None:
             ("batch 16 throughput", BATCH_PROMPTS, args.batch_tokens),
         ]
         for name, prompts, new_tokens in workloads:
-            ours, theirs = compare(engine, model, tokenizer, prompts, new_tokens, args.repeats)
-            print(f"{dtype:<9} {name:<22} {ours:>14.1f} {theirs:>13.1f} {ours / theirs:>6.2f}x")
+            ours, theirs = compare(
+                engine, model, tokenizer, prompts, new_tokens, args.repeats, thread_counts
+            )
+            line = f"{dtype:<9} {name:<20} {ours:>8.1f}"
+            for t in thread_counts:
+                line += f" {theirs[t]:>9.1f} {ours / theirs[t]:>5.2f}x"
+            print(line, flush=True)
         engine.shutdown()
         del model
-
 
 if __name__ == "__main__":
     main()

@@ -30,6 +30,7 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: set[int] = field(default_factory=set)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    """Sampling defaults from generation_config.json (temperature, top_p, top_k)."""
 
     @classmethod
     def from_path(cls, path: str | Path, trust_remote_code: bool = False) -> ModelConfig:
@@ -63,9 +64,7 @@ class ModelConfig:
             vocab_size=hf.vocab_size,
             max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
             eos_token_ids=eos,
-            generation_defaults={
-                k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation
-            },
+            generation_defaults=_sampling_defaults(generation),
         )
 
     def kv_bytes_per_token(self, dtype_size: int) -> int:
@@ -96,6 +95,14 @@ def _read_generation_config(path: Path) -> dict[str, Any]:
         return json.loads(file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{file} is not valid JSON: {err}") from err
+
+
+def _sampling_defaults(generation: dict[str, Any]) -> dict[str, Any]:
+    """The sampling settings of a generation config, in radixlm's terms (top_k 0 is "off")."""
+    defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation}
+    if defaults.get("top_k") in (0, None):
+        defaults.pop("top_k", None)
+    return defaults
 
 
 def _as_id_set(value: Any) -> set[int]:

@@ -56,8 +56,8 @@ class MHATokenToKVPool:
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores k, v (T, H_kv, D) of the new tokens at ``slots`` (T,)."""
-        self.k_buffers[layer_id][slots] = k
-        self.v_buffers[layer_id][slots] = v
+        self.k_buffers[layer_id].index_copy_(0, slots, k)
+        self.v_buffers[layer_id].index_copy_(0, slots, v)
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]

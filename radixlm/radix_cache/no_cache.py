@@ -15,10 +15,11 @@ from collections.abc import Sequence
 import torch
 
 from radixlm.radix_cache.allocator import TokenToKVPoolAllocator
+from radixlm.radix_cache.base import PrefixCache
 from radixlm.radix_cache.radix_tree import MatchResult, TreeNode
 
 
-class NoPrefixCache:
+class NoPrefixCache(PrefixCache):
     """Matches nothing, stores nothing, evicts nothing; every size is 0."""
 
     keeps_inserted = False
@@ -55,9 +56,6 @@ class NoPrefixCache:
         return 0
 
     def protected_size(self) -> int:
-        return 0
-
-    def total_size(self) -> int:
         return 0
 
     def reset(self) -> None:

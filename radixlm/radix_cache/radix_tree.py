@@ -31,6 +31,7 @@ import torch
 from sortedcontainers import SortedKeyList
 
 from radixlm.radix_cache.allocator import TokenToKVPoolAllocator
+from radixlm.radix_cache.base import PrefixCache
 
 
 class TreeNode:
@@ -77,7 +78,7 @@ class MatchResult:
     last_node: TreeNode  # deepest node of the match; the root when nothing matched
 
 
-class RadixCache:
+class RadixCache(PrefixCache):
     """A prefix cache of KV slots indexed by a radix tree over token ids.
 
     Request life cycle: ``match_prefix`` then ``inc_lock_ref(last_node)`` so the prefix
@@ -227,9 +228,6 @@ class RadixCache:
 
     def protected_size(self) -> int:
         return self._protected_tokens
-
-    def total_size(self) -> int:
-        return self._evictable_tokens + self._protected_tokens
 
     def pretty_print(self) -> str:
         """The tree, one node per line, indented by depth."""

@@ -164,7 +164,10 @@ class Engine:
             raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
         reqs = []
         for item in inputs:
-            params = SamplingParams.from_dict(item.sampling_params)
+            # The model's generation_config.json supplies defaults the request leaves out.
+            params = SamplingParams.from_dict(
+                {**self.model_config.generation_defaults, **(item.sampling_params or {})}
+            )
             params.check_vocab(self.model_config.vocab_size)
             self._check_fits(item.input_ids, params)
             logprobs = None

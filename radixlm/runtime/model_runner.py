@@ -18,6 +18,9 @@ from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+MIN_TOKENS_FOR_THREADS = 128
+"""Batches with fewer new tokens than this run on one CPU thread (see ``_use_threads``)."""
+
 
 class ModelRunner:
     """The model plus the memory it attends over.
@@ -31,8 +34,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = args.resolved_device()
         self.dtype = args.resolved_dtype()
-        if args.num_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(args.num_threads)
+        self._max_threads = args.num_threads or torch.get_num_threads()
+        self._threads = torch.get_num_threads()
         self.context_length = args.context_length or model_config.max_position_embeddings
         self.model = load_model(model_config, self.dtype, self.device, self.context_length)
         self.max_total_tokens = self._kv_pool_tokens()
@@ -56,6 +59,8 @@ class ModelRunner:
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Runs the model over the batch's new tokens -> hidden states (T, hidden)."""
+        if self.device.type == "cpu":
+            self._use_threads(len(forward_batch.extend_seq_lens_list), len(forward_batch.input_ids))
         self.attn_backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
@@ -89,6 +94,20 @@ class ModelRunner:
             seq_lens_list=seq_lens,
             extend_seq_lens_list=extend_lens,
         )
+
+    def _use_threads(self, batch_size: int, num_tokens: int) -> None:
+        """CPU threads for this pass: one for small batches, all for large ones.
+
+        Waking a sleeping OpenMP thread costs tens of microseconds per op, and a decode step
+        runs over a thousand small ops, so below ``MIN_TOKENS_PER_THREAD`` tokens a single
+        thread is faster (and, on a shared machine, immune to a busy neighbour core).
+        """
+        threads = self._max_threads
+        if self.args.num_threads is None and num_tokens < MIN_TOKENS_FOR_THREADS:
+            threads = 1
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
 
     def _kv_pool_tokens(self) -> int:
         if self.args.max_total_tokens is not None:

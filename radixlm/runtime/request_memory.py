@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 
 from radixlm.radix_cache.allocator import OutOfKVSlots, TokenToKVPoolAllocator
+from radixlm.radix_cache.base import PrefixCache
 from radixlm.radix_cache.memory_pool import ReqToTokenPool
-from radixlm.radix_cache.no_cache import NoPrefixCache
-from radixlm.radix_cache.radix_tree import RadixCache
 from radixlm.runtime.request import Req
 
 
@@ -26,7 +25,7 @@ class RequestMemory:
 
     def __init__(
         self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
-        tree_cache: RadixCache | NoPrefixCache,
+        tree_cache: PrefixCache,
     ):
         self.req_to_token_pool = req_to_token_pool
         self.req_to_token = req_to_token_pool.req_to_token

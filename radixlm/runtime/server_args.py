@@ -38,7 +38,8 @@ class ServerArgs:
     """Longest sequence (prompt + output); None: the model's ``max_position_embeddings``."""
     random_seed: int = 0
     num_threads: int | None = None
-    """Torch intra-op threads on the CPU; None: leave torch's default."""
+    """CPU threads for every forward pass; None: one thread for small batches (decode), all
+    of torch's threads for large ones (prefill)."""
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:

@@ -87,8 +87,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotation for ``positions`` (T,), computed once per batch and shared by all layers:
         (cos, signed sin), each (T, 1, D) in ``dtype``, for ``apply_rotary``."""
-        cos = self.cos[positions]  # (T, D/2)
-        sin = self.sin[positions]
+        cos = self.cos.index_select(0, positions)  # (T, D/2)
+        sin = self.sin.index_select(0, positions)
         cos_full = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(dtype)
         signed_sin = torch.cat([-sin, sin], dim=-1).unsqueeze(1).to(dtype)
         return cos_full, signed_sin
