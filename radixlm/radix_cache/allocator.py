@@ -16,6 +16,11 @@ from __future__ import annotations
 import torch
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Slots in the whole pages that ``num_tokens`` tokens occupy."""
+    return -(-num_tokens // page_size) * page_size
+
+
 class OutOfKVSlots(RuntimeError):
     """Raised when an allocation cannot be served; callers evict or retract and retry."""
 

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixlm.models.default_model import resolve_model_path
 from radixlm.models.model_config import ModelConfig
+from radixlm.radix_cache.allocator import pages_for
 from radixlm.radix_cache.no_cache import NoPrefixCache
 from radixlm.radix_cache.radix_tree import RadixCache
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
@@ -29,7 +30,7 @@ from radixlm.runtime.request_inputs import normalize_inputs
 from radixlm.runtime.request_memory import RequestMemory
 from radixlm.runtime.sampler import Sampler
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.scheduler import Scheduler, pages_for
+from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
 
 
@@ -63,7 +64,7 @@ class Engine:
         self.memory = RequestMemory(
             self.runner.req_to_token_pool, self.runner.allocator, tree_cache
         )
-        self.scheduler = Scheduler(self.runner, self.memory, processor, sampler)
+        self.scheduler = Scheduler(self.runner, self.memory, processor, sampler, self.server_args)
         # Re-entrant: a caller may generate while holding an unfinished stream of its own.
         self._lock = threading.RLock()
         self._closed = False
@@ -112,6 +113,15 @@ class Engine:
             messages, tokenize=False, add_generation_prompt=True
         )
 
+    def abort(self, rid: str | None = None) -> int:
+        """Aborts the unfinished request ``rid`` (all of them when None), freeing its KV at
+        once; it ends with ``finish_reason`` type ``abort``. Returns how many were aborted."""
+        with self._lock:
+            victims = [r for r in self.scheduler.requests() if rid is None or r.rid == rid]
+            for req in victims:
+                self.scheduler.abort(req, "aborted by request" if rid else "aborted (abort all)")
+            return len(victims)
+
     def flush_cache(self) -> bool:
         """Empties the prefix cache. Refused (returns False) while requests are in flight."""
         with self._lock:
@@ -130,6 +140,9 @@ class Engine:
             "available_kv_tokens": runner.allocator.available_size(),
             "page_size": runner.allocator.page_size,
             "cache_tokens": self.memory.tree_cache.total_size(),
+            "schedule_policy": self.server_args.schedule_policy,
+            "batching": self.server_args.batching,
+            "chunked_prefill_size": self.server_args.chunked_prefill_size,
             "dtype": str(runner.dtype).removeprefix("torch."),
             "device": str(runner.device),
         }
@@ -174,12 +187,13 @@ class Engine:
             if return_logprob:
                 start = self._logprob_start(logprob_start_len, len(item.input_ids))
                 logprobs = LogprobRequest(start, top_logprobs_num or 0, return_text_in_logprobs)
+            leader = None
             for sample in range(params.n):
                 seed = params.sampling_seed
                 sample_params = params if seed is None or sample == 0 else SamplingParams(
                     **{**params.__dict__, "sampling_seed": seed + sample}
                 )
-                reqs.append(Req(
+                reqs.append(req := Req(
                     rid=item.rid if params.n == 1 else f"{item.rid}-{sample}",
                     input_ids=item.input_ids,
                     sampling=sample_params,
@@ -189,7 +203,9 @@ class Engine:
                     ),
                     logprobs=logprobs,
                     stream=stream,
+                    prefill_leader=leader,
                 ))
+                leader = leader or req
         batched = inputs.batched or any(r.sampling.n > 1 for r in reqs)
         return reqs, batched
 
@@ -262,6 +278,7 @@ class Engine:
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
+            "total_retractions": req.retractions,
             "e2e_latency": time.perf_counter() - req.created,
         }
         if req.logprobs is not None:

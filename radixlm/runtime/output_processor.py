@@ -43,18 +43,24 @@ class OutputProcessor:
         sample_rows: list[int] = []
         offset = 0
         for req, prefix, extend in zip(reqs, prefix_lens, extend_lens):
+            end = prefix + extend  # positions computed: prefix .. end - 1
+            complete = end == req.seq_len  # else a chunk: its last row predicts a prompt token
+            logprob_end = end - 1 if complete else end
             first_position = self._first_input_logprob_position(req, prefix)
-            if first_position is not None and first_position < prefix + extend - 1:
-                count = prefix + extend - 1 - first_position
+            if first_position is not None and first_position < logprob_end:
+                count = logprob_end - first_position
                 start = offset + first_position - prefix
                 input_row_ranges.append((len(rows), count, first_position))
                 rows += range(start, start + count)
             else:
                 input_row_ranges.append((len(rows), 0, prefix))
             last_rows.append(len(rows))
-            rows.append(offset + extend - 1)
+            if complete:
+                rows.append(offset + extend - 1)
             offset += extend
-        logits = self.compute_logits(hidden[rows])  # (len(rows), V)
+        if not rows:
+            return
+        logits = self.compute_logits(hidden.index_select(0, torch.tensor(rows)))  # (N, V)
         to_sample: list[Req] = []
         for req, (first, count, position), last in zip(reqs, input_row_ranges, last_rows):
             if req.logprobs is not None and req.logprobs.start is not None:

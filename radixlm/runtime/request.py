@@ -66,6 +66,10 @@ class Req:
     prefix_indices: torch.Tensor | None = None
     last_node: Any = None
     cached_tokens: int = 0
+    retractions: int = 0
+    # For the 2nd..nth sample of an n > 1 request: the sample whose prefill the others
+    # wait for, so they reuse its cached prompt instead of computing it again.
+    prefill_leader: Req | None = None
     input_token_logprobs: list[list[Any]] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)
     output_token_logprobs: list[list[Any]] = field(default_factory=list)
@@ -88,6 +92,18 @@ class Req:
     def max_total_len(self) -> int:
         """The most tokens this request's sequence can reach."""
         return len(self.input_ids) + self.sampling.max_new_tokens
+
+    def match_key(self) -> list[int]:
+        """The tokens a prefix-cache match may cover.
+
+        Capped at the sequence length - 1 (the last token must be computed to sample from
+        its logits) and, while prompt logprobs are still owed, at ``logprobs.start`` (those
+        positions must be computed too).
+        """
+        limit = self.seq_len - 1
+        if self.logprobs is not None and self.logprobs.start is not None and not self.output_ids:
+            limit = min(limit, self.logprobs.start)
+        return self.all_ids()[:limit]
 
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.radix_cache.allocator import OutOfKVSlots, TokenToKVPoolAllocator
+from radixlm.radix_cache.allocator import OutOfKVSlots, TokenToKVPoolAllocator, pages_for
 from radixlm.radix_cache.base import PrefixCache
 from radixlm.radix_cache.memory_pool import ReqToTokenPool
 from radixlm.runtime.request import Req
@@ -38,15 +38,8 @@ class RequestMemory:
         return self.allocator.available_size() + self.tree_cache.evictable_size()
 
     def match_and_lock(self, req: Req) -> None:
-        """Finds the request's cached prefix and locks it against eviction.
-
-        The match is capped at prompt length - 1 (the last prompt token must be computed to
-        sample from it) and at the first position whose prompt logprob was asked for.
-        """
-        limit = len(req.input_ids) - 1
-        if req.logprobs is not None and req.logprobs.start is not None:
-            limit = min(limit, req.logprobs.start)
-        match = self.tree_cache.match_prefix(req.input_ids[:limit], req.extra_key)
+        """Finds the request's cached prefix (``req.match_key()``) and locks it."""
+        match = self.tree_cache.match_prefix(req.match_key(), req.extra_key)
         req.prefix_indices = match.indices
         req.last_node = match.last_node
         self.tree_cache.inc_lock_ref(match.last_node)
@@ -57,19 +50,20 @@ class RequestMemory:
         req.prefix_indices, req.last_node = None, None
 
     def assign_row(self, req: Req) -> None:
-        """Gives the request a row holding its cached prefix."""
+        """Gives the request a row holding its cached prefix (counted in ``cached_tokens``
+        the first time only: a retracted request's recomputation is no cache hit)."""
         row = self.req_to_token_pool.alloc()
         assert row is not None, "admission checks for a free row first"
         prefix = req.prefix_indices
         self.req_to_token[row, : len(prefix)] = prefix
         req.req_pool_idx, req.kv_len = row, len(prefix)
-        req.cached_tokens = len(prefix)
+        if not req.retractions:
+            req.cached_tokens = len(prefix)
         req.last_slot = int(prefix[-1]) if len(prefix) else -1
 
     def alloc(self, req: Req, num_tokens: int) -> torch.Tensor:
         """Slots for the request's next ``num_tokens`` tokens, evicting from the cache if needed."""
-        page = self.page_size
-        shortfall = -(-num_tokens // page) * page - self.allocator.available_size()
+        shortfall = pages_for(num_tokens, self.page_size) - self.allocator.available_size()
         if shortfall > 0:
             self.tree_cache.evict(shortfall)
         try:

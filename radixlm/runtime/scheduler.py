@@ -1,57 +1,92 @@
-"""First-come continuous batching: each step either prefills newly admitted requests or decodes
-every running one, and finished requests leave the batch at once.
+"""Iteration-level (continuous) batching with chunked prefill, cache-aware admission and
+retraction.
 
-A request is admitted with its longest cached prefix (which it then does not compute).
-Admission reserves, for every running request, KV for all the tokens it may still produce,
-counting what the prefix cache could evict as available, so a decode step never runs out
-of slots and nothing needs retracting. (The full scheduler with chunked prefill,
-cache-aware policies and retraction replaces this policy; the step structure stays.)
+Each step is one forward pass, either:
+- an extend step: the chunked request's next chunk and newly admitted requests (in the
+  policy's order, under the ``PrefillAdder``'s budgets), each computing only what its
+  cached prefix does not cover; or, when nothing can be admitted,
+- a decode step: one token for every running request. If the pool cannot hold that
+  token for everyone, requests are retracted first (their KV handed to the cache, the
+  requests re-queued at the front, recomputed later); a retracted request still finishes.
+
+Admission reserves KV for running requests' expected output (``new_token_ratio`` times
+their remaining budget). The ratio decays each decode step, so admission grows bolder
+while nothing goes wrong, and jumps back to 1 after a retraction.
+
+``batching="static"`` (for comparison) admits a batch only when nothing runs, and runs
+it until its last request ends.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 from radixlm.kernels.forward_batch import ForwardMode
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output_processor import OutputProcessor
+from radixlm.runtime.prefill_adder import PrefillAdder, decode_reserve
 from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.request_memory import RequestMemory
 from radixlm.runtime.sampler import Sampler
+from radixlm.runtime.schedule_policy import SchedulePolicy
+from radixlm.runtime.server_args import ServerArgs
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler started."""
+
+    forward_steps: int = 0
+    extend_steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    retractions: int = 0
 
 
 class Scheduler:
     """Runs requests to completion over the runner's pools.
 
-    Invariant between steps: a running request holds a request row and the KV slots of its
-    first ``kv_len`` tokens; waiting and finished requests hold neither.
+    Invariants between steps: ``running`` requests have computed their whole prompt and
+    hold a row and the KV of all but their last token; the ``chunked`` request (if any)
+    holds a row and the KV of its first ``kv_len`` prompt tokens; waiting and finished
+    requests hold neither.
     """
 
     def __init__(self, runner: ModelRunner, memory: RequestMemory,
-                 output_processor: OutputProcessor, sampler: Sampler,
-                 max_prefill_tokens: int = 8192):
+                 output_processor: OutputProcessor, sampler: Sampler, args: ServerArgs):
         self.runner = runner
         self.memory = memory
         self.output_processor = output_processor
         self.sampler = sampler
-        self.max_prefill_tokens = max_prefill_tokens
-        self.waiting: deque[Req] = deque()
+        self.args = args
+        self.policy = SchedulePolicy(args.schedule_policy, memory.tree_cache, args.random_seed)
+        self.waiting: list[Req] = []
         self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.new_token_ratio = args.init_new_token_ratio
+        self.stats = SchedulerStats()
 
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
 
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and self.chunked is None
+
+    def requests(self) -> list[Req]:
+        """Every request not yet finished."""
+        chunked = [self.chunked] if self.chunked is not None else []
+        return self.waiting + chunked + self.running
 
     def step(self) -> list[Req]:
-        """One forward pass. Returns the requests that produced output or finished in it."""
-        admitted = self._admit()
-        if admitted:
-            return self._run_extend(admitted)
+        """One forward pass. Returns the requests that took part in it."""
+        adder = self._admit()
+        if adder.reqs:
+            return self._run_extend(adder)
         if self.running:
+            self._retract_until_decode_fits()
             return self._run_decode()
         return []
 
@@ -61,51 +96,61 @@ class Scheduler:
             return
         if req in self.waiting:
             self.waiting.remove(req)
-        if req in self.running:
-            self.running.remove(req)
+        elif req is self.chunked or req in self.running:
+            if req is self.chunked:
+                self.chunked = None
+            else:
+                self.running.remove(req)
             self.memory.release(req)
         req.finish_reason = finish_abort(message)
         req.final_text = req.detokenizer.text
 
-    def _admit(self) -> list[Req]:
-        memory = self.memory
-        rows = memory.req_to_token_pool.available_size()
-        reserved = sum(self._tokens_still_needed(r) for r in self.running)
-        prefill_tokens = 0
-        admitted: list[Req] = []
-        while self.waiting and len(admitted) < rows:
-            req = self.waiting[0]
-            memory.match_and_lock(req)
-            need = self._tokens_still_needed(req, len(req.prefix_indices))
-            new_tokens = req.seq_len - len(req.prefix_indices)
-            too_many = prefill_tokens + new_tokens > self.max_prefill_tokens and admitted
-            if need > memory.available_tokens() - reserved or too_many:
-                memory.unlock(req)
-                break
-            self.waiting.popleft()
-            memory.assign_row(req)
-            admitted.append(req)
-            reserved += need
-            prefill_tokens += new_tokens
-        return admitted
+    # Admission ---------------------------------------------------------------------------
 
-    def _tokens_still_needed(self, req: Req, kv_len: int | None = None) -> int:
-        """KV slots ``req`` may still take beyond its first ``kv_len`` tokens, in whole pages.
-
-        A request's own tokens fill its own pages, so over its life it holds
-        ``pages(prompt + max_new_tokens)``; of these it has ``pages(kv_len)`` already.
-        """
-        kv_len = req.kv_len if kv_len is None else kv_len
-        return pages_for(req.max_total_len(), self.memory.page_size) - pages_for(
-            kv_len, self.memory.page_size
+    def _admit(self) -> PrefillAdder:
+        args = self.args
+        adder = PrefillAdder(
+            memory=self.memory,
+            reserved=sum(decode_reserve(r, self.new_token_ratio) for r in self.running),
+            prefill_tokens=args.max_prefill_tokens,
+            chunk_tokens=args.chunked_prefill_size,
+            rows=self.memory.req_to_token_pool.available_size(),
+            new_token_ratio=self.new_token_ratio,
         )
+        if self.chunked is not None and not adder.add_chunked(self.chunked):
+            return adder  # it goes first: nothing overtakes a chunked prompt
+        static_batch_busy = args.batching == "static" and (self.running or self.chunked)
+        if self.waiting and adder.chunked_req is None and not static_batch_busy:
+            for req in self.policy.order(self.waiting):
+                leader = req.prefill_leader
+                if leader is not None and not (leader.output_ids or leader.finished):
+                    continue  # reuse the leader's prompt once it is cached
+                if not adder.add_new(req):
+                    break
+        admitted = {id(r) for r in adder.new_reqs}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        for req in adder.new_reqs:
+            if not req.retractions:
+                self.stats.prompt_tokens += len(req.input_ids)
+                self.stats.cached_tokens += req.cached_tokens
+        return adder
 
-    def _run_extend(self, reqs: list[Req]) -> list[Req]:
-        self.running.extend(reqs)
-        return self._forward(ForwardMode.EXTEND, reqs, [r.all_ids()[r.kv_len :] for r in reqs])
+    # Forward passes ----------------------------------------------------------------------
+
+    def _run_extend(self, adder: PrefillAdder) -> list[Req]:
+        reqs = adder.reqs
+        new_ids = [r.all_ids()[r.kv_len : r.kv_len + n] for r, n in zip(reqs, adder.extend_lens)]
+        self.chunked = adder.chunked_req
+        self.running += [r for r in reqs if r is not self.chunked]
+        self.stats.extend_steps += 1
+        return self._forward(ForwardMode.EXTEND, reqs, new_ids)
 
     def _run_decode(self) -> list[Req]:
         reqs = list(self.running)
+        self.stats.decode_steps += 1
+        self.new_token_ratio = max(
+            self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio
+        )
         return self._forward(ForwardMode.DECODE, reqs, [[r.output_ids[-1]] for r in reqs])
 
     def _forward(self, mode: ForwardMode, reqs: list[Req], new_ids: list[list[int]]) -> list[Req]:
@@ -127,22 +172,39 @@ class Scheduler:
             prefix_lens, extend_lens,
         )
         hidden = self.runner.forward(batch)
-        return self._process(reqs, hidden, prefix_lens, extend_lens)
-
-    def _process(
-        self, reqs: list[Req], hidden: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]
-    ) -> list[Req]:
+        self.stats.forward_steps += 1
         self.output_processor.process(reqs, hidden, prefix_lens, extend_lens, self.sampler)
         for req, extend in zip(reqs, extend_lens):
             if req.finished:
-                self.running.remove(req)
+                if req is self.chunked:
+                    self.chunked = None
+                else:
+                    self.running.remove(req)
                 self.memory.release(req)
             elif extend > 1:
-                # A new prompt becomes shareable at once, not only when its request ends.
+                # A prompt (or chunk) becomes shareable at once, not only when its request ends.
                 self.memory.cache_unfinished(req)
         return reqs
 
+    # Retraction --------------------------------------------------------------------------
 
-def pages_for(num_tokens: int, page_size: int) -> int:
-    """Slots of the whole pages that ``num_tokens`` tokens occupy."""
-    return -(-num_tokens // page_size) * page_size
+    def _retract_until_decode_fits(self) -> None:
+        """Retracts running requests until every remaining one can store its next token."""
+        page = self.memory.page_size
+        while True:
+            need = sum(page for r in self.running if r.kv_len % page == 0)
+            if need <= self.memory.available_tokens():
+                return
+            if self.chunked is not None:  # its prefill so far stays cached
+                victim, self.chunked = self.chunked, None
+            elif len(self.running) > 1:
+                # The request that loses least progress and frees most memory.
+                victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+                self.running.remove(victim)
+            else:
+                return  # one request always fits: the Engine refuses any that cannot
+            self.memory.release(victim)
+            victim.retractions += 1
+            self.stats.retractions += 1
+            self.waiting.insert(0, victim)
+            self.new_token_ratio = 1.0

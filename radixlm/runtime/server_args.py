@@ -9,6 +9,8 @@ import torch
 
 ATTENTION_BACKENDS = ("auto", "torch_native")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+BATCHING_MODES = ("continuous", "static")
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 
 
 @dataclass
@@ -36,6 +38,18 @@ class ServerArgs:
     max_running_requests: int = 64
     context_length: int | None = None
     """Longest sequence (prompt + output); None: the model's ``max_position_embeddings``."""
+    max_prefill_tokens: int = 8192
+    """Most new prompt tokens computed in one step (the first request may exceed it)."""
+    chunked_prefill_size: int | None = 1024
+    """Prompts longer than this are prefilled chunk by chunk; None: never chunk."""
+    schedule_policy: str = "lpm"
+    batching: str = "continuous"
+    """``continuous`` (iteration-level) or ``static`` (request-level, for comparison)."""
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+    """Admission reserves ratio x remaining output budget for running requests; the ratio
+    starts at init, decays per decode step to min, and returns to 1 after a retraction."""
     random_seed: int = 0
     num_threads: int | None = None
     """CPU threads for every forward pass; None: one thread for small batches (decode), all
@@ -60,6 +74,22 @@ class ServerArgs:
             _check_positive("context_length", self.context_length)
         if self.num_threads is not None:
             _check_positive("num_threads", self.num_threads)
+        _check_positive("max_prefill_tokens", self.max_prefill_tokens)
+        if self.chunked_prefill_size is not None:
+            _check_positive("chunked_prefill_size", self.chunked_prefill_size)
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
+        for name in ("init_new_token_ratio", "min_new_token_ratio"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if not 0.0 <= self.new_token_ratio_decay < 1.0:
+            raise ValueError(
+                f"new_token_ratio_decay must be in [0, 1), got {self.new_token_ratio_decay}"
+            )
         if not 0.0 < self.kv_cache_memory_fraction < 1.0:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
