@@ -9,20 +9,9 @@ import shutil
 
 import pytest
 from conftest import assert_engine_idle
+from workloads import LONG_TEXT, greedy
 
 import radixlm
-
-LONG_TEXT = " ".join([
-    "The quick brown fox jumps over the lazy dog.",
-    "Paris is the capital of France; Berlin is the capital of Germany.",
-    "In 1492, Columbus sailed the ocean blue. Numbers: 0 1 2 3 4 5 6 7 8 9.",
-] * 4)
-
-
-def greedy(max_new_tokens: int = 24, **extra) -> dict:
-    return {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **extra}
-
-
 
 BAD_GENERATE_CALLS = [
     ("both_prompt_and_input_ids", dict(prompt="hi", input_ids=[1, 2]), "prompt and input_ids"),

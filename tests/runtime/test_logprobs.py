@@ -4,23 +4,7 @@
 from __future__ import annotations
 
 import pytest
-
-PROMPTS = [
-    "The quick brown fox",
-    "Paris is the capital of France; Berlin is",
-    "def add(a, b):",
-    "In 1492, Columbus sailed the ocean blue.",
-    "a",
-]
-
-
-def greedy(max_new_tokens: int = 24, **extra) -> dict:
-    return {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **extra}
-
-
-def sampled(seed: int | None, max_new_tokens: int = 16, **extra) -> dict:
-    return {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True,
-            "sampling_seed": seed, **extra}
+from workloads import PROMPTS, greedy, sampled
 
 
 def test_output_token_logprobs_have_one_entry_per_output_token(engine_for):

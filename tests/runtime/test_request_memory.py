@@ -3,17 +3,11 @@ outputs that do not depend on whether (or how) the cache served the prompt."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from workloads import random_ids
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-
-
-def random_ids(seed: int, length: int, vocab: int = 300) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(length)]
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
