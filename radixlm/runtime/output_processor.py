@@ -38,7 +38,9 @@ class OutputProcessor:
         extend_lens: list[int], sampler: Sampler,
     ) -> None:
         rows: list[int] = []
-        input_row_ranges: list[tuple[int, int, int]] = []  # (first logits row, count, position)
+        # Per request: (first logits row, row count, first position), or None when no prompt
+        # logprobs are owed.
+        input_row_ranges: list[tuple[int, int, int] | None] = []
         last_rows: list[int] = []
         sample_rows: list[int] = []
         offset = 0
@@ -47,23 +49,25 @@ class OutputProcessor:
             complete = end == req.seq_len  # else a chunk: its last row predicts a prompt token
             logprob_end = end - 1 if complete else end
             first_position = self._first_input_logprob_position(req, prefix)
-            if first_position is not None and first_position < logprob_end:
-                count = logprob_end - first_position
+            if first_position is None:
+                input_row_ranges.append(None)
+            else:
+                count = max(logprob_end - first_position, 0)
                 start = offset + first_position - prefix
                 input_row_ranges.append((len(rows), count, first_position))
                 rows += range(start, start + count)
-            else:
-                input_row_ranges.append((len(rows), 0, prefix))
             last_rows.append(len(rows))
             if complete:
                 rows.append(offset + extend - 1)
             offset += extend
         if not rows:
             return
-        logits = self.compute_logits(hidden.index_select(0, torch.tensor(rows)))  # (N, V)
+        row_index = torch.tensor(rows, device=hidden.device)
+        logits = self.compute_logits(hidden.index_select(0, row_index))  # (N, V)
         to_sample: list[Req] = []
-        for req, (first, count, position), last in zip(reqs, input_row_ranges, last_rows):
-            if req.logprobs is not None and req.logprobs.start is not None:
+        for req, owed, last in zip(reqs, input_row_ranges, last_rows):
+            if owed is not None:
+                first, count, position = owed
                 self._add_input_logprobs(req, logits[first : first + count], position)
             if req.kv_len == req.seq_len and not self._ends_before_sampling(req):
                 to_sample.append(req)
