@@ -46,3 +46,19 @@ def test_prompt_logprobs_and_greedy_tokens_match_transformers(
         torch.testing.assert_close(got, theirs, atol=1e-4, rtol=0)
     for out, batched in zip(alone, together):
         assert out["output_ids"] == batched["output_ids"]
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path, engine_for, tiny_model_dir):
+    import radixlm
+    from tiny_models import reference_model
+
+    single = tiny_model_dir("LlamaForCausalLM", "gqa", False)
+    sharded = tmp_path / "sharded"
+    reference_model(single).save_pretrained(sharded, max_shard_size="100KB")
+    engine_for().tokenizer.save_pretrained(sharded)
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    with radixlm.Engine(str(sharded), dtype="float32", max_total_tokens=1024) as engine:
+        ids = engine.tokenizer.encode(PROMPTS[1])
+        out = engine.generate(input_ids=ids, sampling_params=GREEDY)
+    assert out["output_ids"] == reference_greedy(single, ids, 32)
