@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, KV_HEADS, reference_greedy, reference_prompt_logprobs
+from tiny_models import (
+    ARCHITECTURES,
+    KV_HEADS,
+    reference_greedy,
+    reference_model,
+    reference_prompt_logprobs,
+)
+
+import radixlm
 
 PROMPTS = [
     "The quick brown fox",
@@ -49,9 +57,6 @@ def test_prompt_logprobs_and_greedy_tokens_match_transformers(
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tmp_path, engine_for, tiny_model_dir):
-    import radixlm
-    from tiny_models import reference_model
-
     single = tiny_model_dir("LlamaForCausalLM", "gqa", False)
     sharded = tmp_path / "sharded"
     reference_model(single).save_pretrained(sharded, max_shard_size="100KB")
