@@ -118,50 +118,39 @@ class OutputProcessor:
     def _ends_before_sampling(self, req: Req) -> bool:
         """A request with no output budget (prefill only, or a full context) ends here."""
         if req.sampling.max_new_tokens == 0 or req.seq_len >= self.context_length:
-            self._finish(req, finish_length(len(req.output_ids)), None)
+            req.finish_reason = finish_length(len(req.output_ids))
             return True
         return False
 
     def _append_token(self, req: Req, token: int) -> None:
         """Appends a sampled token and decides whether the request ends with it.
 
-        Stops, in order: a stop token (EOS unless ``ignore_eos``, or ``stop_token_ids``),
-        whose text is trimmed unless ``no_stop_trim``; a stop string or regex in the text,
-        trimmed likewise (a stop string equal to a special token's text also matches that
-        token, though such text never shows); the output budget or the context.
+        Stops, in order: a stop token (EOS unless ``ignore_eos``, or ``stop_token_ids``); a
+        stop string or regex in the text (a stop string equal to a special token's text also
+        matches that token, though such text never shows); the output budget or the context.
+        The Detokenizer trims the text at the stop.
         """
         params = req.sampling
         req.output_ids.append(token)
-        text_before = len(req.detokenizer.text)
-        new_text = req.detokenizer.feed([token])
+        detokenizer = req.detokenizer
+        new_text = detokenizer.feed([token]) if detokenizer is not None else ""
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         if token in stop_ids and len(req.output_ids) >= params.min_new_tokens:
-            self._finish(req, finish_stop(token), None if params.no_stop_trim else text_before)
+            req.finish_reason = finish_stop(token)
         elif req.stop_matcher is not None:
             found = None
             if new_text:
-                found = req.stop_matcher.search(req.detokenizer.text, len(new_text))
-            elif token in self.special_tokens:
-                special = self.special_tokens[token]
-                if special in req.stop_matcher.stop:
-                    found = (text_before, text_before, special)
+                found = req.stop_matcher.search(detokenizer.text, len(new_text))
+            elif self.special_tokens.get(token) in req.stop_matcher.stop:
+                found = (0, 0, self.special_tokens[token])
             if found is not None:
-                start, end, matched = found
-                self._finish(req, finish_stop(matched), end if params.no_stop_trim else start)
+                req.finish_reason = finish_stop(found[2])
         if req.finish_reason is None and (
             len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_length
         ):
-            self._finish(req, finish_length(len(req.output_ids)), None)
-
-    @staticmethod
-    def _finish(req: Req, reason: dict, text_end: int | None) -> None:
-        """Ends ``req``; its text is cut at ``text_end`` (None: all of it, flushed)."""
-        req.finish_reason = reason
-        req.detokenizer.finish()
-        text = req.detokenizer.text
-        req.final_text = text if text_end is None else text[:text_end]
+            req.finish_reason = finish_length(len(req.output_ids))
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

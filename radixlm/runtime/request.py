@@ -49,14 +49,12 @@ class Req:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None = None
+    """Only for requests with stop strings, which are matched on the output text."""
     logprobs: LogprobRequest | None = None
-    stream: bool = False
     created: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
-    # The final text (stop string trimmed); None until the request finishes.
-    final_text: str | None = None
     extra_key: str | None = None
     """Namespace of the prefix cache: requests with different keys never share KV."""
     req_pool_idx: int | None = None
@@ -75,10 +73,14 @@ class Req:
     output_token_logprobs: list[list[Any]] = field(default_factory=list)
     output_top_logprobs: list[Any] = field(default_factory=list)
     stop_matcher: StopStringMatcher | None = None
+    # How much of the output (tokens and their logprobs; prompt logprobs) has been reported.
+    reported_ids: int = 0
+    reported_input_logprobs: int = 0
+    reported_anything: bool = False
 
     def __post_init__(self) -> None:
         params = self.sampling
-        if params.stop or params.stop_regex:
+        if self.detokenizer is not None and (params.stop or params.stop_regex):
             self.stop_matcher = StopStringMatcher(params.stop or [], params.stop_regex or [])
 
     @property
@@ -107,13 +109,3 @@ class Req:
 
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
-
-    def streamed_text(self) -> str:
-        """The output text safe to show now: complete characters, no partial stop string."""
-        if self.final_text is not None:
-            return self.final_text
-        text = self.detokenizer.text
-        if self.stop_matcher is not None:
-            held = self.stop_matcher.held_back(text)
-            text = text[: len(text) - held]
-        return text

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+
+from radixlm.radix_cache.allocator import pages_for
+from radixlm.runtime import io_messages as io
+from radixlm.runtime.sampling_params import SamplingParams
 
 
 @dataclass
@@ -92,3 +97,76 @@ def _per_item(name: str, value: Any, count: int, item_type: type) -> list[Any]:
     if value is not None and not isinstance(value, item_type):
         raise ValueError(f"{name} must be a {item_type.__name__} or a list of them")
     return [value] * count
+
+
+@dataclass
+class RequestLimits:
+    """What the running model accepts, for checking requests before they are sent."""
+
+    context_length: int
+    vocab_size: int
+    max_total_tokens: int
+    page_size: int
+    generation_defaults: dict[str, Any]
+
+
+def build_generate_reqs(
+    inputs: RequestInputs, limits: RequestLimits, return_logprob: bool,
+    logprob_start_len: int | None, top_logprobs_num: int | None,
+    return_text_in_logprobs: bool, extra_key: str | None,
+) -> list[io.GenerateReq]:
+    """The scheduler's messages for ``inputs``: one per sample (``n`` per prompt).
+
+    Every value is checked here, before anything is queued, so a bad one queues nothing.
+    The model's generation-config defaults fill in what the request leaves out, and the
+    output budget is clamped to the context.
+    """
+    if top_logprobs_num is not None and (
+        not isinstance(top_logprobs_num, int) or top_logprobs_num < 0
+    ):
+        raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
+    if extra_key is not None and not isinstance(extra_key, str):
+        raise ValueError(f"extra_key must be a string, got {type(extra_key).__name__}")
+    messages = []
+    for item in inputs:
+        params = SamplingParams.from_dict(
+            {**limits.generation_defaults, **(item.sampling_params or {})}
+        )
+        params.check_vocab(limits.vocab_size)
+        prompt_len = len(item.input_ids)
+        params.max_new_tokens = min(params.max_new_tokens, limits.context_length - prompt_len)
+        need = pages_for(prompt_len + params.max_new_tokens, limits.page_size)
+        if need > limits.max_total_tokens:
+            raise ValueError(
+                f"the prompt ({prompt_len} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                f"needs {need} KV slots; the pool holds {limits.max_total_tokens} "
+                "(raise max_total_tokens or lower max_new_tokens)"
+            )
+        start = _logprob_start(logprob_start_len, prompt_len) if return_logprob else None
+        for sample in range(params.n):
+            fields = dataclasses.asdict(params)
+            if params.sampling_seed is not None:
+                fields["sampling_seed"] = params.sampling_seed + sample
+            messages.append(io.GenerateReq(
+                rid=item.rid if params.n == 1 else f"{item.rid}-{sample}",
+                input_ids=item.input_ids,
+                sampling=fields,
+                logprob_start=start,
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs_num or 0,
+                return_text_in_logprobs=return_text_in_logprobs,
+                extra_key=extra_key,
+                prefill_leader=f"{item.rid}-0" if sample > 0 else None,
+            ))
+    return messages
+
+
+def _logprob_start(logprob_start_len: int | None, prompt_len: int) -> int | None:
+    if logprob_start_len is None or logprob_start_len == -1:
+        return None
+    if not isinstance(logprob_start_len, int) or not 0 <= logprob_start_len < prompt_len:
+        raise ValueError(
+            f"logprob_start_len must be -1 (output only) or in [0, {prompt_len}) for a "
+            f"{prompt_len}-token prompt, got {logprob_start_len!r}"
+        )
+    return logprob_start_len

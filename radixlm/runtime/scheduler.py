@@ -19,6 +19,7 @@ it until its last request ends.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -103,7 +104,29 @@ class Scheduler:
                 self.running.remove(req)
             self.memory.release(req)
         req.finish_reason = finish_abort(message)
-        req.final_text = req.detokenizer.text
+
+    def server_info(self) -> dict:
+        """The pool, the cache and the queues, as plain data."""
+        runner, memory = self.runner, self.memory
+        return {
+            "context_length": runner.context_length,
+            "max_total_tokens": runner.max_total_tokens,
+            "kv_bytes_per_token": runner.kv_pool.bytes_per_token(),
+            "free_kv_tokens": memory.allocator.available_size(),
+            "cache_tokens": memory.tree_cache.total_size(),
+            "cache_protected_tokens": memory.tree_cache.protected_size(),
+            "request_rows": memory.req_to_token_pool.size,
+            "free_request_rows": memory.req_to_token_pool.available_size(),
+            "page_size": memory.page_size,
+            "num_running": len(self.running) + (self.chunked is not None),
+            "num_waiting": len(self.waiting),
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "device": str(runner.device),
+            "vocab_size": runner.model_config.vocab_size,
+            "stats": dataclasses.asdict(self.stats),
+            **{k: getattr(self.args, k) for k in ("schedule_policy", "batching",
+                                                  "chunked_prefill_size", "disable_radix_cache")},
+        }
 
     # Admission ---------------------------------------------------------------------------
 

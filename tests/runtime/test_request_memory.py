@@ -42,7 +42,7 @@ def test_disabled_cache_never_hits(engine_for):
     engine.generate(input_ids=ids, sampling_params=GREEDY)
     out = engine.generate(input_ids=ids, sampling_params=GREEDY)
     assert out["meta_info"]["cached_tokens"] == 0
-    assert engine.memory.tree_cache.total_size() == 0
+    assert engine.get_server_info()["cache_tokens"] == 0
 
 
 def _run_workload(engine) -> list[dict]:
@@ -98,10 +98,8 @@ def test_recently_used_prefixes_survive_eviction_and_the_oldest_go(engine_for):
             # Keep prompt 0 hot: it is used again after every new prompt.
             hit = engine.generate(input_ids=prompts[0], sampling_params=params)
             assert hit["meta_info"]["cached_tokens"] == 59
-        runner = engine.runner
-        assert runner.allocator.available_size() + engine.memory.tree_cache.total_size() == (
-            runner.allocator.size
-        )
+        info = engine.get_server_info()
+        assert info["free_kv_tokens"] + info["cache_tokens"] == info["max_total_tokens"]
     recent = engine.generate(input_ids=prompts[-1], sampling_params=params)
     assert recent["meta_info"]["cached_tokens"] == 59
     oldest = engine.generate(input_ids=prompts[1], sampling_params=params)
@@ -131,6 +129,6 @@ def test_flush_cache_is_refused_while_a_request_runs(engine_for):
     for _ in stream:
         pass
     assert engine.flush_cache() is True
-    assert engine.memory.tree_cache.total_size() == 0
+    assert engine.get_server_info()["cache_tokens"] == 0
     out = engine.generate(input_ids=ids, sampling_params=GREEDY)
     assert out["meta_info"]["cached_tokens"] == 0

@@ -4,7 +4,7 @@ once (admit what fits, queue the rest), requests that can never fit, and prefix-
 from __future__ import annotations
 
 import pytest
-from conftest import assert_engine_idle
+from conftest import assert_engine_idle, run_to_completion, scheduler_req
 from workloads import LONG_TEXT, greedy
 
 import radixlm
@@ -57,7 +57,7 @@ def test_requests_beyond_the_pool_queue_and_all_complete(engine_for, fresh_engin
                                                          disable_radix_cache):
     small = fresh_engine(max_total_tokens=256, disable_radix_cache=disable_radix_cache)
     ids = long_prompts(small, 8, 40)
-    assert sum(len(i) + 32 for i in ids) > 2 * small.runner.max_total_tokens
+    assert sum(len(i) + 32 for i in ids) > 2 * small.max_total_tokens
     expected = engine_for().generate(input_ids=ids, sampling_params=greedy(32))
     got = small.generate(input_ids=ids, sampling_params=greedy(32))
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
@@ -84,27 +84,14 @@ def test_request_that_can_never_fit_the_pool_is_refused(fresh_engine):
     assert out["meta_info"]["completion_tokens"] == 56
 
 
-def test_request_filling_a_paged_pool_completes_or_is_refused(fresh_engine):
-    engine = fresh_engine(page_size=4, max_total_tokens=64)
-    ids = engine.tokenizer.encode(LONG_TEXT)[:10]
-    params = greedy(54)  # 10 + 54 = 64 slots = 16 whole pages: exactly the pool
-    # generate() would hang on this bug; drive the scheduler a bounded number of steps.
-    try:
-        reqs, _ = engine._make_requests(None, ids, params, False, None, None, False, False, None)
-    except ValueError:
-        return  # refusing it up front is acceptable too
-    for req in reqs:
-        engine.scheduler.add_request(req)
-    try:
-        for _ in range(200):
-            if all(req.finished for req in reqs):
-                break
-            engine.scheduler.step()
-        assert all(req.finished for req in reqs), "the request was never admitted"
-        assert len(reqs[0].output_ids) == 54
-    finally:
-        for req in reqs:
-            engine.scheduler.abort(req)
+def test_request_filling_a_paged_pool_completes(scheduler_for, engine_for):
+    scheduler = scheduler_for(page_size=4, max_total_tokens=64)
+    ids = engine_for().tokenizer.encode(LONG_TEXT)[:10]
+    # 10 + 54 = 64 slots = 16 whole pages: exactly the pool. A wrong page reservation
+    # would never admit it; run_to_completion fails instead of hanging.
+    req = scheduler_req(scheduler, ids, greedy(54))
+    run_to_completion(scheduler, [req], max_steps=200)
+    assert len(req.output_ids) == 54
 
 
 # Prefix cache ------------------------------------------------------------------------------------

@@ -1,0 +1,116 @@
+"""Messages between the TokenizerManager, the Scheduler and the Detokenizer processes.
+
+Typed msgspec structs, serialized as msgpack: a peer can only ever send data, never code
+(nothing crossing a socket is unpickled). Each struct is tagged with its class name, so a
+socket carrying several kinds decodes into the right one.
+
+    TokenizerManager --GenerateReq/AbortReq/ControlReq--> Scheduler
+    Scheduler --TokenBatch--> Detokenizer --TextBatch--> TokenizerManager
+    Scheduler --ControlReply--> TokenizerManager
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+LogprobEntry = list[Any]  # [logprob | None, token_id, text | None]
+
+
+class GenerateReq(msgspec.Struct, tag=True):
+    """A tokenized, validated request. ``sampling`` holds SamplingParams' fields."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    logprob_start: int | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    extra_key: str | None = None
+    prefill_leader: str | None = None
+    """rid of the sample (of the same n > 1 request) whose cached prompt this one reuses."""
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str | None = None
+    """None: abort every unfinished request."""
+
+
+class ControlReq(msgspec.Struct, tag=True):
+    """``flush_cache``, ``server_info`` or ``shutdown``; answered by a ``ControlReply``."""
+
+    kind: str
+    request_id: int = 0
+
+
+class ControlReply(msgspec.Struct, tag=True):
+    request_id: int
+    ok: bool
+    info: dict[str, Any] = {}
+
+
+class DetokenizeSpec(msgspec.Struct):
+    """How to turn a request's tokens into text; sent with its first output only."""
+
+    prompt_tail: list[int]
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    stop: list[str]
+    no_stop_trim: bool
+
+
+class TokenOut(msgspec.Struct):
+    """What one request produced since its last TokenOut (deltas), and its state."""
+
+    rid: str
+    new_ids: list[int]
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    cached_tokens: int
+    retractions: int
+    input_token_logprobs: list[LogprobEntry] = []
+    input_top_logprobs: list[Any] = []
+    output_token_logprobs: list[LogprobEntry] = []
+    output_top_logprobs: list[Any] = []
+    spec: DetokenizeSpec | None = None
+
+
+class TokenBatch(msgspec.Struct, tag=True):
+    outputs: list[TokenOut]
+
+
+class TextOut(msgspec.Struct):
+    """A TokenOut with its text: ``text`` is cumulative, safe to show (complete
+    characters, no partial stop string; trimmed at the stop once finished)."""
+
+    text: str
+    tokens: TokenOut
+
+
+class TextBatch(msgspec.Struct, tag=True):
+    outputs: list[TextOut]
+
+
+class ProcessFailed(msgspec.Struct, tag=True):
+    """A child process's last word before it exits on an error."""
+
+    process: str
+    message: str
+
+
+Message = (
+    GenerateReq | AbortReq | ControlReq | ControlReply | TokenBatch | TextBatch | ProcessFailed
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)
