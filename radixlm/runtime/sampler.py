@@ -25,7 +25,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
         """logits: (B, V) float32 for the next token of each request -> one token id each."""
         logits = logits[:, : self.vocab_size]
-        logits = self.process_logits(logits.clone(), reqs)
+        if any(_needs_processing(r) for r in reqs):
+            logits = self.process_logits(logits.clone(), reqs)
         params = [r.sampling for r in reqs]
         if all(p.is_greedy for p in params):
             return logits.argmax(dim=-1).tolist()
@@ -35,14 +36,12 @@ class Sampler:
         )[:, None]
         probs = torch.softmax(logits / temperature, dim=-1)  # (B, V)
         probs = _filter_probs(probs, params)
-        noise = torch.empty_like(probs)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, req in enumerate(reqs):
             seed = req.sampling.sampling_seed
-            if seed is not None:
+            if seed is not None:  # redrawn from the request's own generator
                 gen = torch.Generator().manual_seed(_seed_for_step(seed, len(req.output_ids)))
                 noise[row].exponential_(generator=gen)
-            else:
-                noise[row].exponential_(generator=self.generator)
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.is_greedy for p in params])
         return torch.where(is_greedy, greedy, sampled).tolist()
@@ -63,6 +62,13 @@ class Sampler:
                 if banned:
                     logits[row, banned] = _NEG_INF
         return logits
+
+
+def _needs_processing(req: Req) -> bool:
+    params = req.sampling
+    return bool(params.logit_bias) or params.needs_penalties or (
+        len(req.output_ids) < params.min_new_tokens
+    )
 
 
 def _apply_penalties(logits: torch.Tensor, req: Req) -> None:

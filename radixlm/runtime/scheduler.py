@@ -143,7 +143,7 @@ class Scheduler:
         if self.chunked is not None and not adder.add_chunked(self.chunked):
             return adder  # it goes first: nothing overtakes a chunked prompt
         static_batch_busy = args.batching == "static" and (self.running or self.chunked)
-        if self.waiting and adder.chunked_req is None and not static_batch_busy:
+        if self.waiting and adder.rows and adder.chunked_req is None and not static_batch_busy:
             for req in self.policy.order(self.waiting):
                 leader = req.prefill_leader
                 if leader is not None and not (leader.output_ids or leader.finished):
@@ -183,8 +183,11 @@ class Scheduler:
         later allocation or the forward pass fails, aborting the requests frees everything.
         """
         input_ids, positions, slots, prefix_lens, extend_lens = [], [], [], [], []
+        if mode is ForwardMode.DECODE:
+            slots.append(self.memory.alloc_decode(reqs))
         for req, ids in zip(reqs, new_ids):
-            slots.append(self.memory.alloc(req, len(ids)))
+            if mode is ForwardMode.EXTEND:
+                slots.append(self.memory.alloc(req, len(ids)))
             input_ids += ids
             positions += range(req.kv_len, req.kv_len + len(ids))
             prefix_lens.append(req.kv_len)

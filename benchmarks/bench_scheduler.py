@@ -1,0 +1,166 @@
+"""The scheduler's own cost per step: everything but the model, at 1, 64 and 256 running requests.
+
+The real Scheduler is built in this process over a tiny model (written to a temporary
+directory), as the scheduler process builds it; then the model's forward pass and LM head
+are replaced by stand-ins that return at once (zero hidden states, logits naming one
+ordinary token), so admission, KV allocation, batch building, sampling, stop checks and
+prefix caching all run for real and the time per step is theirs. The scheduler process also
+packs each step's new tokens into a message for the detokenizer; that is timed too (the
+"+ report" column: ``token_out`` for every request and msgpack encoding, not the socket send).
+
+For each batch size: the prefill steps that admit the batch (time per admitted request),
+then ``--steps`` decode steps with every request running (time per step, per request-step,
+and the share of it spent inside the stand-ins, which should be near zero).
+
+    python benchmarks/bench_scheduler.py [--sizes 1 64 256] [--steps 200] [--vocab 32000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from tiny_models import write_tiny_model  # noqa: E402
+
+from radixlm.runtime import io_messages as io  # noqa: E402
+from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
+from radixlm.runtime.scheduler import Scheduler  # noqa: E402
+from radixlm.runtime.scheduler_process import build_scheduler, make_req, token_out  # noqa: E402
+from radixlm.runtime.server_args import ServerArgs  # noqa: E402
+
+PROMPT_LEN = 64
+
+
+class NoOpModel:
+    """Stand-ins for ``ModelRunner.forward`` and ``compute_logits`` that time themselves."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, token_range: tuple[int, int]):
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.token_range = token_range
+        self.calls = 0
+        self.seconds = 0.0
+
+    def forward(self, batch) -> torch.Tensor:
+        start = time.perf_counter()
+        hidden = torch.zeros(len(batch.input_ids), self.hidden_size)  # (T, hidden)
+        self.seconds += time.perf_counter() - start
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, V), every row's argmax one ordinary token (changing per call),
+        so the detokenizer and stop checks see text, not a special token."""
+        start = time.perf_counter()
+        logits = torch.zeros(hidden.shape[0], self.vocab_size)
+        low, high = self.token_range
+        logits[:, low + self.calls % (high - low)] = 1.0
+        self.calls += 1
+        self.seconds += time.perf_counter() - start
+        return logits
+
+
+def install(scheduler: Scheduler, model: NoOpModel) -> None:
+    scheduler.runner.forward = model.forward
+    scheduler.runner.compute_logits = model.compute_logits
+    # The output processor holds the LM head it was built with.
+    scheduler.output_processor.compute_logits = model.compute_logits
+
+
+def report(stepped: list) -> bytes:
+    """What the scheduler process sends the detokenizer after a step (without sending it)."""
+    return io.encode(io.TokenBatch([token_out(r) for r in stepped]))
+
+
+def measure(scheduler: Scheduler, model: NoOpModel, batch_size: int, steps: int,
+            seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    tokenizer = scheduler.output_processor.tokenizer
+    vocab = len(tokenizer)
+    sampling = dataclasses.asdict(SamplingParams.from_dict(
+        {"max_new_tokens": steps + 2, "temperature": 0.0, "ignore_eos": True}
+    ))
+    reqs = []
+    for i in range(batch_size):
+        prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)]
+        reqs.append(make_req(io.GenerateReq(f"{seed}-{i}", prompt, sampling), tokenizer, {}))
+    stats = scheduler.stats
+    for req in reqs:
+        scheduler.add_request(req)
+
+    extend_before, start = stats.extend_steps, time.perf_counter()
+    while scheduler.waiting or scheduler.chunked is not None:
+        scheduler.step()
+    admit_seconds = time.perf_counter() - start
+    admit_steps = stats.extend_steps - extend_before
+    assert len(scheduler.running) == batch_size, "the whole batch must be running"
+
+    decode_before, model_before = stats.decode_steps, model.seconds
+    report_seconds = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        stepped = scheduler.step()
+        report_start = time.perf_counter()
+        report(stepped)
+        report_seconds += time.perf_counter() - report_start
+    total_seconds = time.perf_counter() - start
+    decode_seconds = total_seconds - report_seconds
+    assert stats.decode_steps - decode_before == steps, "every timed step must be a decode"
+    assert all(len(r.output_ids) == steps + 1 for r in reqs)
+    stand_in = model.seconds - model_before
+
+    while not all(r.finished for r in reqs):
+        scheduler.step()
+    scheduler.memory.flush()
+    return {
+        "admit_steps": admit_steps,
+        "admit_us_per_req": admit_seconds / batch_size * 1e6,
+        "decode_us_per_step": decode_seconds / steps * 1e6,
+        "decode_us_per_req_step": decode_seconds / steps / batch_size * 1e6,
+        "with_report_us_per_step": total_seconds / steps * 1e6,
+        "stand_in_share": stand_in / decode_seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--vocab", type=int, default=32000,
+                        help="the stand-in LM head's vocabulary (sampling cost grows with it)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    directory = write_tiny_model(Path(tempfile.mkdtemp()), vocab_size=args.vocab)
+    largest = max(args.sizes)
+    server_args = ServerArgs(
+        str(directory), dtype="float32", max_running_requests=largest,
+        max_total_tokens=largest * (PROMPT_LEN + args.steps + 8),
+    )
+    scheduler = build_scheduler(server_args, str(directory))
+    config = scheduler.runner.model_config
+    model = NoOpModel(config.hidden_size, config.vocab_size,
+                      (3, len(scheduler.output_processor.tokenizer)))
+    install(scheduler, model)
+    measure(scheduler, model, min(8, largest), 20, seed=0)  # warm-up
+    print(f"scheduler with a no-op model: prompts of {PROMPT_LEN} tokens, vocabulary "
+          f"{config.vocab_size}, {args.steps} decode steps per size, 1 thread")
+    print(f"{'running':>8} {'prefill steps':>13} {'admit us/req':>13} {'decode us/step':>15} "
+          f"{'us/req/step':>12} {'+ report us/step':>17} {'in stand-in':>12}")
+    for size in args.sizes:
+        row = measure(scheduler, model, size, args.steps, seed=size)
+        print(f"{size:>8} {row['admit_steps']:>13} {row['admit_us_per_req']:>13.1f} "
+              f"{row['decode_us_per_step']:>15.1f} {row['decode_us_per_req_step']:>12.2f} "
+              f"{row['with_report_us_per_step']:>17.1f} {row['stand_in_share']:>11.1%}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Chunked prefill: a prompt longer than ``chunked_prefill_size`` is computed chunk by chunk,
+and ``max_prefill_tokens`` caps the new prompt tokens of one step. Neither may change a
+single logprob or token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import assert_pool_idle, run_to_completion, scheduler_req
+from tiny_models import reference_prompt_logprobs
+from workloads import greedy, random_ids
+
+from radixlm.kernels.forward_batch import ForwardMode
+
+CHUNK = 32
+LONG = 10 * CHUNK  # the tiny model's context is 512
+
+
+def record_extends(scheduler, monkeypatch) -> list[list[int]]:
+    """Every EXTEND forward pass from now on, as its per-request new-token counts."""
+    extends: list[list[int]] = []
+    forward = scheduler.runner.forward
+
+    def recording_forward(batch):
+        if batch.mode == ForwardMode.EXTEND:
+            extends.append(list(batch.extend_seq_lens_list))
+        return forward(batch)
+
+    monkeypatch.setattr(scheduler.runner, "forward", recording_forward)
+    return extends
+
+
+def run(scheduler, prompts, params, **fields) -> list:
+    """Runs requests straight on an in-process scheduler; returns its finished ``Req``s."""
+    reqs = [scheduler_req(scheduler, p, s, **fields) for p, s in zip(prompts, params)]
+    run_to_completion(scheduler, reqs)
+    return reqs
+
+
+def values(entries: list) -> torch.Tensor:
+    return torch.tensor([e[0] for e in entries if e[0] is not None])
+
+
+def assert_same_results(got, want) -> None:
+    assert got.output_ids == want.output_ids
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        ours, theirs = getattr(got, key), getattr(want, key)
+        assert [e[1] for e in ours] == [e[1] for e in theirs], key
+        torch.testing.assert_close(values(ours), values(theirs), atol=1e-5, rtol=0)
+
+
+def test_the_engine_prefills_a_long_prompt_in_chunks_with_the_same_results(engine_for):
+    chunked = engine_for(chunked_prefill_size=CHUNK)
+    assert chunked.get_server_info()["chunked_prefill_size"] == CHUNK
+    whole = engine_for()  # the default chunk (1024) exceeds the context: never chunked
+    ids = random_ids(1, LONG)
+    kwargs = dict(input_ids=ids, sampling_params=greedy(16), return_logprob=True,
+                  logprob_start_len=0)
+    want = whole.generate(**kwargs)
+    before = chunked.get_server_info()["stats"]["extend_steps"]
+    got = chunked.generate(**kwargs)
+    assert chunked.get_server_info()["stats"]["extend_steps"] - before >= LONG // CHUNK
+    assert got["output_ids"] == want["output_ids"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert len(got["meta_info"][key]) == len(want["meta_info"][key])
+        torch.testing.assert_close(values(got["meta_info"][key]), values(want["meta_info"][key]),
+                                   atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("chunk", "page_size"), [(CHUNK, 1), (CHUNK, 4), (30, 4)])
+def test_a_prompt_ten_chunks_long_gives_the_unchunked_logprobs_and_tokens(
+    scheduler_for, tiny_model_dir, monkeypatch, chunk, page_size
+):
+    chunked = scheduler_for(chunked_prefill_size=chunk, page_size=page_size)
+    whole = scheduler_for(chunked_prefill_size=None, page_size=page_size)
+    ids = random_ids(1, LONG)
+    fields = dict(return_logprob=True, logprob_start=0)
+    [want] = run(whole, [ids], [greedy(16)], **fields)
+    extends = record_extends(chunked, monkeypatch)
+    [got] = run(chunked, [ids], [greedy(16)], **fields)
+    # It really was chunked: at least ten passes, none over the chunk size.
+    assert len(extends) >= LONG // chunk
+    assert max(n for step in extends for n in step) <= chunk
+    assert sum(n for step in extends for n in step) == LONG
+    assert len(got.input_token_logprobs) == LONG
+    assert_same_results(got, want)
+    # And both agree with transformers over the whole prompt.
+    reference = reference_prompt_logprobs(tiny_model_dir(), ids)
+    torch.testing.assert_close(values(got.input_token_logprobs), reference, atol=1e-4, rtol=0)
+
+
+def test_an_unchunked_scheduler_prefills_a_long_prompt_in_one_pass(scheduler_for, monkeypatch):
+    whole = scheduler_for(chunked_prefill_size=None)
+    extends = record_extends(whole, monkeypatch)
+    run(whole, [random_ids(2, LONG)], [greedy(2)], return_logprob=True, logprob_start=0)
+    assert extends == [[LONG]]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_several_long_prompts_chunked_in_one_batch_match_unchunked(
+    scheduler_for, monkeypatch, page_size
+):
+    chunked = scheduler_for(chunked_prefill_size=CHUNK, page_size=page_size)
+    whole = scheduler_for(chunked_prefill_size=None, page_size=page_size)
+    chunked.memory.flush()
+    prompts = [random_ids(10 + i, n) for i, n in enumerate((300, 7, 190, 65, 257, 33, 120))]
+    params = [greedy(n) for n in (12, 20, 5, 16, 9, 1, 30)]
+    fields = dict(return_logprob=True, logprob_start=0)
+    want = run(whole, prompts, params, **fields)
+    extends = record_extends(chunked, monkeypatch)
+    got = run(chunked, prompts, params, **fields)
+    assert max(n for step in extends for n in step) <= CHUNK
+    for ours, theirs in zip(got, want):
+        assert_same_results(ours, theirs)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_logprobs_starting_inside_a_later_chunk_match_unchunked(scheduler_for, page_size):
+    chunked = scheduler_for(chunked_prefill_size=CHUNK, page_size=page_size)
+    whole = scheduler_for(chunked_prefill_size=None, page_size=page_size)
+    chunked.memory.flush()
+    ids = random_ids(3, LONG)
+    start = 6 * CHUNK + 11  # inside the seventh chunk
+    [full] = run(whole, [ids], [greedy(16)], return_logprob=True, logprob_start=0)
+    for _ in range(2):  # cold, then with the prompt's chunks cached by the first run
+        [got] = run(chunked, [ids], [greedy(16)], return_logprob=True, logprob_start=start,
+                    top_logprobs_num=3)
+        assert [e[1] for e in got.input_token_logprobs] == ids[start + 1 :]
+        torch.testing.assert_close(values(got.input_token_logprobs),
+                                   values(full.input_token_logprobs)[start:], atol=1e-5, rtol=0)
+        assert len(got.input_top_logprobs) == len(got.input_token_logprobs)
+        assert got.output_ids == full.output_ids
+    assert got.cached_tokens == start - start % page_size
+
+
+def test_finished_chunks_are_cached_for_the_next_request(scheduler_for):
+    chunked = scheduler_for(chunked_prefill_size=CHUNK)
+    chunked.memory.flush()
+    ids = random_ids(4, LONG)
+    run(chunked, [ids], [greedy(1)])
+    [sibling] = run(chunked, [ids[:200] + random_ids(5, 40)], [greedy(1)])
+    assert sibling.cached_tokens == 200
+
+
+def test_a_small_max_prefill_tokens_spreads_many_prompts_over_steps(
+    scheduler_for, monkeypatch
+):
+    limited = scheduler_for(max_prefill_tokens=64)
+    reference = scheduler_for()
+    limited.memory.flush()
+    rng = random.Random(6)
+    prompts = [random_ids(100 + i, rng.randint(5, 30)) for i in range(40)]
+    params = [greedy(rng.randint(1, 12)) for _ in prompts]
+    want = run(reference, prompts, params)
+    extends = record_extends(limited, monkeypatch)
+    got = run(limited, prompts, params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert all(sum(step) <= 64 for step in extends), extends
+    assert len(extends) >= sum(len(p) for p in prompts) // 64
+
+
+def test_aborting_a_request_in_the_middle_of_its_chunks_frees_them(scheduler_for):
+    scheduler = scheduler_for(chunked_prefill_size=CHUNK)
+    scheduler.memory.flush()
+    short = scheduler_req(scheduler, random_ids(7, 10), greedy(20))
+    long = scheduler_req(scheduler, random_ids(8, LONG), greedy(20))
+    scheduler.add_request(short)
+    scheduler.add_request(long)
+    scheduler.step()
+    scheduler.step()
+    assert long.kv_len > 0 and long.kv_len < LONG and not long.output_ids  # mid-prefill
+    scheduler.abort(long)
+    assert long.finish_reason["type"] == "abort"
+    for _ in range(100):  # it is queued already
+        if short.finished:
+            break
+        scheduler.step()
+    assert short.finish_reason == {"type": "length", "length": 20}
+    # Its finished chunks may stay cached, unlocked; nothing else is held.
+    assert_pool_idle(scheduler.server_info())
