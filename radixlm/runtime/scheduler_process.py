@@ -18,7 +18,7 @@ from radixlm.runtime import io_messages as io
 from radixlm.runtime.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output_processor import OutputProcessor
-from radixlm.runtime.request import LogprobRequest, Req
+from radixlm.runtime.request import LogprobRequest, Req, finish_abort
 from radixlm.runtime.request_memory import RequestMemory
 from radixlm.runtime.runtime_processes import SocketPaths
 from radixlm.runtime.sampler import Sampler
@@ -132,9 +132,7 @@ class SchedulerLoop:
             timeout = 0
             msg = io.decode(self.inbox.recv())
             if isinstance(msg, io.GenerateReq):
-                req = make_req(msg, self.tokenizer, self.by_rid)
-                self.by_rid[req.rid] = req
-                self.scheduler.add_request(req)
+                self._add(msg)
             elif isinstance(msg, io.AbortReq):
                 self._abort(msg.rid)
             elif isinstance(msg, io.ControlReq):
@@ -142,6 +140,17 @@ class SchedulerLoop:
                     return False
                 self._control(msg)
         return os.getppid() == self.parent
+
+    def _add(self, msg: io.GenerateReq) -> None:
+        try:
+            req = make_req(msg, self.tokenizer, self.by_rid)
+        except (ValueError, TypeError) as err:  # the Engine validates; this is a last guard
+            reason = finish_abort(f"invalid request: {err}")
+            out = io.TokenOut(msg.rid, [], reason, len(msg.input_ids), 0, 0)
+            self.to_detokenizer.send(io.encode(io.TokenBatch([out])))
+            return
+        self.by_rid[req.rid] = req
+        self.scheduler.add_request(req)
 
     def _abort(self, rid: str | None) -> None:
         victims = [r for r in self.scheduler.requests() if rid is None or r.rid == rid]

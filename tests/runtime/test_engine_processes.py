@@ -133,3 +133,12 @@ def test_detokenizer_never_shows_a_broken_character():
     assert all("\ufffd" not in piece for piece in shown)
     assert shown[-1] == text
     assert all(text.startswith(piece) for piece in shown)
+
+
+def test_the_scheduler_survives_an_invalid_message(engine_for):
+    engine = engine_for()
+    bad = io.GenerateReq("bad-request", [5, 6, 7], {"temperature": -1.0})
+    out = engine._call(engine._tm.collect([bad]))[0]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "temperature" in out["meta_info"]["finish_reason"]["message"]
+    assert engine.generate(PROMPTS[0], greedy(3))["meta_info"]["completion_tokens"] == 3
