@@ -26,4 +26,4 @@ def load_model(
     # RoPE tables stay float32; parameters take the serving dtype.
     for param in model.parameters():
         param.data = param.data.to(dtype)
-    return model.eval().requires_grad_(False)
+    return model.train(False).requires_grad_(False)
