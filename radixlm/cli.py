@@ -1,19 +1,78 @@
 """The ``radixlm`` command.
 
     radixlm generate "What is the capital of France?"    # streams the default model's answer
+    radixlm serve --port 30000                           # SGLang's native HTTP API
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import signal
 import sys
+
+SERVER_OPTION_HELP = {
+    "model_path": "a Hugging Face directory, a .gguf file or a hub id (default: the default model)",
+    "tokenizer_path": "the tokenizer's directory (default: the model's)",
+    "dtype": "auto (bf16 where the hardware has it, else float32), float32, bfloat16, float16",
+    "device": "auto, cpu or cuda[:N]",
+    "attention_backend": "auto or torch_native",
+    "max_total_tokens": "KV pool size in tokens (default: from kv_cache_memory_fraction)",
+    "kv_cache_memory_fraction": "share of free memory for the KV pool",
+    "page_size": "tokens per KV page",
+    "disable_radix_cache": "compute every prompt in full (no prefix cache)",
+    "max_running_requests": "most requests decoded together",
+    "context_length": "longest prompt + output (default: the model's)",
+    "max_prefill_tokens": "most new prompt tokens per step",
+    "chunked_prefill_size": "prefill longer prompts in chunks of this many tokens",
+    "schedule_policy": "lpm, dfs-weight, fcfs, lof or random",
+    "batching": "continuous or static",
+    "init_new_token_ratio": "initial share of output budgets reserved in KV",
+    "min_new_token_ratio": "lowest share of output budgets reserved in KV",
+    "new_token_ratio_decay": "decay of that share per decode step",
+    "random_seed": "seed for requests without sampling_seed",
+    "num_threads": "CPU threads (default: adaptive)",
+    "trust_remote_code": "allow model code from the checkpoint",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "api_key": "require 'Authorization: Bearer <key>' on every route but /health",
+}
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerArgs field (``--max-total-tokens`` for ``max_total_tokens``)."""
+    from radixlm.runtime.server_args import ServerArgs
+
+    for option in dataclasses.fields(ServerArgs):
+        flag = "--" + option.name.replace("_", "-")
+        default = option.default
+        help_text = f"{SERVER_OPTION_HELP.get(option.name, option.name)} (default: {default})"
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", help=help_text)
+        else:
+            kind = _option_type(option.type)
+            parser.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+def _option_type(annotation: str):
+    if "int" in annotation and "float" not in annotation:
+        return int
+    if "float" in annotation:
+        return float
+    return str
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixlm", description="A structured-generation runtime.")
     commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve", help="serve a model over HTTP (SGLang's native API)",
+        description="Serve a model over HTTP with SGLang's native API.",
+    )
+    add_server_options(serve)
+    serve.add_argument("--log-level", default="info", help="logging level")
     gen = commands.add_parser(
         "generate", help="stream a model's answer to a prompt",
         description="Generate text for one prompt and print it as it is produced.",
@@ -57,6 +116,29 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from radixlm.runtime.engine import Engine
+    from radixlm.runtime.http_server import create_app
+    from radixlm.runtime.server_args import ServerArgs
+
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}
+    with Engine(**options) as engine:
+        server_args = engine.server_args
+        app = create_app(engine, server_args.api_key)
+        # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal; with
+        # this handler in place the re-raise returns here, so the Engine's children are
+        # stopped and the process exits 0.
+        for stop_signal in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(stop_signal, lambda *_: None)
+        print(f"radixlm: serving {engine.model_config.path} at "
+              f"http://{server_args.host}:{server_args.port}", flush=True)
+        uvicorn.run(app, host=server_args.host, port=server_args.port,
+                    log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = _build_parser().parse_args(argv)
@@ -64,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
     except ValueError as err:
         print(f"radixlm: error: {err}", file=sys.stderr)
         return 2

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -36,3 +38,38 @@ def test_readme_command_answers_with_the_default_model():
     result = run_cli("generate", "What is the capital of France?", "--max-new-tokens", "32")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_serve_answers_over_http_and_exits_on_sigterm(tiny_model_dir):
+    import signal
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "radixlm.launch_server", "--model-path", str(tiny_model_dir()),
+         "--dtype", "float32", "--max-total-tokens", "2048", "--port", str(port),
+         "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        ready = server.stdout.readline()
+        assert f"http://127.0.0.1:{port}" in ready, server.stderr.read()
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        out = httpx.post(f"{url}/generate", timeout=30, json={
+            "text": "The quick brown fox", "sampling_params": {"max_new_tokens": 4},
+        })
+        assert out.status_code == 200 and out.json()["meta_info"]["completion_tokens"] == 4
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(15) == 0

@@ -41,7 +41,7 @@ class ServerArgs:
     max_prefill_tokens: int = 8192
     """Most new prompt tokens computed in one step (the first request may exceed it)."""
     chunked_prefill_size: int | None = 1024
-    """Prompts longer than this are prefilled chunk by chunk; None: never chunk."""
+    """Prompts longer than this are prefilled chunk by chunk; None (or -1): never chunk."""
     schedule_policy: str = "lpm"
     batching: str = "continuous"
     """``continuous`` (iteration-level) or ``static`` (request-level, for comparison)."""
@@ -55,6 +55,11 @@ class ServerArgs:
     """CPU threads for every forward pass; None: one thread for small batches (decode), all
     of torch's threads for large ones (prefill)."""
     trust_remote_code: bool = False
+    host: str = "127.0.0.1"
+    """Where ``radixlm serve`` listens (loopback only, unless told otherwise)."""
+    port: int = 30000
+    api_key: str | None = None
+    """When set, every HTTP route but /health requires ``Authorization: Bearer <key>``."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -67,6 +72,8 @@ class ServerArgs:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         _check_positive("page_size", self.page_size)
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
         _check_positive("max_running_requests", self.max_running_requests)
         if self.max_total_tokens is not None:
             _check_positive("max_total_tokens", self.max_total_tokens)
@@ -75,6 +82,8 @@ class ServerArgs:
         if self.num_threads is not None:
             _check_positive("num_threads", self.num_threads)
         _check_positive("max_prefill_tokens", self.max_prefill_tokens)
+        if self.chunked_prefill_size == -1:  # SGLang's spelling of "no chunking"
+            self.chunked_prefill_size = None
         if self.chunked_prefill_size is not None:
             _check_positive("chunked_prefill_size", self.chunked_prefill_size)
         if self.schedule_policy not in SCHEDULE_POLICIES:
