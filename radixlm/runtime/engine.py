@@ -137,6 +137,10 @@ class Engine:
         info["model_path"] = str(self.model_config.path)
         return info
 
+    def attach_metrics(self, metrics) -> None:
+        """Reports every finished request to ``metrics`` (a ``ServerMetrics``)."""
+        self._tm.metrics = metrics
+
     def is_healthy(self) -> bool:
         """False once a runtime process has died (every call then raises)."""
         return not self._shut_down and self._tm.failure is None
@@ -177,7 +181,9 @@ class Engine:
     # Internals ------------------------------------------------------------------------
 
     async def _make_tokenizer_manager(self) -> TokenizerManager:
-        return TokenizerManager(self._runtime.paths, self._runtime.processes)
+        queued = self.server_args.max_queued_requests
+        limit = None if queued is None else self.server_args.max_running_requests + queued
+        return TokenizerManager(self._runtime.paths, self._runtime.processes, limit)
 
     def _call(self, coroutine):
         """Runs ``coroutine`` on the engine's loop and waits for its result."""

@@ -2,7 +2,8 @@
 
 A thin FastAPI layer: every route validates its body (pydantic), calls the Engine's async
 API, and maps errors to status codes: bad input 400 (``{"error": {"message"}}``), a bad or
-missing API key 401, a dead runtime 503. With ``api_key`` set, every route but ``/health``
+missing API key 401, a body over ``MAX_BODY_BYTES`` 413, a full queue or a dead runtime 503.
+``/metrics`` serves Prometheus metrics. With ``api_key`` set, every route but ``/health``
 requires ``Authorization: Bearer <key>``.
 """
 
@@ -17,14 +18,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 
 from radixlm.runtime.engine import Engine
-from radixlm.runtime.tokenizer_manager import RuntimeUnavailable
+from radixlm.runtime.metrics import ServerMetrics
+from radixlm.runtime.tokenizer_manager import QueueFull, RuntimeUnavailable
 
 logger = logging.getLogger(__name__)
 
 OPEN_ROUTES = {"/health"}
+MAX_BODY_BYTES = 32 * 2**20
 
 
 class GenerateRequest(BaseModel):
@@ -60,7 +64,10 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="radixlm", description="SGLang-compatible native API")
 
     @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
+    async def check_api_key_and_size(request: Request, call_next):
+        declared = request.headers.get("content-length", "0")
+        if not declared.isdigit() or int(declared) > MAX_BODY_BYTES:
+            return error_response(413, f"request bodies are limited to {MAX_BODY_BYTES} bytes")
         if api_key is not None and request.url.path not in OPEN_ROUTES:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
@@ -80,6 +87,17 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(RuntimeUnavailable)
     async def unavailable(_: Request, err: RuntimeUnavailable) -> JSONResponse:
         return error_response(503, str(err))
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, err: QueueFull) -> JSONResponse:
+        return error_response(503, str(err))
+
+    metrics = ServerMetrics(engine.get_server_info)
+    engine.attach_metrics(metrics)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:
@@ -142,7 +160,7 @@ async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     try:
         async for chunk in chunks:
             yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
-    except (ValueError, RuntimeUnavailable) as err:
+    except (ValueError, RuntimeUnavailable, QueueFull) as err:
         yield f"data: {json.dumps({'error': {'message': str(err)}})}\n\n".encode()
     finally:
         await chunks.aclose()  # at once, not when garbage collected

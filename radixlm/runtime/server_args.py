@@ -58,6 +58,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     """Where ``radixlm serve`` listens (loopback only, unless told otherwise)."""
     port: int = 30000
+    max_queued_requests: int | None = None
+    """Requests accepted beyond ``max_running_requests``; more are refused (HTTP 503)."""
     api_key: str | None = None
     """When set, every HTTP route but /health requires ``Authorization: Bearer <key>``."""
 
@@ -72,6 +74,12 @@ class ServerArgs:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         _check_positive("page_size", self.page_size)
+        if self.max_queued_requests is not None and (
+            not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0
+        ):
+            raise ValueError(
+                f"max_queued_requests must be an integer >= 0, got {self.max_queued_requests!r}"
+            )
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         _check_positive("max_running_requests", self.max_running_requests)

@@ -29,6 +29,10 @@ class RuntimeUnavailable(RuntimeError):
     """A runtime process died or the runtime was shut down."""
 
 
+class QueueFull(RuntimeError):
+    """More requests are in flight than the runtime accepts (``max_queued_requests``)."""
+
+
 @dataclass
 class ReqState:
     """What the client has of one request so far."""
@@ -38,6 +42,7 @@ class ReqState:
     return_logprob: bool
     top_logprobs: bool
     created: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
@@ -56,6 +61,8 @@ class ReqState:
 
     def apply(self, out: io.TextOut) -> None:
         tokens = out.tokens
+        if tokens.new_ids and self.first_token is None:
+            self.first_token = time.perf_counter()
         self.text = out.text
         self.output_ids += tokens.new_ids
         self.finish_reason = tokens.finish_reason
@@ -92,7 +99,9 @@ class ReqState:
 class TokenizerManager:
     """Runs on one event loop; every method must be called from that loop."""
 
-    def __init__(self, paths, processes: dict[str, subprocess.Popen]):
+    def __init__(self, paths, processes: dict[str, subprocess.Popen],
+                 max_in_flight: int | None = None):
+        """``max_in_flight``: unfinished requests accepted at once (None: no limit)."""
         self.context = zmq.asyncio.Context()
         self.to_scheduler = self.context.socket(zmq.PUSH)
         self.to_scheduler.connect(paths.scheduler)
@@ -105,6 +114,9 @@ class TokenizerManager:
         self.control_waiters: dict[int, asyncio.Future] = {}
         self._control_ids = itertools.count(1)
         self.failure: str | None = None
+        self.max_in_flight = max_in_flight
+        self.metrics = None
+        """A ``ServerMetrics`` told of every finished request, when set."""
         self._tasks = [
             asyncio.ensure_future(self._receive_loop()),
             asyncio.ensure_future(self._watch_children()),
@@ -117,6 +129,11 @@ class TokenizerManager:
         duplicate = [r.rid for r in reqs if r.rid in self.states]
         if duplicate:
             raise ValueError(f"rid {duplicate[0]!r} is already in use by a running request")
+        if self.max_in_flight is not None and len(self.states) + len(reqs) > self.max_in_flight:
+            raise QueueFull(
+                f"the server is busy: {len(self.states)} requests in flight, at most "
+                f"{self.max_in_flight} accepted; retry later"
+            )
         states = []
         for req in reqs:
             state = ReqState(req.rid, len(req.input_ids), req.return_logprob,
@@ -217,6 +234,10 @@ class TokenizerManager:
                         state.apply(out)
                         if state.finished:
                             del self.states[state.rid]
+                            if self.metrics is not None:
+                                meta = state.output()["meta_info"]
+                                self.metrics.observe_finished(state.created, state.first_token,
+                                                              meta)
             elif isinstance(msg, io.ControlReply):
                 future = self.control_waiters.get(msg.request_id)
                 if future is not None and not future.done():

@@ -1,0 +1,92 @@
+"""Prometheus metrics of a server: request latencies and token counts, observed as requests
+finish, and the runtime's live state (queues, KV, cache), read at each scrape.
+
+Each latency histogram is observed exactly once per finished request: time to first token,
+mean inter-token latency, and end-to-end latency.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    """Metrics in a registry of their own (so several servers in one process never clash)."""
+
+    def __init__(self, server_info: Callable[[], dict[str, Any]]):
+        self.registry = CollectorRegistry()
+        self.prompt_tokens = Counter(
+            "radixlm_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "radixlm_generation_tokens", "Tokens generated", registry=self.registry
+        )
+        self.cached_tokens = Counter(
+            "radixlm_cached_tokens", "Prompt tokens served from the prefix cache",
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "radixlm_requests_finished", "Finished requests", ["finish_reason"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "radixlm_time_to_first_token_seconds", "Time to first token",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "radixlm_inter_token_latency_seconds", "Mean time between output tokens",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "radixlm_e2e_request_latency_seconds", "End-to-end request latency",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(_RuntimeStateCollector(server_info))
+
+    def observe_finished(self, created: float, first_token: float | None, meta: dict) -> None:
+        """Records one finished request (``meta``: its native ``meta_info``)."""
+        now = time.perf_counter()
+        first = first_token if first_token is not None else now
+        completion = meta["completion_tokens"]
+        self.prompt_tokens.inc(meta["prompt_tokens"])
+        self.generation_tokens.inc(completion)
+        self.cached_tokens.inc(meta["cached_tokens"])
+        self.finished.labels((meta["finish_reason"] or {}).get("type", "unknown")).inc()
+        self.time_to_first_token.observe(first - created)
+        self.inter_token_latency.observe((now - first) / (completion - 1) if completion > 1 else 0)
+        self.e2e_latency.observe(now - created)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RuntimeStateCollector(Collector):
+    """Gauges read from the runtime at scrape time."""
+
+    def __init__(self, server_info: Callable[[], dict[str, Any]]):
+        self.server_info = server_info
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        info = self.server_info()
+        stats = info.get("stats", {})
+        used = info["max_total_tokens"] - info["free_kv_tokens"]
+        hit_rate = stats.get("cached_tokens", 0) / max(stats.get("prompt_tokens", 0), 1)
+        gauges = {
+            "radixlm_num_running_requests": ("Requests running", info["num_running"]),
+            "radixlm_num_queued_requests": ("Requests waiting", info["num_waiting"]),
+            "radixlm_kv_usage_ratio": ("Share of KV slots in use (requests and cache)",
+                                       used / info["max_total_tokens"]),
+            "radixlm_cache_tokens": ("Tokens held by the prefix cache", info["cache_tokens"]),
+            "radixlm_cache_hit_rate": ("Cached share of admitted prompt tokens", hit_rate),
+            "radixlm_retractions": ("Requests retracted so far", stats.get("retractions", 0)),
+        }
+        for name, (help_text, value) in gauges.items():
+            yield GaugeMetricFamily(name, help_text, value=value)

@@ -1,0 +1,219 @@
+"""The OpenAI API's request and response bodies (COMPATIBILITY.md, section 2), as pydantic
+models, so that validation and ``/openapi.json`` both come from one description.
+
+Requests refuse unknown fields. Besides OpenAI's own fields they take SGLang's extras (what
+the ``openai`` client's ``extra_body`` sends): ``top_k``, ``min_p``, ``min_tokens``,
+``regex``, ``ebnf``, ``json_schema``, ``stop_token_ids``, ``ignore_eos``,
+``repetition_penalty``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingExtras(_Request):
+    """Fields shared by both generation routes, named as OpenAI (and SGLang) name them."""
+
+    model: str
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # SGLang's extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+
+
+class CompletionRequest(SamplingExtras):
+    """The body of ``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat; only text content is supported."""
+
+    model_config = ConfigDict(extra="ignore")  # tool_calls, refusal, ... are not used
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatCompletionRequest(SamplingExtras):
+    """The body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+# Responses ------------------------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "radixlm"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or (with ``stream``) one chunk of one, whose text is a delta."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
