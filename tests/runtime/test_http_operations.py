@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from test_http_server import LiveServer
+from live_server import LiveServer
 from workloads import PROMPTS, greedy
 
 from radixlm.runtime.http_server import create_app

@@ -3,44 +3,15 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
+from live_server import LiveServer
 from workloads import PROMPTS, greedy
 
 from radixlm.runtime.http_server import create_app
 
 API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LiveServer:
-    """uvicorn in a background thread; stopped by ``close``."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture
