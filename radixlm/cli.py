@@ -38,6 +38,8 @@ SERVER_OPTION_HELP = {
     "host": "address to listen on",
     "port": "port to listen on",
     "api_key": "require 'Authorization: Bearer <key>' on every route but /health",
+    "served_model_name": "the model's name in the OpenAI API (default: its directory's name)",
+    "max_queued_requests": "requests accepted beyond max_running_requests (more get 503)",
 }
 
 
@@ -126,7 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}
     with Engine(**options) as engine:
         server_args = engine.server_args
-        app = create_app(engine, server_args.api_key)
+        app = create_app(engine, server_args.api_key, server_args.served_model_name)
         # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal; with
         # this handler in place the re-raise returns here, so the Engine's children are
         # stopped and the process exits 0.

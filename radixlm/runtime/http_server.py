@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.metrics import ServerMetrics
+from radixlm.runtime.openai_api import add_openai_routes
 from radixlm.runtime.tokenizer_manager import QueueFull, RuntimeUnavailable
 
 logger = logging.getLogger(__name__)
@@ -59,9 +60,13 @@ def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``."""
-    app = FastAPI(title="radixlm", description="SGLang-compatible native API")
+def create_app(
+    engine: Engine, api_key: str | None = None, served_model_name: str | None = None
+) -> FastAPI:
+    """The FastAPI app serving ``engine``: the native API, and the OpenAI API under /v1 with
+    the model named ``served_model_name`` (default: the model directory's name)."""
+    app = FastAPI(title="radixlm", description="SGLang's native API and the OpenAI API")
+    add_openai_routes(app, engine, served_model_name or engine.model_config.path.name)
 
     @app.middleware("http")
     async def check_api_key_and_size(request: Request, call_next):

@@ -26,7 +26,7 @@ class SamplingExtras(_Request):
     """Fields shared by both generation routes, named as OpenAI (and SGLang) name them."""
 
     model: str
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=128)
     stop: str | list[str] | None = None
     seed: int | None = None
     temperature: float | None = None

@@ -58,6 +58,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     """Where ``radixlm serve`` listens (loopback only, unless told otherwise)."""
     port: int = 30000
+    served_model_name: str | None = None
+    """The model's name in the OpenAI API; None: the model directory's name."""
     max_queued_requests: int | None = None
     """Requests accepted beyond ``max_running_requests``; more are refused (HTTP 503)."""
     api_key: str | None = None

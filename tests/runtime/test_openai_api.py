@@ -3,14 +3,15 @@ client (and raw HTTP where the client hides the wire format)."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
-from test_http_server import LiveServer
+from live_server import LiveServer
 from workloads import PROMPTS, greedy
 
 from radixlm.runtime.http_server import create_app
-from radixlm.runtime.openai_api import add_openai_routes
 
 MODEL = "tiny"
 CHAT_TEMPLATE = (
@@ -25,10 +26,7 @@ def live(engine_for, monkeypatch):
     """(server url, engine); the engine's tokenizer gets a chat template for the test."""
     engine = engine_for()
     monkeypatch.setattr(engine.tokenizer, "chat_template", CHAT_TEMPLATE, raising=False)
-    app = create_app(engine)
-    if not any(getattr(route, "path", None) == "/v1/models" for route in app.routes):
-        add_openai_routes(app, engine, MODEL)
-    server = LiveServer(app)
+    server = LiveServer(create_app(engine, served_model_name=MODEL))
     yield server.url, engine
     server.close()
 
@@ -50,7 +48,9 @@ def test_models_lists_the_served_model(client):
 
 
 def test_greedy_completion_matches_the_native_generate(client, model, live):
-    expected = live[1].generate(PROMPTS[1], greedy(8))
+    native = httpx.post(live[0] + "/generate", timeout=30,
+                        json={"text": PROMPTS[1], "sampling_params": greedy(8)})
+    expected = native.json()
     out = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, **GREEDY)
     assert out.object == "text_completion" and out.id.startswith("cmpl-")
     assert out.choices[0].text == expected["text"]
@@ -89,6 +89,10 @@ def test_completion_logprobs_have_top_k_and_offsets(client, model):
     echoed = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=2,
                                        logprobs=1, echo=True, **GREEDY).choices[0].logprobs
     assert echoed.token_logprobs[0] is None and len(echoed.tokens) > 2
+    streamed = list(client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=5,
+                                              logprobs=3, stream=True, **GREEDY))
+    assert sum((c.choices[0].logprobs.tokens for c in streamed), []) == logprobs.tokens
+    assert sum((c.choices[0].logprobs.text_offset for c in streamed), []) == logprobs.text_offset
 
 
 def test_stop_string_ends_the_completion(client, model, live):
@@ -99,6 +103,9 @@ def test_stop_string_ends_the_completion(client, model, live):
                                     **GREEDY)
     assert out.choices[0].finish_reason == "stop"
     assert full.startswith(out.choices[0].text) and stop not in out.choices[0].text
+    streamed = client.completions.create(model=model, prompt=PROMPTS[3], max_tokens=12,
+                                         stop=stop, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
 
 
 def test_seed_makes_sampling_reproducible(client, model):
@@ -208,3 +215,14 @@ def test_chat_without_a_template_is_a_bad_request(client, model, live, monkeypat
     with pytest.raises(openai.BadRequestError, match="chat template"):
         client.chat.completions.create(model=model, max_tokens=2,
                                        messages=[{"role": "user", "content": "x"}])
+
+
+def test_a_stream_closed_early_frees_its_request(client, model, live):
+    stream = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=500,
+                                       stream=True, **GREEDY)
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 10
+    while live[1].get_server_info()["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live[1].get_server_info()["num_running"] == 0
