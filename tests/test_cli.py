@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +71,13 @@ def test_serve_answers_over_http_and_exits_on_sigterm(tiny_model_dir):
             "text": "The quick brown fox", "sampling_params": {"max_new_tokens": 4},
         })
         assert out.status_code == 200 and out.json()["meta_info"]["completion_tokens"] == 4
+        children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(server.pid)],
+                                  capture_output=True, text=True).stdout.split()
+        assert len(children) == 2  # the scheduler and the detokenizer
     finally:
         server.send_signal(signal.SIGTERM)
+        started = time.monotonic()
         assert server.wait(15) == 0
+        assert time.monotonic() - started < 10
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists(), f"child {pid} outlived the server"

@@ -118,8 +118,9 @@ def build_generate_reqs(
     """The scheduler's messages for ``inputs``: one per sample (``n`` per prompt).
 
     Every value is checked here, before anything is queued, so a bad one queues nothing.
-    The model's generation-config defaults fill in what the request leaves out, and the
-    output budget is clamped to the context.
+    The model's generation-config defaults fill in what the request leaves out. A
+    ``max_new_tokens`` given beyond the context is refused (as SGLang does); the default
+    budget is clamped to the context.
     """
     if top_logprobs_num is not None and (
         not isinstance(top_logprobs_num, int) or top_logprobs_num < 0
@@ -134,7 +135,13 @@ def build_generate_reqs(
         )
         params.check_vocab(limits.vocab_size)
         prompt_len = len(item.input_ids)
-        params.max_new_tokens = min(params.max_new_tokens, limits.context_length - prompt_len)
+        room = limits.context_length - prompt_len
+        if "max_new_tokens" in (item.sampling_params or {}) and params.max_new_tokens > room:
+            raise ValueError(
+                f"max_new_tokens ({params.max_new_tokens}) plus the prompt ({prompt_len} "
+                f"tokens) exceeds the context length ({limits.context_length})"
+            )
+        params.max_new_tokens = min(params.max_new_tokens, room)  # a default budget is clamped
         need = pages_for(prompt_len + params.max_new_tokens, limits.page_size)
         if need > limits.max_total_tokens:
             raise ValueError(

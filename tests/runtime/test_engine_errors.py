@@ -66,10 +66,19 @@ def test_prompt_longer_than_the_context_is_refused(engine_for, form):
     assert engine.generate(input_ids=ids[:20], sampling_params=greedy(4))["output_ids"]
 
 
-def test_output_is_clamped_to_the_context(engine_for):
+def test_an_explicit_output_budget_beyond_the_context_is_refused(engine_for):
     engine = engine_for(context_length=64)
     ids = engine.tokenizer.encode(LONG_TEXT)[:60]
-    out = engine.generate(input_ids=ids, sampling_params=greedy(50))
+    with pytest.raises(ValueError, match="max_new_tokens .50. plus the prompt .60 tokens."):
+        engine.generate(input_ids=ids, sampling_params=greedy(50))
+    out = engine.generate(input_ids=ids, sampling_params=greedy(4))
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+
+
+def test_the_default_output_budget_is_clamped_to_the_context(engine_for):
+    engine = engine_for(context_length=64)
+    ids = engine.tokenizer.encode(LONG_TEXT)[:60]
+    out = engine.generate(input_ids=ids, sampling_params={"ignore_eos": True})
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
 
 

@@ -138,3 +138,25 @@ def test_flush_cache_and_abort_request(server):
                 break
     assert finals[0]["type"] == "abort"
     assert finals[1] == {"type": "length", "length": 400}
+
+
+def test_an_output_budget_beyond_the_context_is_a_400(server):
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 100_000}}
+    response = server.post("/generate", json=body)
+    assert response.status_code == 400
+    assert "max_new_tokens" in response.json()["error"]["message"]
+
+
+def test_abort_all_ends_every_running_request_with_abort(server):
+    body = {"text": PROMPTS[:4], "sampling_params": greedy(400), "stream": True}
+    finals = {}
+    with server.stream("POST", "/generate", json=body) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if not finals and chunk["meta_info"]["finish_reason"] is None:
+                assert server.post("/abort_request", json={"abort_all": True}).status_code == 200
+            if chunk["meta_info"]["finish_reason"] is not None:
+                finals[chunk["index"]] = chunk["meta_info"]["finish_reason"]["type"]
+    assert finals == {0: "abort", 1: "abort", 2: "abort", 3: "abort"}
