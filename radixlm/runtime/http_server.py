@@ -12,7 +12,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.metrics import ServerMetrics
 from radixlm.runtime.openai_api import add_openai_routes
+from radixlm.runtime.server_sent_events import server_sent_events
 from radixlm.runtime.tokenizer_manager import QueueFull, RuntimeUnavailable
 
 logger = logging.getLogger(__name__)
@@ -153,20 +153,10 @@ def create_app(
         )
         if not body.stream:
             return result
-        return StreamingResponse(_sse(result), media_type="text/event-stream")
+        sse = server_sent_events(
+            result, result, lambda chunk: json.dumps(chunk, ensure_ascii=False),
+            lambda err: {"error": {"message": str(err)}},
+        )
+        return StreamingResponse(sse, media_type="text/event-stream")
 
     return app
-
-
-async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """Server-sent events: ``data: <json>`` per chunk, an error as ``data: {"error"}``, then
-    ``data: [DONE]``. A client that goes away closes this iterator, which aborts what it
-    had not finished."""
-    try:
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
-    except (ValueError, RuntimeUnavailable, QueueFull) as err:
-        yield f"data: {json.dumps({'error': {'message': str(err)}})}\n\n".encode()
-    finally:
-        await chunks.aclose()  # at once, not when garbage collected
-    yield b"data: [DONE]\n\n"

@@ -54,6 +54,7 @@ from radixlm.runtime.openai_protocol import (
     TopLogprob,
     Usage,
 )
+from radixlm.runtime.server_sent_events import server_sent_events
 from radixlm.runtime.tokenizer_manager import QueueFull, RuntimeUnavailable
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 503: "server_error"}
@@ -372,15 +373,9 @@ async def _chat_events(chunks: AsyncIterator[dict], head: dict[str, Any],
         yield ChatCompletionChunk(**head, choices=[], usage=_final_usage(progress, body.n))
 
 
-async def _sse(chunks: AsyncIterator[dict], events: AsyncIterator[BaseModel]
-               ) -> AsyncIterator[bytes]:
-    """Server-sent events: ``data: <json>`` per event, an error as OpenAI's error body, then
-    ``data: [DONE]``. A client that goes away closes this, which aborts what is unfinished."""
-    try:
-        async for event in events:
-            yield f"data: {event.model_dump_json()}\n\n".encode()
-    except (ValueError, RuntimeUnavailable, QueueFull) as err:
-        yield f"data: {json.dumps(openai_error_body(_as_openai_error(err)))}\n\n".encode()
-    finally:
-        await chunks.aclose()  # at once, not when garbage collected
-    yield b"data: [DONE]\n\n"
+def _sse(chunks: AsyncIterator[dict], events: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
+    """The events as server-sent events, errors in OpenAI's body."""
+    return server_sent_events(
+        events, chunks, lambda event: event.model_dump_json(),
+        lambda err: openai_error_body(_as_openai_error(err)),
+    )

@@ -91,10 +91,6 @@ class Req:
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
 
-    def max_total_len(self) -> int:
-        """The most tokens this request's sequence can reach."""
-        return len(self.input_ids) + self.sampling.max_new_tokens
-
     def match_key(self) -> list[int]:
         """The tokens a prefix-cache match may cover.
 

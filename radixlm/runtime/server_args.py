@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, fields
 
 import torch
@@ -134,9 +133,6 @@ class ServerArgs:
         if self.resolved_device().type == "cuda":
             return torch.bfloat16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-    def replace(self, **changes) -> ServerArgs:
-        return dataclasses.replace(self, **changes)
 
 
 def cpu_has_native_bf16() -> bool:

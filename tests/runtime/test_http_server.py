@@ -124,18 +124,7 @@ def test_flush_cache_and_abort_request(server):
     assert server.post("/abort_request", json={}).status_code == 400
     body = {"text": [PROMPTS[0]] * 2, "sampling_params": greedy(400), "stream": True,
             "rid": ["a", "b"]}
-    finals = {}
-    with server.stream("POST", "/generate", json=body) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if not finals and chunk["meta_info"]["finish_reason"] is None:
-                assert server.post("/abort_request", json={"rid": "a"}).status_code == 200
-            if chunk["meta_info"]["finish_reason"] is not None:
-                finals[chunk["index"]] = chunk["meta_info"]["finish_reason"]
-            if len(finals) == 2:
-                break
+    finals = finish_reasons_of_a_stream_aborted_midway(server, body, {"rid": "a"})
     assert finals[0]["type"] == "abort"
     assert finals[1] == {"type": "length", "length": 400}
 
@@ -149,14 +138,25 @@ def test_an_output_budget_beyond_the_context_is_a_400(server):
 
 def test_abort_all_ends_every_running_request_with_abort(server):
     body = {"text": PROMPTS[:4], "sampling_params": greedy(400), "stream": True}
-    finals = {}
+    finals = finish_reasons_of_a_stream_aborted_midway(server, body, {"abort_all": True})
+    assert {index: reason["type"] for index, reason in finals.items()} == {
+        0: "abort", 1: "abort", 2: "abort", 3: "abort"
+    }
+
+
+def finish_reasons_of_a_stream_aborted_midway(server, body: dict, abort: dict) -> dict:
+    """Streams ``body``, posts ``abort`` to /abort_request once the first chunk arrives, and
+    returns each prompt's finish reason by index."""
+    finals: dict[int, dict] = {}
+    aborted = False
     with server.stream("POST", "/generate", json=body) as response:
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[len("data: "):])
-            if not finals and chunk["meta_info"]["finish_reason"] is None:
-                assert server.post("/abort_request", json={"abort_all": True}).status_code == 200
+            if not aborted:
+                assert server.post("/abort_request", json=abort).status_code == 200
+                aborted = True
             if chunk["meta_info"]["finish_reason"] is not None:
-                finals[chunk["index"]] = chunk["meta_info"]["finish_reason"]["type"]
-    assert finals == {0: "abort", 1: "abort", 2: "abort", 3: "abort"}
+                finals[chunk["index"]] = chunk["meta_info"]["finish_reason"]
+    return finals

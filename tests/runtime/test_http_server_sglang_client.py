@@ -60,9 +60,14 @@ def test_select_picks_one_of_the_choices(endpoint):
     assert state["choice"] in (" yes", " no", " maybe")
 
 
-def test_fork_and_join_run_every_branch(endpoint):
+def test_fork_and_join_run_every_branch_on_the_shared_prefix(endpoint, engine_for):
     state = branches.run(backend=endpoint)
-    assert state.text().startswith("The quick brown fox")
+    params = {"max_new_tokens": 4, "temperature": 0}
+    expected = [
+        engine_for().generate(f"The quick brown fox branch {i}:", params)["text"]
+        for i in range(3)
+    ]
+    assert state.text() == "The quick brown fox" + "".join(expected)
 
 
 def test_run_batch_returns_every_item(endpoint):
