@@ -40,6 +40,8 @@ SERVER_OPTION_HELP = {
     "api_key": "require 'Authorization: Bearer <key>' on every route but /health",
     "served_model_name": "the model's name in the OpenAI API (default: its directory's name)",
     "max_queued_requests": "requests accepted beyond max_running_requests (more get 503)",
+    "grammar_backend": "what compiles regex / json_schema / ebnf constraints (xgrammar)",
+    "disable_jump_forward": "decode a grammar's forced text token by token",
 }
 
 

@@ -70,6 +70,8 @@ class TokenOut(msgspec.Struct):
     prompt_tokens: int
     cached_tokens: int
     retractions: int
+    jump_forward_tokens: int = 0
+    """Output tokens so far appended by jump-forward decoding (a running total)."""
     input_token_logprobs: list[LogprobEntry] = []
     input_top_logprobs: list[Any] = []
     output_token_logprobs: list[LogprobEntry] = []

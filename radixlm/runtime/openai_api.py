@@ -226,9 +226,16 @@ def _sampling_params(body: SamplingExtras, max_tokens: int | None) -> dict[str, 
 
 
 def _response_format_params(body: ChatCompletionRequest) -> dict[str, Any]:
+    """``response_format`` as a constraint: ``json_object`` is any JSON object,
+    ``json_schema`` its schema. It cannot be combined with the regex / ebnf / json_schema
+    extras (one constraint per request)."""
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
         return {}
+    extras = [name for name in ("regex", "ebnf", "json_schema") if getattr(body, name)]
+    if extras:
+        raise OpenAIError(400, f"response_format cannot be combined with {extras[0]} (give "
+                          "one constraint)", param="response_format")
     if fmt.type == "json_object":
         return {"json_schema": json.dumps({"type": "object"})}
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:

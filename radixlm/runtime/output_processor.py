@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from radixlm.runtime.jump_forward import JumpForward
 from radixlm.runtime.logprobs import token_logprobs
-from radixlm.runtime.request import Req, finish_length, finish_stop
+from radixlm.runtime.request import Req, finish_abort, finish_length, finish_stop
 from radixlm.runtime.sampler import Sampler
 
 
@@ -20,8 +21,9 @@ class OutputProcessor:
 
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, compute_logits, eos_token_ids: set[int],
-        context_length: int,
+        context_length: int, jump_forward: JumpForward | None = None,
     ):
+        """``jump_forward``: None disables jump-forward decoding."""
         self.tokenizer = tokenizer
         # Special tokens' texts, for stop strings naming them (their text is never shown).
         self.special_tokens = {
@@ -32,6 +34,7 @@ class OutputProcessor:
         self.compute_logits = compute_logits
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
+        self.jump_forward = jump_forward
 
     def process(
         self, reqs: list[Req], hidden: torch.Tensor, prefix_lens: list[int],
@@ -79,7 +82,7 @@ class OutputProcessor:
         for req, token, row_logits in zip(to_sample, next_ids, sample_logits):
             if req.logprobs is not None:
                 self._add_output_logprob(req, row_logits[None], token)
-            self._append_token(req, token)
+            self._append_sampled(req, token)
 
     def _first_input_logprob_position(self, req: Req, prefix: int) -> int | None:
         """The first prompt position whose logits this extend must produce, if any.
@@ -121,6 +124,31 @@ class OutputProcessor:
             req.finish_reason = finish_length(len(req.output_ids))
             return True
         return False
+
+    def _append_sampled(self, req: Req, token: int) -> None:
+        """Appends a sampled token, or, for a constrained request where the grammar forces
+        what follows, the jump-forward tokens that replace it (not for requests wanting
+        logprobs: jumped tokens have none). A grammar that has terminated (accepted a stop
+        token) ends the request with that stop."""
+        grammar = req.grammar
+        if grammar is None:
+            self._append_token(req, token)
+            return
+        if not grammar.accept_token(token):  # the mask forbids this; a bug if it happens
+            req.finish_reason = finish_abort(f"the grammar rejected sampled token {token}")
+            return
+        tokens = [token]
+        if self.jump_forward is not None and req.logprobs is None and not grammar.is_terminated():
+            room = min(req.sampling.max_new_tokens - len(req.output_ids),
+                       self.context_length - req.seq_len)
+            tokens = self.jump_forward.jump(grammar, token, room) or tokens
+        appended = 0
+        while appended < len(tokens) and not req.finished:
+            self._append_token(req, tokens[appended])
+            appended += 1
+        req.jump_forward_tokens += appended - 1  # every token after the first was not sampled
+        if not req.finished and grammar.is_terminated():
+            req.finish_reason = finish_stop(tokens[-1])
 
     def _append_token(self, req: Req, token: int) -> None:
         """Appends a sampled token and decides whether the request ends with it.

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from radixlm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from radixlm.runtime.grammar_backend import GrammarKey, GrammarMatcher
 from radixlm.runtime.sampling_params import SamplingParams
 
 
@@ -44,6 +45,9 @@ class Req:
     of its first ``kv_len`` tokens, the first ``len(prefix_indices)`` of them locked in the
     prefix cache) -> finished (``finish_reason`` set; KV handed to the cache or freed, row
     returned). The tokens of the sequence are ``input_ids + output_ids``.
+
+    A constrained request (``grammar_key`` set) first waits for its grammar to compile, then
+    runs with ``grammar``, a matcher that has accepted exactly ``output_ids``.
     """
 
     rid: str
@@ -73,6 +77,10 @@ class Req:
     output_token_logprobs: list[list[Any]] = field(default_factory=list)
     output_top_logprobs: list[Any] = field(default_factory=list)
     stop_matcher: StopStringMatcher | None = None
+    grammar_key: GrammarKey | None = None
+    grammar: GrammarMatcher | None = None
+    jump_forward_tokens: int = 0
+    """Output tokens appended by jump-forward decoding rather than sampled."""
     # How much of the output (tokens and their logprobs; prompt logprobs) has been reported.
     reported_ids: int = 0
     reported_input_logprobs: int = 0
@@ -82,6 +90,9 @@ class Req:
         params = self.sampling
         if self.detokenizer is not None and (params.stop or params.stop_regex):
             self.stop_matcher = StopStringMatcher(params.stop or [], params.stop_regex or [])
+        constraint = params.constraint()
+        if constraint is not None:
+            self.grammar_key = GrammarKey(*constraint)
 
     @property
     def finished(self) -> bool:

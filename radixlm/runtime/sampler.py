@@ -5,28 +5,43 @@ become (B, 1) columns. Greedy rows take the argmax of the processed logits. Samp
 draw with the exponential race (argmax of p / E, E ~ Exp(1)), which samples from p exactly
 and lets a seeded request draw its noise from its own generator, so its tokens depend only
 on its seed and position, never on what else is in the batch.
+
+A constrained request's grammar mask is applied last, after bias and penalties, so that
+whatever else is set, only tokens the grammar allows can be drawn. The ``min_new_tokens``
+ban on stop tokens yields to a grammar that is complete (else nothing might be allowed).
 """
 
 from __future__ import annotations
 
 import torch
 
+from radixlm.runtime.grammar_backend import GrammarBackend
 from radixlm.runtime.request import Req
 
 _NEG_INF = float("-inf")
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int):
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int,
+                 grammar_backend: GrammarBackend | None = None):
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)
+        self.grammar_backend = grammar_backend
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
-        """logits: (B, V) float32 for the next token of each request -> one token id each."""
+        """logits: (B, V) float32 for the next token of each request -> one token id each.
+
+        The caller's ``logits`` are never modified."""
         logits = logits[:, : self.vocab_size]
-        if any(_needs_processing(r) for r in reqs):
-            logits = self.process_logits(logits.clone(), reqs)
+        processing = any(_needs_processing(r) for r in reqs)
+        constrained = any(r.grammar is not None for r in reqs)
+        if processing or constrained:
+            logits = logits.clone()
+        if processing:
+            logits = self.process_logits(logits, reqs)
+        if constrained:
+            self.grammar_backend.mask_logits(logits, [r.grammar for r in reqs])
         params = [r.sampling for r in reqs]
         if all(p.is_greedy for p in params):
             return logits.argmax(dim=-1).tolist()
@@ -55,7 +70,9 @@ class Sampler:
                 logits[row, ids] += torch.tensor(list(params.logit_bias.values()))
             if params.needs_penalties:
                 _apply_penalties(logits[row], req)
-            if len(req.output_ids) < params.min_new_tokens:
+            if len(req.output_ids) < params.min_new_tokens and not (
+                req.grammar is not None and req.grammar.is_completed()
+            ):
                 banned = list(params.stop_token_ids or [])
                 if not params.ignore_eos:
                     banned += self.eos_token_ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, fields
@@ -9,6 +10,7 @@ from typing import Any
 
 GREEDY_TEMPERATURE = 1e-6
 """A temperature below this means greedy decoding."""
+CONSTRAINT_KINDS = ("regex", "json_schema", "ebnf")
 
 
 @dataclass
@@ -40,6 +42,7 @@ class SamplingParams:
     sampling_seed: int | None = None
     regex: str | None = None
     json_schema: str | None = None
+    """A JSON schema as a JSON string (a dict is turned into one)."""
     ebnf: str | None = None
 
     @classmethod
@@ -89,12 +92,7 @@ class SamplingParams:
             _check_int("sampling_seed", self.sampling_seed, minimum=0)
         if self.logit_bias is not None:
             self._check_logit_bias()
-        constraints = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k)]
-        if constraints:
-            raise ValueError(
-                f"{constraints[0]}: constrained decoding (regex, json_schema, ebnf) is not "
-                "available in this version of radixlm"
-            )
+        self._check_constraint()
 
     @property
     def is_greedy(self) -> bool:
@@ -106,6 +104,14 @@ class SamplingParams:
             self.repetition_penalty != 1.0
         )
 
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the constraint on the output, if any."""
+        for kind in CONSTRAINT_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
+
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named in the parameters must exist in the vocabulary."""
         ids = list(self.stop_token_ids or [])
@@ -114,6 +120,23 @@ class SamplingParams:
         if bad:
             raise ValueError(f"token ids {bad} in stop_token_ids/logit_bias are outside the "
                              f"vocabulary (size {vocab_size})")
+
+    def _check_constraint(self) -> None:
+        """At most one of regex, json_schema and ebnf, and one the grammar parser accepts."""
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
+        given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of regex, json_schema and ebnf, got {given}")
+        if not given:
+            return
+        kind = given[0]
+        text = getattr(self, kind)
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{kind} must be a non-empty string, got {text!r}")
+        from radixlm.runtime.xgrammar_backend import check_constraint
+
+        check_constraint(kind, text)
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):

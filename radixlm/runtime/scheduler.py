@@ -15,6 +15,11 @@ while nothing goes wrong, and jumps back to 1 after a retraction.
 
 ``batching="static"`` (for comparison) admits a batch only when nothing runs, and runs
 it until its last request ends.
+
+Constrained requests wait in the ``grammar_queue`` until their grammar has compiled (in a
+thread pool), then join the waiting queue. After jump-forward decoding a running request
+has several tokens without KV; a step where any request has more than one runs as an
+extend over every running request's pending tokens instead of a decode.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.kernels.forward_batch import ForwardMode
+from radixlm.radix_cache.allocator import pages_for
+from radixlm.runtime.grammar_queue import GrammarQueue
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.prefill_adder import PrefillAdder, decode_reserve
@@ -42,6 +49,9 @@ class SchedulerStats:
     forward_steps: int = 0
     extend_steps: int = 0
     decode_steps: int = 0
+    """Steps that extend running requests (one token each, or their jumped tokens)."""
+    jump_forward_steps: int = 0
+    """Decode steps run as an extend because some request had jumped tokens."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     retractions: int = 0
@@ -51,9 +61,10 @@ class Scheduler:
     """Runs requests to completion over the runner's pools.
 
     Invariants between steps: ``running`` requests have computed their whole prompt and
-    hold a row and the KV of all but their last token; the ``chunked`` request (if any)
-    holds a row and the KV of its first ``kv_len`` prompt tokens; waiting and finished
-    requests hold neither.
+    hold a row and the KV of all but their last token (all but their last jumped tokens
+    and the sampled one before them, after a jump-forward); the ``chunked`` request (if
+    any) holds a row and the KV of its first ``kv_len`` prompt tokens; waiting, finished
+    and grammar-queued requests hold neither.
     """
 
     def __init__(self, runner: ModelRunner, memory: RequestMemory,
@@ -69,33 +80,50 @@ class Scheduler:
         self.chunked: Req | None = None
         self.new_token_ratio = args.init_new_token_ratio
         self.stats = SchedulerStats()
+        self.grammar_queue = GrammarQueue(sampler.grammar_backend)
+        self._failed: list[Req] = []  # grammar failures to report at the next step
 
     def add_request(self, req: Req) -> None:
+        """Queues ``req``; a constrained one waits for its grammar first (a failed
+        grammar finishes it, reported at the next step)."""
+        if req.grammar_key is not None and req.grammar is None:
+            if not self.grammar_queue.add(req):
+                return
+            if req.finished:
+                self._failed.append(req)
+                return
         self.waiting.append(req)
 
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running and self.chunked is None
+        return not (self.waiting or self.running or self.chunked is not None
+                    or self.grammar_queue or self._failed)
 
     def requests(self) -> list[Req]:
         """Every request not yet finished."""
         chunked = [self.chunked] if self.chunked is not None else []
-        return self.waiting + chunked + self.running
+        return self.grammar_queue.reqs() + self.waiting + chunked + self.running
 
     def step(self) -> list[Req]:
-        """One forward pass. Returns the requests that took part in it."""
+        """One forward pass. Returns the requests that took part in it (and those whose
+        grammar failed to compile, now finished)."""
+        ended = self._move_compiled()
         adder = self._admit()
         if adder.reqs:
-            return self._run_extend(adder)
+            return ended + self._run_extend(adder)
         if self.running:
             self._retract_until_decode_fits()
-            return self._run_decode()
-        return []
+            return ended + self._run_decode()
+        if not ended:
+            self.grammar_queue.wait()  # nothing to run until a grammar is ready
+        return ended
 
     def abort(self, req: Req, message: str = "aborted") -> None:
         """Ends ``req`` at once, freeing its KV; a no-op for a finished request."""
         if req.finished:
             return
-        if req in self.waiting:
+        if self.grammar_queue.remove(req):
+            pass
+        elif req in self.waiting:
             self.waiting.remove(req)
         elif req is self.chunked or req in self.running:
             if req is self.chunked:
@@ -129,6 +157,17 @@ class Scheduler:
         }
 
     # Admission ---------------------------------------------------------------------------
+
+    def _move_compiled(self) -> list[Req]:
+        """Moves requests whose grammar is ready to the waiting queue; returns those whose
+        grammar failed (finished)."""
+        failed, self._failed = self._failed, []
+        for req in self.grammar_queue.pop_done():
+            if req.finished:
+                failed.append(req)
+            else:
+                self.waiting.append(req)
+        return failed
 
     def _admit(self) -> PrefillAdder:
         args = self.args
@@ -169,12 +208,18 @@ class Scheduler:
         return self._forward(ForwardMode.EXTEND, reqs, new_ids)
 
     def _run_decode(self) -> list[Req]:
+        """One token for each running request, or, when jump-forward left some request
+        several tokens without KV, an extend over every running request's pending tokens."""
         reqs = list(self.running)
         self.stats.decode_steps += 1
         self.new_token_ratio = max(
             self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio
         )
-        return self._forward(ForwardMode.DECODE, reqs, [[r.output_ids[-1]] for r in reqs])
+        if all(r.seq_len - r.kv_len == 1 for r in reqs):
+            return self._forward(ForwardMode.DECODE, reqs, [[r.output_ids[-1]] for r in reqs])
+        self.stats.jump_forward_steps += 1
+        pending = [r.output_ids[r.kv_len - len(r.input_ids):] for r in reqs]
+        return self._forward(ForwardMode.EXTEND, reqs, pending)
 
     def _forward(self, mode: ForwardMode, reqs: list[Req], new_ids: list[list[int]]) -> list[Req]:
         """Allocates KV for each request's new tokens, runs the model, processes the output.
@@ -218,7 +263,8 @@ class Scheduler:
         """Retracts running requests until every remaining one can store its next token."""
         page = self.memory.page_size
         while True:
-            need = sum(page for r in self.running if r.kv_len % page == 0)
+            need = sum(pages_for(r.seq_len, page) - pages_for(r.kv_len, page)
+                       for r in self.running)
             if need <= self.memory.available_tokens():
                 return
             if self.chunked is not None:  # its prefill so far stays cached

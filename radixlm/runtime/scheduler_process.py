@@ -16,6 +16,8 @@ from radixlm.radix_cache.no_cache import NoPrefixCache
 from radixlm.radix_cache.radix_tree import RadixCache
 from radixlm.runtime import io_messages as io
 from radixlm.runtime.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
+from radixlm.runtime.grammar_backend import make_grammar_backend
+from radixlm.runtime.jump_forward import JumpForward
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.request import LogprobRequest, Req, finish_abort
@@ -40,9 +42,14 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
     cache_class = NoPrefixCache if args.disable_radix_cache else RadixCache
     tree_cache = cache_class(runner.allocator, runner.allocator.page_size)
     memory = RequestMemory(runner.req_to_token_pool, runner.allocator, tree_cache)
-    sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, args.random_seed)
+    grammar_backend = make_grammar_backend(
+        args.grammar_backend, tokenizer, model_config.vocab_size, model_config.eos_token_ids
+    )
+    sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, args.random_seed,
+                      grammar_backend)
     processor = OutputProcessor(
-        tokenizer, runner.compute_logits, model_config.eos_token_ids, runner.context_length
+        tokenizer, runner.compute_logits, model_config.eos_token_ids, runner.context_length,
+        jump_forward=None if args.disable_jump_forward else JumpForward(tokenizer),
     )
     return Scheduler(runner, memory, processor, sampler, args)
 
@@ -75,6 +82,7 @@ def token_out(req: Req) -> io.TokenOut:
         prompt_tokens=len(req.input_ids),
         cached_tokens=req.cached_tokens,
         retractions=req.retractions,
+        jump_forward_tokens=req.jump_forward_tokens,
         input_token_logprobs=req.input_token_logprobs[req.reported_input_logprobs:],
         input_top_logprobs=req.input_top_logprobs[req.reported_input_logprobs:],
         output_token_logprobs=req.output_token_logprobs[req.reported_ids:],

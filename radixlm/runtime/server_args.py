@@ -10,6 +10,7 @@ ATTENTION_BACKENDS = ("auto", "torch_native")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BATCHING_MODES = ("continuous", "static")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
+GRAMMAR_BACKENDS = ("xgrammar",)
 
 
 @dataclass
@@ -63,6 +64,10 @@ class ServerArgs:
     """Requests accepted beyond ``max_running_requests``; more are refused (HTTP 503)."""
     api_key: str | None = None
     """When set, every HTTP route but /health requires ``Authorization: Bearer <key>``."""
+    grammar_backend: str = "xgrammar"
+    """What compiles regex / json_schema / ebnf constraints into token masks."""
+    disable_jump_forward: bool = False
+    """Decode a grammar's forced text token by token instead of appending it at once."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -98,6 +103,10 @@ class ServerArgs:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}"
             )
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")

@@ -48,6 +48,7 @@ class ReqState:
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
     retractions: int = 0
+    jump_forward_tokens: int = 0
     input_token_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)
     output_token_logprobs: list = field(default_factory=list)
@@ -68,6 +69,7 @@ class ReqState:
         self.finish_reason = tokens.finish_reason
         self.cached_tokens = tokens.cached_tokens
         self.retractions = tokens.retractions
+        self.jump_forward_tokens = tokens.jump_forward_tokens
         self.input_token_logprobs += tokens.input_token_logprobs
         self.input_top_logprobs += tokens.input_top_logprobs
         self.output_token_logprobs += tokens.output_token_logprobs
@@ -85,6 +87,7 @@ class ReqState:
             "completion_tokens": len(self.output_ids),
             "cached_tokens": self.cached_tokens,
             "total_retractions": self.retractions,
+            "jump_forward_tokens": self.jump_forward_tokens,
             "e2e_latency": time.perf_counter() - self.created,
         }
         if self.return_logprob:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -36,7 +37,16 @@ BAD_PARAMS = [
     ({"logit_bias": {"not-a-token": 1.0}}, "logit_bias"),
     ({"logit_bias": {"5": 1000.0}}, "logit_bias"),
     ({"sampling_seed": -1}, "sampling_seed"),
-    ({"regex": "[a-z]+"}, "regex"),
+    ({"regex": "foo**"}, "regex"),
+    ({"regex": "(unclosed"}, "regex"),
+    ({"regex": ""}, "regex"),
+    ({"json_schema": "{not json"}, "json_schema"),
+    ({"json_schema": '{"type": "nonsense"}'}, "json_schema"),
+    ({"json_schema": "[1, 2]"}, "json_schema"),
+    ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
+    ({"ebnf": 'root ::= "a'}, "ebnf"),
+    ({"regex": "a+", "json_schema": '{"type": "object"}'}, "regex"),
+    ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),
     ({"bogus_option": 1}, "bogus_option"),
 ]
 
@@ -64,6 +74,9 @@ GOOD_PARAMS = [
     {"stop": ["a", "bc"], "stop_token_ids": [0, 5], "stop_regex": r"\d+"},
     {"logit_bias": {"5": -100.0, 7: 100.0}},
     {"ignore_eos": True, "no_stop_trim": True, "skip_special_tokens": False},
+    {"regex": r"[a-z]+@[a-z]+\.com"},
+    {"json_schema": '{"type": "object", "properties": {"a": {"type": "integer"}}}'},
+    {"ebnf": 'root ::= "yes" | "no"'},
 ]
 
 
@@ -113,3 +126,27 @@ def test_token_ids_outside_the_vocabulary_are_refused(params, bad):
 def test_a_scalar_where_a_list_is_expected_is_refused_by_name(field):
     with pytest.raises(ValueError, match=field):
         SamplingParams.from_dict({field: 5})
+
+
+def test_a_json_schema_dict_becomes_a_json_string():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    built = SamplingParams.from_dict({"json_schema": schema})
+    assert json.loads(built.json_schema) == schema
+    assert built.constraint() == ("json_schema", built.json_schema)
+
+
+def test_constraint_names_the_one_given():
+    assert SamplingParams.from_dict({}).constraint() is None
+    assert SamplingParams.from_dict({"regex": "a|b"}).constraint() == ("regex", "a|b")
+
+
+@pytest.mark.parametrize(("params", "problem"), [
+    ({"regex": "foo**"}, "repetition"),
+    ({"regex": "(abc"}, "parenthesis"),
+    ({"json_schema": '{"type": "nonsense"}'}, "nonsense"),
+    ({"ebnf": "root ::= undefined_rule"}, "undefined_rule"),
+])
+def test_a_bad_constraint_names_the_problem_without_a_source_location(params, problem):
+    with pytest.raises(ValueError, match=problem) as caught:
+        SamplingParams.from_dict(params)
+    assert ".cc:" not in str(caught.value)
