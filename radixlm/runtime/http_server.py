@@ -122,6 +122,10 @@ def create_app(
             "tokenizer_path": str(engine.server_args.tokenizer_path or config.path),
             "is_generation": True,
             "architectures": list(config.hf_config.architectures or []),
+            # The frontend's RuntimeEndpoint renders roles with the model's own template.
+            "chat_template": getattr(engine.tokenizer, "chat_template", None),
+            "bos_token": engine.tokenizer.bos_token,
+            "eos_token": engine.tokenizer.eos_token,
         }
 
     @app.get("/get_server_info")
