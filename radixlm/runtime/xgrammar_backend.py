@@ -9,6 +9,11 @@ makes keys, colons and separators forced text for jump-forward decoding.
 
 ``check_constraint`` parses a constraint without the tokenizer (fast, cached), so bad input
 is refused where it enters, in the caller's process, before anything is queued.
+
+xgrammar 0.2.9 compiles a string with ``minLength`` / ``maxLength`` (and no pattern) to any
+characters but quote, backslash and newlines, so raw control characters, which JSON does
+not allow in strings, get through (the output then fails ``json.loads``). Such strings are
+compiled as the equivalent pattern instead (``harden_json_schema``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,39 @@ def describe_error(err: BaseException) -> str:
     return _LOCATION.sub("", first)
 
 
+_PLAIN_CHARACTER = r'[^\x00-\x1f"\\]'
+"""A string character that needs no escape in JSON (escapes are left out of length-bounded
+strings: a valid subset)."""
+
+
+def harden_json_schema(schema: Any) -> Any:
+    """``schema`` with every length-bounded plain string given as a pattern (see above)."""
+    if isinstance(schema, list):
+        return [harden_json_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    hardened = {key: harden_json_schema(value) for key, value in schema.items()}
+    bounded = "minLength" in schema or "maxLength" in schema
+    plain = not any(key in schema for key in ("pattern", "format", "enum", "const"))
+    if schema.get("type") == "string" and bounded and plain:
+        low = hardened.pop("minLength", 0)
+        high = hardened.pop("maxLength", "")
+        hardened["pattern"] = f"^{_PLAIN_CHARACTER}{{{low},{high}}}$"
+    return hardened
+
+
+def _json_schema_text(text: str) -> str:
+    """The schema as xgrammar should compile it; ``ValueError`` if it is not a schema."""
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"json_schema is not valid JSON: {err}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"json_schema must be a JSON object (a schema), got "
+                         f"{type(schema).__name__}")
+    return json.dumps(harden_json_schema(schema))
+
+
 @functools.lru_cache(maxsize=4096)
 def check_constraint(kind: str, text: str) -> None:
     """Raises ``ValueError`` naming the field and the problem if ``text`` is not a valid
@@ -52,14 +90,7 @@ def check_constraint(kind: str, text: str) -> None:
         if kind == "regex":
             xgr.Grammar.from_regex(text)
         elif kind == "json_schema":
-            try:
-                schema = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"json_schema is not valid JSON: {err}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError("json_schema must be a JSON object (a schema), got "
-                                 f"{type(schema).__name__}")
-            xgr.Grammar.from_json_schema(text, any_whitespace=False)
+            xgr.Grammar.from_json_schema(_json_schema_text(text), any_whitespace=False)
         else:
             xgr.Grammar.from_ebnf(text)
     except ValueError:
@@ -126,7 +157,8 @@ class XGrammarBackend(GrammarBackend):
             if key.kind == "regex":
                 return compiler.compile_regex(key.text)
             if key.kind == "json_schema":
-                return compiler.compile_json_schema(key.text, any_whitespace=False)
+                return compiler.compile_json_schema(_json_schema_text(key.text),
+                                                    any_whitespace=False)
             return compiler.compile_grammar(key.text)
         except Exception as err:
             raise ValueError(f"invalid {key.kind}: {describe_error(err)}") from None

@@ -162,3 +162,26 @@ def test_the_bitmask_buffer_is_reused_across_steps(backend):
     first = backend.bitmask(3)
     again = backend.bitmask(2)
     assert again.data_ptr() == first.data_ptr()
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "maxLength": 4},
+    {"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 4}}},
+])
+def test_length_bounded_strings_refuse_raw_control_characters_and_keep_their_bounds(
+    backend, schema
+):
+    """xgrammar alone lets raw control characters into such strings (invalid JSON)."""
+    opening = '"' if schema["type"] == "string" else '{"s": "'
+    closing = '"' if schema["type"] == "string" else '"}'
+    compiled = backend.compile(GrammarKey("json_schema", json.dumps(schema))).result()
+
+    def accepts(text: str) -> bool:
+        matcher = backend.new_matcher(compiled)
+        ids = tiny_tokenizer().encode(text)
+        return all(matcher.accept_token(t) for t in ids) and matcher.is_completed()
+
+    assert accepts(opening + "abcd" + closing)
+    assert not accepts(opening + "abcde" + closing)
+    assert not accepts(opening + "a\x1eb" + closing)
+    assert not accepts(opening + "a\tb" + closing)
