@@ -235,8 +235,9 @@ class Executor:
         finally:
             with self._cond:
                 del self._stream_starts[name]
-                if expr.name:
-                    self._store(expr.name, self.text[start:], meta)
+        with self._cond:
+            if expr.name:
+                self._store(expr.name, self.text[start:], meta)
 
     def _select(self, expr: ir.Select) -> None:
         decision = self.backend.select(self._prompt(), list(expr.choices), expr.choices_method,

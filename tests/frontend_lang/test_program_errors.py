@@ -114,3 +114,16 @@ def test_a_server_that_goes_down_or_refuses_fails_the_program(engine):
     with pytest.raises(sgl.ProgramError, match="cannot reach the server") as caught:
         program.run(1.0, backend=backend)
     assert isinstance(caught.value.__cause__, sgl.BackendError)
+
+
+def test_a_failure_while_streaming_ends_the_iteration_with_the_cause(engine):
+    @sgl.function
+    def program(s):
+        s += "Hello" + sgl.gen("x", max_tokens=3)
+        s += sgl.gen("y", top_k=0)
+
+    state = program.run(backend=engine, stream=True)
+    with pytest.raises(sgl.ProgramError, match="top_k"):
+        list(state.text_iter())
+    with pytest.raises(sgl.ProgramError, match="top_k"):
+        state["y"]
