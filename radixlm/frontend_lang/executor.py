@@ -198,10 +198,6 @@ class Executor:
                 raise ValueError(f"var_scope {expr.name!r} ends without a beginning")
             with self._cond:
                 self._store(expr.name, self.text[self._scope_starts.pop(expr.name):], None)
-        elif isinstance(expr, ir.VariableRef):
-            value = expr.state.get_var(expr.name)
-            with self._cond:
-                self._append(str(value))
         elif isinstance(expr, ir.Image):
             raise ValueError(f"image({expr.path!r}): this runtime serves text-only models")
         else:
@@ -232,10 +228,12 @@ class Executor:
                 with self._cond:
                     self._append(piece)
                     meta = latest
-        finally:
+        except BaseException:
             with self._cond:
                 del self._stream_starts[name]
-        with self._cond:
+            raise
+        with self._cond:  # one step, so a reader never sees the variable in between
+            del self._stream_starts[name]
             if expr.name:
                 self._store(expr.name, self.text[start:], meta)
 

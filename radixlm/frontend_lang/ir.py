@@ -172,14 +172,6 @@ class VarScopeEnd(Expr):
 
 
 @dataclass(frozen=True)
-class VariableRef(Expr):
-    """The value of variable ``name`` of another program state (waits until it is set)."""
-
-    state: Any
-    name: str
-
-
-@dataclass(frozen=True)
 class Argument(Expr):
     """A program argument while tracing: its value is unknown, so tracing stops here."""
 
