@@ -1,7 +1,7 @@
 """Starting and stopping the Scheduler and Detokenizer processes.
 
-Each is a fresh interpreter running this module (``python -m``), so nothing of the caller's
-main script is re-imported (scripts need no ``if __name__ == "__main__"`` guard, and
+Each is a fresh interpreter calling ``child_main`` here (``python -c``), so nothing of the
+caller's main script is re-imported (scripts need no ``if __name__ == "__main__"`` guard, and
 notebooks work), and nothing is pickled: a child gets its options as msgpack on stdin and
 reports readiness, as msgpack, through a pipe of its own. The processes talk over
 ``ipc://`` sockets in a private temporary directory (mode 0700).
@@ -88,7 +88,7 @@ def start_runtime_processes(
         for role in ROLES:
             read_fd, write_fd = os.pipe()
             runtime.processes[role] = subprocess.Popen(
-                [sys.executable, "-m", __name__, role, str(write_fd)],
+                [sys.executable, "-c", _CHILD_COMMAND, role, str(write_fd)],
                 stdin=subprocess.PIPE, pass_fds=(write_fd,),
             )
             os.close(write_fd)
@@ -145,11 +145,16 @@ class _ReadyPipe:
             pipe.write(data)
 
 
-def _child_main(role: str, ready_fd: int) -> None:
+_CHILD_COMMAND = f"import sys; from {__name__} import child_main; child_main(*sys.argv[1:])"
+"""A child's program: importing the module by name (not ``-m``) loads it exactly once."""
+
+
+def child_main(role: str, ready_fd: str) -> None:
+    """A child process's entry point (``radixlm`` sets ``OMP_WAIT_POLICY`` on import)."""
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ChildConfig)
     args = ServerArgs(**config.server_args)
     paths = SocketPaths(**config.paths)
-    ready = _ReadyPipe(ready_fd)
+    ready = _ReadyPipe(int(ready_fd))
     if role == "scheduler":
         from radixlm.runtime.scheduler_process import run_scheduler_process
 
@@ -159,7 +164,3 @@ def _child_main(role: str, ready_fd: int) -> None:
 
         run_detokenizer_process(config.tokenizer_path, paths, ready)
 
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    _child_main(sys.argv[1], int(sys.argv[2]))
