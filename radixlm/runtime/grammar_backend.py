@@ -48,7 +48,7 @@ class GrammarMatcher(ABC):
     Invariant kept by the scheduler: the matcher has accepted exactly the request's
     ``output_ids`` (in order), so retraction, which keeps the output, keeps the matcher
     valid, and re-admission needs no replay. ``rollback(n)`` undoes the last ``n``
-    accepted tokens (jump-forward uses it when it re-tokenizes the last sampled token).
+    accepted tokens (jump-forward uses it to give back tokens that do not fit).
     """
 
     @abstractmethod

@@ -2,18 +2,22 @@
 closing brace and a comma), append its tokens at once instead of decoding them one by one.
 
 The forced text comes from the matcher as a string; turning it into tokens is where care is
-needed. Tokenizing it alone would glue the model's last token and the forced text at an
-unnatural boundary (``"`` + ``name": "`` where the model would write ``"name`` and ``":``).
-So the last sampled token's text is re-tokenized together with the forced text, as the
-model's own tokenizer would split it; when that changes the last token, the last token is
-replaced (it has no KV yet: a running request's last token is computed by the next
-forward pass, so nothing needs to be recomputed). The final token is left for the model
-when it is a strict prefix of a longer token (``Ġ"`` of ``Ġ"J``): the text that follows
-may merge with it, and the model should choose that split.
+needed, because the model reads tokens, not text. The last sampled token is re-tokenized
+together with the forced text, so that the boundary between them falls where the model's
+tokenizer puts it (``Ġ"`` + ``name": "`` gives ``Ġ"``, ``name``, ``":``, ``Ġ"``), and the
+forced text is split as the tokenizer splits it. When that re-tokenization would change the
+sampled token itself (``{`` + ``"name"`` -> ``{"``, ``name``...), the sampled token is kept,
+since the model chose it, and the forced text is tokenized on its own after it: measured on
+the default model at temperature 0 this keeps the text of a run without jump-forward far
+more often (11 of 16 fixed-key JSON prompts, against 3 of 16 when the token is replaced).
+The final token is left for the model when it is a strict prefix of a longer token
+(``Ġ"`` of ``Ġ"J``): the text that follows may merge with it, and the model should choose
+that split.
 
 The matcher is the judge: every token appended has been accepted by it, so the text is
-always what the grammar accepts; if the re-tokenization does not fit (a tokenizer that does
-not round-trip), nothing is jumped and the matcher is left as it was.
+always what the grammar accepts; if the tokens do not fit (a tokenizer that does not
+round-trip, text that spells a special token), nothing is jumped and the matcher is left as
+it was.
 """
 
 from __future__ import annotations
@@ -43,46 +47,33 @@ class JumpForward:
         return self._extendable
 
     def jump(self, matcher: GrammarMatcher, last_token: int, limit: int) -> list[int] | None:
-        """The tokens that replace ``last_token`` (just sampled and accepted by ``matcher``)
-        at the end of the output: its own re-tokenization together with the forced text.
+        """The tokens that end the output after ``matcher`` accepted ``last_token`` (just
+        sampled): ``last_token`` itself, then the forced text's tokens.
 
         At most ``limit`` tokens. Returns None when there is nothing to jump; the matcher is
-        then unchanged. Otherwise the matcher has accepted exactly the returned tokens in
-        place of ``last_token`` (the first may differ from it; at least one token beyond the
-        sampled text is gained).
+        then unchanged. Otherwise the matcher has accepted every returned token.
         """
-        if limit < 1:
+        if limit < 2:
             return None
         forced = matcher.jump_forward_string()
         if not forced:
             return None
         last_text = self._decode(last_token)
-        if REPLACEMENT_CHAR in last_text or not last_text:  # part of a character: keep it
-            tokens = [last_token] + self._encode(forced)
-        else:
+        tokens = []
+        if last_text and REPLACEMENT_CHAR not in last_text:  # else part of a character
             tokens = self._encode(last_text + forced)
-        if len(tokens) > 1 and tokens[-1] in self.extendable():
+        if not tokens or tokens[0] != last_token:
+            tokens = [last_token] + self._encode(forced)
+        if len(tokens) > 2 and tokens[-1] in self.extendable():
             tokens.pop()
         tokens = tokens[:limit]
-        if not tokens or tokens == [last_token]:
+        if len(tokens) < 2:
             return None
-        if tokens[0] != last_token and len(self._decode(*tokens)) <= len(last_text):
-            return None  # the sampled text itself would be cut back: leave it
-        return tokens if self._accept(matcher, last_token, tokens) else None
-
-    def _accept(self, matcher: GrammarMatcher, last_token: int, tokens: list[int]) -> bool:
-        """Moves ``matcher`` from after ``last_token`` to after ``tokens``; on a rejected
-        token, restores it and returns False."""
-        replaced = tokens[0] != last_token
-        if replaced:
-            matcher.rollback(1)
-        for accepted, token in enumerate(tokens[0 if replaced else 1 :]):
+        for accepted, token in enumerate(tokens[1:]):
             if not matcher.accept_token(token):
                 matcher.rollback(accepted)
-                if replaced:
-                    matcher.accept_token(last_token)
-                return False
-        return True
+                return None
+        return tokens
 
     def _decode(self, *tokens: int) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=False,

@@ -126,9 +126,9 @@ class OutputProcessor:
         return False
 
     def _append_sampled(self, req: Req, token: int) -> None:
-        """Appends a sampled token, or, for a constrained request where the grammar forces
-        what follows, the jump-forward tokens that replace it (not for requests wanting
-        logprobs: jumped tokens have none). A grammar that has terminated (accepted a stop
+        """Appends a sampled token and, for a constrained request where the grammar forces
+        what follows, the jump-forward tokens after it (not for requests wanting logprobs:
+        jumped tokens have none). A grammar that has terminated (accepted a stop
         token) ends the request with that stop."""
         grammar = req.grammar
         if grammar is None:
