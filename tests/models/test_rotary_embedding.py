@@ -10,6 +10,7 @@ from tiny_models import reference_greedy, reference_prompt_logprobs, write_tiny_
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import radixlm
+from radixlm.models.layers.rope_scaling import yarn_inv_freq, yarn_softmax_scale
 from radixlm.models.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from radixlm.models.model_config import rope_parameters
 
@@ -27,6 +28,24 @@ ROPE_SETTINGS = {
         "original_max_position_embeddings": 64, "rope_theta": 10000.0,
     },
     "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    "yarn": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+        "rope_theta": 10000.0,
+    },
+    "yarn_beta_untruncated": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+        "beta_fast": 16, "beta_slow": 2, "truncate": False, "rope_theta": 50000.0,
+    },
+    # DeepSeek-V2's own settings (scaled down): cos/sin carry mscale / mscale_all_dim.
+    "yarn_deepseek": {
+        "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 128,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707,
+        "rope_theta": 10000.0,
+    },
+    "yarn_explicit_attention_factor": {
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256,
+        "attention_factor": 1.3, "rope_theta": 10000.0,
+    },
 }
 
 
@@ -37,18 +56,22 @@ def llama_config(rope: dict) -> transformers.LlamaConfig:
     )
 
 
-def transformers_angles(config: transformers.LlamaConfig, positions: torch.Tensor,
-                        seq_len: int | None = None) -> torch.Tensor:
-    """position * inv_freq from transformers' own initialisation: (P, HEAD_DIM / 2)."""
+def transformers_rope(config: transformers.LlamaConfig, seq_len: int | None = None
+                      ) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_factor) from transformers' own initialisation."""
     rope_type = config.rope_parameters["rope_type"]
     if rope_type == "default":
         init = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding
-        inv_freq, scaling = init.compute_default_rope_parameters(config)
-    elif seq_len is None:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
-    else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len)
-    assert scaling == 1.0  # none of these types rescales cos/sin
+        return init.compute_default_rope_parameters(config)
+    if seq_len is None:
+        return ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    return ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len)
+
+
+def transformers_angles(config: transformers.LlamaConfig, positions: torch.Tensor,
+                        seq_len: int | None = None) -> torch.Tensor:
+    """position * inv_freq from transformers' own initialisation: (P, HEAD_DIM / 2)."""
+    inv_freq, _ = transformers_rope(config, seq_len)
     return torch.outer(positions.float(), inv_freq.float())
 
 
@@ -58,14 +81,48 @@ def ours(config: transformers.LlamaConfig, max_position: int = TRAINED_CONTEXT) 
 
 @pytest.mark.parametrize("setting", list(ROPE_SETTINGS))
 def test_cos_sin_match_transformers_rope_init(setting):
+    """Frequencies and the cos/sin factor (YaRN's attention_factor) as transformers has them."""
     config = llama_config(ROPE_SETTINGS[setting])
     rope = ours(config)
+    _, attention_factor = transformers_rope(config)
+    assert rope.attention_factor == pytest.approx(attention_factor, rel=1e-6)
     angles = transformers_angles(config, POSITIONS)
-    torch.testing.assert_close(rope.cos[POSITIONS], angles.cos(), atol=2e-5, rtol=0)
-    torch.testing.assert_close(rope.sin[POSITIONS], angles.sin(), atol=2e-5, rtol=0)
+    expected_cos, expected_sin = angles.cos() * attention_factor, angles.sin() * attention_factor
+    torch.testing.assert_close(rope.cos[POSITIONS], expected_cos, atol=2e-5, rtol=0)
+    torch.testing.assert_close(rope.sin[POSITIONS], expected_sin, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("setting", ["linear", "llama3"])
+@pytest.mark.parametrize("setting", [s for s in ROPE_SETTINGS if s.startswith("yarn")])
+def test_yarn_inv_freq_matches_transformers(setting):
+    config = llama_config(ROPE_SETTINGS[setting])
+    inv_freq, attention_factor = yarn_inv_freq(
+        HEAD_DIM, ROPE_SETTINGS[setting]["rope_theta"], rope_parameters(config), TRAINED_CONTEXT
+    )
+    expected_inv_freq, expected_factor = transformers_rope(config)
+    torch.testing.assert_close(inv_freq, expected_inv_freq.float(), atol=0, rtol=1e-6)
+    assert attention_factor == pytest.approx(expected_factor, rel=1e-9)
+
+
+def test_deepseek_yarn_is_an_alias_of_yarn():
+    params = dict(ROPE_SETTINGS["yarn_deepseek"])
+    yarn = RotaryEmbedding(HEAD_DIM, TRAINED_CONTEXT, params, TRAINED_CONTEXT)
+    alias = RotaryEmbedding(
+        HEAD_DIM, TRAINED_CONTEXT, {**params, "rope_type": "deepseek_yarn"}, TRAINED_CONTEXT
+    )
+    assert torch.equal(yarn.cos, alias.cos) and torch.equal(yarn.sin, alias.sin)
+
+
+@pytest.mark.parametrize("setting", ["default", "yarn", "yarn_deepseek", "linear"])
+def test_deepseek_softmax_scale_correction_matches_transformers(setting):
+    """DeepSeek multiplies its softmax scale by mscale(factor, mscale_all_dim)^2."""
+    rope = ROPE_SETTINGS[setting]
+    expected = transformers.models.deepseek_v3.modeling_deepseek_v3.yarn_apply_mscale(rope, 1.0)
+    assert yarn_softmax_scale(rope, TRAINED_CONTEXT) == pytest.approx(expected, rel=1e-12)
+    if setting == "yarn_deepseek":
+        assert expected > 1.5  # the correction is really exercised
+
+
+@pytest.mark.parametrize("setting", ["linear", "llama3", "yarn", "yarn_deepseek"])
 def test_scaled_rope_really_differs_from_default(setting):
     """Guards the comparison above against a scaling that is silently ignored."""
     scaled = ours(llama_config(ROPE_SETTINGS[setting]))
@@ -109,8 +166,8 @@ def test_rotation_uses_the_rotate_half_layout_of_transformers():
 
 
 def test_unknown_rope_type_is_refused_by_name():
-    with pytest.raises(ValueError, match="yarn"):
-        RotaryEmbedding(HEAD_DIM, 64, {"rope_type": "yarn", "factor": 2.0}, 64)
+    with pytest.raises(ValueError, match="longrope"):
+        RotaryEmbedding(HEAD_DIM, 64, {"rope_type": "longrope", "factor": 2.0}, 64)
 
 
 @pytest.mark.parametrize(
@@ -131,6 +188,7 @@ def test_rope_parameters_reads_legacy_and_current_config_fields(legacy, expected
 END_TO_END_ROPE = {
     "linear_factor_2": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
     "llama3_factor_8": ROPE_SETTINGS["llama3"],
+    "yarn_factor_4": ROPE_SETTINGS["yarn"],
 }
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. Paris is the capital of France; Berlin is",

@@ -2,41 +2,22 @@
 
 Supported ``rope_type`` values: ``default``, ``linear`` (position interpolation, Chen et al.
 2023), ``dynamic`` (dynamic NTK-aware scaling), ``llama3`` (Llama 3.1's frequency-banded
-scaling). The rotation uses the "rotate half" layout of Hugging Face Llama checkpoints: the
-first and second halves of each head are the two coordinates of each rotated pair.
+scaling), ``yarn`` and ``deepseek_yarn`` (YaRN, with DeepSeek's mscale correction); the
+frequencies of each are in ``rope_scaling``. The rotation uses the "rotate half" layout of
+Hugging Face Llama checkpoints: the first and second halves of each head are the two
+coordinates of each rotated pair.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+from radixlm.models.layers.rope_scaling import default_inv_freq, llama3_inv_freq, yarn_inv_freq
 
-
-def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
-    """theta_i = base^(-2i/d) for i < d/2."""
-    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-
-
-def llama3_inv_freq(head_dim: int, base: float, params: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth band between."""
-    inv_freq = default_inv_freq(head_dim, base)
-    factor = params["factor"]
-    low_freq_factor = params.get("low_freq_factor", 1.0)
-    high_freq_factor = params.get("high_freq_factor", 4.0)
-    old_context = params.get("original_max_position_embeddings", 8192)
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "deepseek_yarn")
 
 
 class RotaryEmbedding(nn.Module):
@@ -49,6 +30,9 @@ class RotaryEmbedding(nn.Module):
     unscaled frequencies (exactly what transformers computes for such sequences); beyond
     it, the NTK-scaled base for the full serving context is used. Keeping the frequencies
     fixed per position (instead of per sequence length) keeps cached keys valid.
+
+    ``yarn``: cos and sin are multiplied by YaRN's ``attention_factor`` (so the rotated q and
+    k each carry it, as in transformers); ``self.attention_factor`` records it.
     """
 
     def __init__(
@@ -63,6 +47,7 @@ class RotaryEmbedding(nn.Module):
         base = float(params.get("rope_theta", 10000.0))
         self.head_dim = head_dim
         positions = torch.arange(max_position, dtype=torch.float32)
+        self.attention_factor = 1.0
         if rope_type == "dynamic" and max_position > trained_context:
             factor = params["factor"]
             scaled_base = base * (
@@ -74,13 +59,17 @@ class RotaryEmbedding(nn.Module):
         else:
             if rope_type == "llama3":
                 inv_freq = llama3_inv_freq(head_dim, base, params)
+            elif rope_type in ("yarn", "deepseek_yarn"):
+                inv_freq, self.attention_factor = yarn_inv_freq(
+                    head_dim, base, params, trained_context
+                )
             else:
                 inv_freq = default_inv_freq(head_dim, base)
             if rope_type == "linear":
                 positions = positions / params["factor"]
             angles = torch.outer(positions, inv_freq)  # (max_position, head_dim / 2)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("cos", angles.cos() * self.attention_factor, persistent=False)
+        self.register_buffer("sin", angles.sin() * self.attention_factor, persistent=False)
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
