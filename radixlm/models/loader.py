@@ -23,7 +23,9 @@ def load_model(
     with torch.device(device):
         model = cls(config.hf_config, max_position=max_position)
     model.load_weights(iterate_safetensors(files))
-    # RoPE tables stay float32; parameters take the serving dtype.
+    # RoPE tables stay float32; parameters take the serving dtype, except those marked
+    # ``keep_float32`` (e.g. an MoE router's score correction bias).
     for param in model.parameters():
-        param.data = param.data.to(dtype)
+        if not getattr(param, "keep_float32", False):
+            param.data = param.data.to(dtype)
     return model.train(False).requires_grad_(False)

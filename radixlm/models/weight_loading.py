@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -12,6 +13,10 @@ from torch import nn
 
 # Checkpoint entries that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One routed expert's tensor: "[<path>.]experts.<id>.<projection>.weight".
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<experts>(?:.+\.)?experts)\.(?P<id>\d+)\.(?P<proj>[^.]+)\.weight$"
+)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -55,6 +60,11 @@ def load_named_weights(
     shard it goes into (``("qkv_proj", "q")``). The leading ``model.`` of Hugging Face
     names is dropped. Every parameter must be written exactly once; a missing, unexpected
     or misshaped tensor raises ``ValueError`` naming it.
+
+    A tensor named ``<path>.experts.<e>.<proj>.weight`` whose ``<path>.experts`` module has
+    ``load_expert_weight`` (stacked MoE experts) goes there: the module copies it into
+    expert e's slice and returns the shard key it filled; the module's
+    ``checkpoint_shards(param_name)`` lists the keys a complete checkpoint fills.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -62,6 +72,12 @@ def load_named_weights(
     for hf_name, tensor in weights:
         name = hf_name.removeprefix("model.")
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        expert = _EXPERT_TENSOR.match(name)
+        experts = expert and _submodule_or_none(model, expert["experts"])
+        if experts is not None and hasattr(experts, "load_expert_weight"):
+            key = experts.load_expert_weight(int(expert["id"]), expert["proj"], tensor)
+            loaded.add(f"{expert['experts']}.{key}")
             continue
         module_path, _, param_name = name.rpartition(".")
         parent_path, _, module_name = module_path.rpartition(".")
@@ -88,10 +104,19 @@ def load_named_weights(
         module_path, _, param_name = name.rpartition(".")
         module = model.get_submodule(module_path)
         shards = getattr(module, "shard_offsets", None)
-        if shards:
+        if hasattr(module, "checkpoint_shards"):
+            expected.update(f"{name}:{shard}" for shard in module.checkpoint_shards(param_name))
+        elif shards:
             expected.update(f"{name}:{shard}" for shard in shards)
         else:
             expected.add(name)
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def _submodule_or_none(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
