@@ -1,0 +1,103 @@
+"""Random paged batches for the attention-kernel tests: ragged requests over a shuffled pool.
+
+Each batch scatters its requests' pages over random pool pages (in page order within a
+request, as the allocator does), puts the requests in random rows of ``req_to_token``,
+fills every other slot and index with garbage, and gives the new tokens random q, k, v.
+The torch-native backend over the same batch is the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
+from radixlm.kernels.torch_native_backend import TorchNativeAttentionBackend
+from radixlm.radix_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+NUM_LAYERS = 2
+MAX_ROWS = 8
+MAX_CONTEXT = 96
+
+
+@dataclass
+class PagedCase:
+    batch: ForwardBatch
+    q: torch.Tensor  # (T, H, D)
+    k: torch.Tensor  # (T, H_kv, D)
+    v: torch.Tensor  # (T, H_kv, D)
+
+
+def random_paged_batch(
+    mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], num_heads: int,
+    num_kv_heads: int, head_dim: int, page_size: int, seed: int,
+) -> PagedCase:
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    pages_needed = sum(-(-n // page_size) for n in seq_lens)
+    num_pages = pages_needed + 4  # a few spare pages, plus the reserved page 0
+    pool = MHATokenToKVPool(
+        (num_pages + 1) * page_size, NUM_LAYERS, num_kv_heads, head_dim, torch.float32, "cpu"
+    )
+    for layer in range(NUM_LAYERS):
+        pool.k_buffers[layer].normal_(generator=gen)
+        pool.v_buffers[layer].normal_(generator=gen)
+    rows = ReqToTokenPool(MAX_ROWS, MAX_CONTEXT, "cpu")
+    rows.req_to_token.copy_(
+        torch.randint(0, pool.num_slots, (MAX_ROWS, MAX_CONTEXT), generator=gen)
+    )
+    free_pages = (torch.randperm(num_pages, generator=gen) + 1).tolist()
+    row_ids = torch.randperm(MAX_ROWS, generator=gen)[: len(seq_lens)].tolist()
+    out_cache_loc = []
+    for row, seq_len, prefix in zip(row_ids, seq_lens, prefix_lens, strict=True):
+        pages = [free_pages.pop() for _ in range(-(-seq_len // page_size))]
+        slots = torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages])
+        rows.req_to_token[row, :seq_len] = slots[:seq_len]
+        out_cache_loc.append(slots[prefix:seq_len])
+
+    total = sum(extend_lens)
+    q = torch.randn(total, num_heads, head_dim, generator=gen)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+
+    def as_tensor(values):
+        return torch.tensor(values, dtype=torch.int64)
+
+    positions = [p + i for p, e in zip(prefix_lens, extend_lens, strict=True) for i in range(e)]
+    batch = ForwardBatch(
+        mode=mode,
+        input_ids=torch.zeros(total, dtype=torch.int64),
+        positions=as_tensor(positions),
+        out_cache_loc=torch.cat(out_cache_loc),
+        req_pool_indices=as_tensor(row_ids),
+        seq_lens=as_tensor(seq_lens),
+        prefix_lens=as_tensor(prefix_lens),
+        extend_seq_lens=as_tensor(extend_lens),
+        req_to_token=rows.req_to_token,
+        kv_pool=pool,
+        attn_backend=TorchNativeAttentionBackend(),
+        seq_lens_list=seq_lens,
+        extend_seq_lens_list=list(extend_lens),
+    )
+    return PagedCase(batch, q, k, v)
+
+
+def random_lengths(
+    mode: ForwardMode, batch_size: int, max_prefix: int, max_extend: int, seed: int
+) -> tuple[list[int], list[int]]:
+    """Ragged prefix and extend lengths (decode: one new token, a prefix of at least 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, max_prefix + 1, (batch_size,), generator=gen).tolist()
+    if mode is ForwardMode.DECODE:
+        return prefix, [1] * batch_size
+    return prefix, torch.randint(1, max_extend + 1, (batch_size,), generator=gen).tolist()
+
+
+def clone_pool(pool: MHATokenToKVPool) -> MHATokenToKVPool:
+    """A deep copy, so the reference and the kernel each write into their own pool."""
+    copy = MHATokenToKVPool.__new__(MHATokenToKVPool)
+    copy.__dict__.update(pool.__dict__)
+    copy.k_buffers = [b.clone() for b in pool.k_buffers]
+    copy.v_buffers = [b.clone() for b in pool.v_buffers]
+    return copy
