@@ -25,9 +25,16 @@ class AttentionBackend(ABC):
 
     - ``init_forward_metadata`` is called once per batch, before any layer runs; whatever
       it precomputes (index tables, masks, plans) is shared by all layers.
-    - ``forward_extend`` / ``forward_decode`` receive q: (T, H, D), k and v: (T, H_kv, D)
-      for the batch's new tokens, store k and v into layer ``layer.layer_id`` of the pool,
-      and return the attention output (T, H, D) in q's dtype.
+    - ``forward_extend`` / ``forward_decode`` receive q: (T, H, D), k: (T, H_kv, D) and
+      v: (T, H_kv, D_v) for the batch's new tokens, store k and v into layer
+      ``layer.layer_id`` of the pool, and return the attention output (T, H, D_v) in q's
+      dtype. D_v is ``layer.v_head_dim``; it equals D except for multi-head latent
+      attention.
+    - MLA (``kv_pool.values_view_keys``): H_kv = 1, k is the latent + RoPE row
+      (D = kv_lora_rank + qk_rope_head_dim), v is the view k[..., :kv_lora_rank]; the pool
+      stores only k and serves the values as a view of it (``MLATokenToKVPool``). Queries
+      arrive already absorbed into the latent space, so MLA is plain multi-query attention
+      with D_v < D.
     - Neither call changes the index tables or any other layer's KV.
     """
 

@@ -5,6 +5,10 @@ slots (S = the longest sequence), where each request's queries sit in a (B, Q) g
 boolean mask that lets query i of request b see keys 0 .. prefix_b + i. Each layer then
 gathers its K and V through the table and runs one ``scaled_dot_product_attention`` for
 the whole batch, prefill and decode alike.
+
+Values may have a head dim D_v other than the keys' D (multi-head latent attention: keys
+are latent + RoPE rows, values the latent alone, read as a view of the gathered keys);
+the output then has D_v per head.
 """
 
 from __future__ import annotations
@@ -66,30 +70,35 @@ class TorchNativeAttentionBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch):
         """One query per request: two small batched matmuls beat SDPA's kernel setup."""
-        keys, values = self._gather_kv(k, v, layer, forward_batch)  # (B, H_kv, S, D)
+        keys, values = self._gather_kv(k, v, layer, forward_batch)  # (B, H_kv, S, D|D_v)
         b, group = q.shape[0], layer.num_heads // layer.num_kv_heads
         queries = q.view(b, layer.num_kv_heads, group, layer.head_dim)
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * layer.scaling
         if self._layout.mask is not None:  # (B, 1, 1, S) broadcasts over (B, H_kv, G, S)
             scores = scores.masked_fill(~self._layout.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)  # (B, H_kv, G, S)
-        out = torch.matmul(probs, values)  # (B, H_kv, G, D)
-        return out.reshape(b, layer.num_heads, layer.head_dim)
+        out = torch.matmul(probs, values)  # (B, H_kv, G, D_v)
+        return out.reshape(b, layer.num_heads, values.shape[-1])
 
     def _gather_kv(self, k, v, layer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores the new K/V, then reads every request's K/V as (B, H_kv, S, D)."""
-        fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        k_buffer, v_buffer = fb.kv_pool.get_kv(layer.layer_id)
+        """Stores the new K/V, then reads every request's K/V as (B, H_kv, S, D) and
+        (B, H_kv, S, D_v). A latent (MLA) pool's values are a slice of its keys: one gather."""
+        pool = fb.kv_pool
+        pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        k_buffer, v_buffer = pool.get_kv(layer.layer_id)
         slots = self._layout.kv_slots  # (B, S)
-        shape = (*slots.shape, *k_buffer.shape[1:])  # (B, S, H_kv, D)
         # index_select on flat indices: far cheaper on CPUs than advanced indexing.
-        keys = k_buffer.index_select(0, slots.view(-1)).view(shape)
-        values = v_buffer.index_select(0, slots.view(-1)).view(shape)
+        keys = k_buffer.index_select(0, slots.view(-1)).view(*slots.shape, *k_buffer.shape[1:])
+        if pool.values_view_keys:
+            values = keys[..., : v_buffer.shape[-1]]  # (B, S, H_kv, D_v), a view
+        else:
+            values = v_buffer.index_select(0, slots.view(-1))
+            values = values.view(*slots.shape, *v_buffer.shape[1:])
         return keys.transpose(1, 2), values.transpose(1, 2)
 
     def _attend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
         layout = self._layout
-        keys, values = self._gather_kv(k, v, layer, fb)  # (B, H_kv, S, D)
+        keys, values = self._gather_kv(k, v, layer, fb)  # (B, H_kv, S, D|D_v)
         b, num_q = layout.batch_size, layout.max_queries
         if layout.query_rows is None:
             queries = q.view(b, num_q, *q.shape[1:])  # (B, Q, H, D)
@@ -105,8 +114,8 @@ class TorchNativeAttentionBackend(AttentionBackend):
             is_causal=layout.is_causal and num_q > 1,
             scale=layer.scaling,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
-        )  # (B, H, Q, D)
-        out = out.transpose(1, 2).reshape(b * num_q, *q.shape[1:])
+        )  # (B, H, Q, D_v)
+        out = out.transpose(1, 2).reshape(b * num_q, q.shape[1], values.shape[-1])
         if layout.query_rows is not None:
             out = out[layout.query_rows]
         return out

@@ -28,6 +28,11 @@ class ModelConfig:
     hidden_size: int
     vocab_size: int
     max_position_embeddings: int
+    kv_lora_rank: int | None = None
+    """Multi-head latent attention (DeepSeek-V2/V3): the size of the compressed KV latent
+    each token caches instead of per-head K and V; None: the MHA (K and V) layout."""
+    qk_rope_head_dim: int = 0
+    """MLA: the dims of the decoupled RoPE key cached next to the latent."""
     eos_token_ids: set[int] = field(default_factory=set)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     """Sampling defaults from generation_config.json (temperature, top_p, top_k)."""
@@ -50,6 +55,7 @@ class ModelConfig:
                 f"num_key_value_heads ({num_kv_heads})"
             )
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        kv_lora_rank = getattr(hf, "kv_lora_rank", None)
         generation = _read_generation_config(path)
         eos = _as_id_set(generation.get("eos_token_id")) | _as_id_set(hf.eos_token_id)
         return cls(
@@ -63,12 +69,22 @@ class ModelConfig:
             hidden_size=hf.hidden_size,
             vocab_size=hf.vocab_size,
             max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=hf.qk_rope_head_dim if kv_lora_rank is not None else 0,
             eos_token_ids=eos,
             generation_defaults=_sampling_defaults(generation),
         )
 
+    @property
+    def uses_mla(self) -> bool:
+        """Whether the KV pool holds MLA latents (``MLATokenToKVPool``) rather than K and V."""
+        return self.kv_lora_rank is not None
+
     def kv_bytes_per_token(self, dtype_size: int) -> int:
-        """Bytes of K and V one token occupies across all layers."""
+        """Bytes of KV one token occupies across all layers, in the pool layout the model uses:
+        K and V per KV head (MHA), or one latent + RoPE key row (MLA)."""
+        if self.kv_lora_rank is not None:
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_size
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
 
 

@@ -3,7 +3,13 @@
 - ``ReqToTokenPool``: one row per running request; row r, column i holds the KV slot of
   token i of the request in row r. Rows are handed out and returned by request.
 - ``MHATokenToKVPool``: per layer, one K and one V buffer of shape (num_slots, H_kv, D).
-  Slot indices come from ``TokenToKVPoolAllocator``; slots of page 0 are padding.
+- ``MLATokenToKVPool``: per layer, one buffer (num_slots, 1, kv_lora_rank + qk_rope_head_dim)
+  of compressed latents and rotated shared keys; the values are a view of it.
+
+Slot indices come from ``TokenToKVPoolAllocator``; slots of page 0 are padding. Both token
+pools answer ``set_kv``, ``get_kv`` and ``bytes_per_token``; ``values_view_keys`` tells an
+attention backend that the values are the first ``v_buffer.shape[-1]`` dims of the keys, so
+it may gather keys once and slice the values out of them.
 
 No KV tensor is ever allocated per request: a request owns indices, not memory.
 """
@@ -44,6 +50,8 @@ class MHATokenToKVPool:
     ``num_slots`` includes the reserved padding page; slot indices are those of the allocator.
     """
 
+    values_view_keys = False
+
     def __init__(
         self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, device: str | torch.device,
@@ -65,3 +73,52 @@ class MHATokenToKVPool:
     def bytes_per_token(self) -> int:
         k = self.k_buffers[0]
         return 2 * len(self.k_buffers) * k.shape[1] * k.shape[2] * k.element_size()
+
+
+class MLATokenToKVPool:
+    """The latent KV of multi-head latent attention (DeepSeek-V2, Liu et al. 2024).
+
+    Layout, per layer: one contiguous buffer ``kv_buffers[layer]`` of shape
+    (num_slots, 1, kv_lora_rank + qk_rope_head_dim); the row of a slot is
+
+        [ c_kv : kv_lora_rank dims | k_rope : qk_rope_head_dim dims ]
+
+    c_kv is the token's normalised compressed KV latent, k_rope its rotated key part shared
+    by all heads (rotate-half pair layout, already multiplied by RoPE's attention factor).
+    For the absorbed attention this is multi-query attention with one KV head: the key is
+    the whole row (D_k = kv_lora_rank + qk_rope_head_dim) and the value is c_kv
+    (D_v = kv_lora_rank), read as a view of the same buffer, never stored twice.
+
+    ``set_kv(layer, slots, k, v)`` stores k (T, 1, D_k); v must be k's first D_v dims (the
+    view the attention layer passes) and is not written. ``get_kv(layer)`` returns
+    (key buffer (num_slots, 1, D_k), value view (num_slots, 1, D_v)).
+    """
+
+    values_view_keys = True
+
+    def __init__(
+        self, num_slots: int, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
+        dtype: torch.dtype, device: str | torch.device,
+    ):
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        shape = (num_slots, 1, kv_lora_rank + qk_rope_head_dim)
+        self.kv_buffers = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+
+    def set_kv(
+        self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None
+    ) -> None:
+        """Stores the new tokens' rows k (T, 1, kv_lora_rank + qk_rope_head_dim) at ``slots``."""
+        self.kv_buffers[layer_id].index_copy_(0, slots, k)
+
+    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        buffer = self.kv_buffers[layer_id]
+        return buffer, buffer[..., : self.kv_lora_rank]
+
+    def bytes_per_token(self) -> int:
+        buffer = self.kv_buffers[0]
+        return len(self.kv_buffers) * buffer.shape[2] * buffer.element_size()

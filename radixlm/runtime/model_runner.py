@@ -13,7 +13,11 @@ from radixlm.kernels.torch_native_backend import TorchNativeAttentionBackend
 from radixlm.models.loader import load_model
 from radixlm.models.model_config import ModelConfig
 from radixlm.radix_cache.allocator import TokenToKVPoolAllocator
-from radixlm.radix_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.radix_cache.memory_pool import (
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+)
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -42,11 +46,7 @@ class ModelRunner:
         page_size = args.page_size
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, page_size, self.device)
         self.max_total_tokens = self.allocator.size
-        self.kv_pool = MHATokenToKVPool(
-            self.allocator.size + page_size,  # + the reserved padding page
-            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-            self.dtype, self.device,
-        )
+        self.kv_pool = self._make_kv_pool(self.allocator.size + page_size)  # + padding page
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests, self.context_length, self.device
         )
@@ -116,6 +116,19 @@ class ModelRunner:
         budget = int(_available_memory(self.device) * self.args.kv_cache_memory_fraction)
         useful = self.args.max_running_requests * self.context_length
         return max(self.args.page_size, min(budget // per_token, useful))
+
+    def _make_kv_pool(self, num_slots: int) -> MHATokenToKVPool | MLATokenToKVPool:
+        """The pool layout the model attends over: latents for MLA models, else K and V."""
+        config = self.model_config
+        if config.uses_mla:
+            return MLATokenToKVPool(
+                num_slots, config.num_layers, config.kv_lora_rank, config.qk_rope_head_dim,
+                self.dtype, self.device,
+            )
+        return MHATokenToKVPool(
+            num_slots, config.num_layers, config.num_kv_heads, config.head_dim,
+            self.dtype, self.device,
+        )
 
     def _make_attention_backend(self) -> AttentionBackend:
         # Only the torch-native backend exists so far; "auto" picks it everywhere.

@@ -16,17 +16,20 @@ class PagedAttention(nn.Module):
     """
 
     def __init__(
-        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float
+        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
+        v_head_dim: int | None = None,
     ):
+        """``v_head_dim``: the values' head dim when it differs from the keys' (MLA)."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
         self.scaling = scaling
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        """q: (T, H, D), k, v: (T, H_kv, D) -> (T, H, D)."""
+        """q: (T, H, D), k: (T, H_kv, D), v: (T, H_kv, D_v) -> (T, H, D_v)."""
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
