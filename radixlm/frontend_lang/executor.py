@@ -228,6 +228,8 @@ class Executor:
                 with self._cond:
                     self._append(piece)
                     meta = latest
+                    if expr.name:
+                        self.meta_info[expr.name] = meta  # for text_async_iter's readers
         except BaseException:
             with self._cond:
                 del self._stream_starts[name]

@@ -146,6 +146,11 @@ class ProgramStateGroup:
     def __getitem__(self, index: int) -> ProgramState:
         return self.states[index]
 
+    def __setitem__(self, index: int, state: ProgramState) -> None:
+        """Only what ``forks[i] += expr`` does: put branch i's own state back."""
+        if state is not self.states[index]:
+            raise TypeError("a fork's branches cannot be replaced")
+
     def __len__(self) -> int:
         return len(self.states)
 

@@ -186,3 +186,49 @@ def test_run_batch_keeps_order_and_caches_the_shared_prefix(engine):
     assert [s.text().split(". ")[-1][:len(w)] for s, w in zip(states, words)] == words
     cached = [s.get_meta_info("next")["cached_tokens"] for s in states]
     assert min(cached) >= 20, cached
+
+
+def test_a_branch_can_be_appended_to_by_index(engine):
+    @sgl.function
+    def program(s):
+        s += "Root"
+        forks = s.fork(2)
+        forks[0] += " left"
+        forks[1] += " right" + sgl.gen("x", max_tokens=2)
+        forks.join()
+
+    state = program.run(backend=engine, **GREEDY)
+    assert state["x"] == [None, direct(engine, "Root right", max_new_tokens=2)]
+
+
+def test_streamed_meta_info_arrives_with_the_pieces(engine):
+    @sgl.function
+    def program(s):
+        s += "Numbers: 0 1 2"
+        s += sgl.gen("more", max_tokens=5)
+
+    async def collect():
+        state = program.run(backend=engine, stream=True, **GREEDY)
+        return [meta async for _, meta in state.text_async_iter("more", return_meta_data=True)]
+
+    metas = asyncio.run(collect())
+    assert metas and all(meta is not None and "prompt_tokens" in meta for meta in metas)
+
+
+@pytest.mark.parametrize("prompt,choices", [
+    ("The sky is ", ["blue", "green"]),  # the prompt's trailing space merges into the choice
+    ("Reply with A or B. A", [" A", " B"]),  # the prompt ends like the choice begins
+])
+def test_select_at_token_boundaries(engine, prompt, choices):
+    @sgl.function
+    def program(s):
+        s += prompt + sgl.select("c", choices=choices)
+
+    state = program.run(backend=engine)
+    assert state["c"] in choices
+    prompt_ids = engine.tokenizer.encode(prompt)
+    for choice, scored in zip(choices, state.get_meta_info("c")["input_token_logprobs"]):
+        full = engine.tokenizer.encode(prompt + choice)
+        shared = next((i for i, (a, b) in enumerate(zip(prompt_ids, full)) if a != b),
+                      min(len(prompt_ids), len(full)))
+        assert len(scored) == len(full) - shared  # every token the choice changed or added

@@ -6,7 +6,8 @@ Both send the same request dicts; a subclass only moves them (``_post``, ``_post
 ``select`` scores all choices in one batched request: it first caches the prompt (``max_new_
 tokens: 0``, which also reports its token count P), then asks for the logprobs of
 ``prompt + choice`` from token P-1 on. Token P-1 is dropped when it is still the prompt's own
-last token; when the choice merged into it (a space, say) it is kept, as part of the choice.
+last token (same id); when the choice merged into it (the prompt's trailing space and the
+choice's first word, say) it is kept, as part of the choice.
 """
 
 from __future__ import annotations
@@ -51,25 +52,30 @@ class NativeBackend(Backend):
     def select(self, prompt: Prompt, choices: list[str], method: ChoicesMethod,
                temperature: float) -> ChoicesDecision:
         text = prompt.text
-        start = 0
+        prompt_tokens = 0
         if text:
             cached = self._post({"text": text, "sampling_params": {"max_new_tokens": 0}})
-            start = max(cached["meta_info"]["prompt_tokens"] - 1, 0)
+            prompt_tokens = cached["meta_info"]["prompt_tokens"]
+        # Logprobs from token P-1 on (a start of s > 0 reports tokens s+1 onwards; 0 reports
+        # all). The prompt itself rides along to tell us its own last token.
+        start = max(prompt_tokens - 2, 0)
         outs = self._post({
-            "text": [text + choice for choice in choices],
+            "text": [text + choice for choice in choices] + [text],
             "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-            "return_logprob": True, "return_text_in_logprobs": True,
-            "logprob_start_len": start,
+            "return_logprob": True, "logprob_start_len": start,
         })
+        entries_of_prompt = outs.pop()["meta_info"]["input_token_logprobs"]
+        last_prompt_token = entries_of_prompt[-1][1] if text and entries_of_prompt else None
         token_logprobs, token_ids = [], []
         for choice, out in zip(choices, outs):
             entries = out["meta_info"]["input_token_logprobs"]
-            if entries and (entries[0][0] is None or (text and text.endswith(entries[0][2]))):
-                entries = entries[1:]  # the prompt's own last token (or the first, unscored)
+            if text and entries and entries[0][1] == last_prompt_token:
+                entries = entries[1:]  # still the prompt's own last token: not the choice's
+            entries = [entry for entry in entries if entry[0] is not None]
             if not entries:
                 raise BackendError(f"select: choice {choice!r} adds no token to the prompt")
-            token_logprobs.append([float(lp) for lp, _, _ in entries])
-            token_ids.append([int(token) for _, token, _ in entries])
+            token_logprobs.append([float(lp) for lp, _, *_ in entries])
+            token_ids.append([int(token) for _, token, *_ in entries])
         scores = ChoiceScores(choices, token_logprobs, token_ids=token_ids)
         if method.needs_unconditional:
             scores.unconditional = self._unconditional(token_ids)
@@ -78,7 +84,7 @@ class NativeBackend(Backend):
     def _unconditional(self, token_ids: list[list[int]]) -> list[list[float]]:
         outs = self._post({"input_ids": token_ids, "sampling_params": {"max_new_tokens": 0},
                            "return_logprob": True, "logprob_start_len": 0})
-        return [[0.0 if lp is None else float(lp) for lp, _, _ in out["meta_info"][
+        return [[0.0 if lp is None else float(lp) for lp, *_ in out["meta_info"][
             "input_token_logprobs"]] for out in outs]
 
 
