@@ -30,6 +30,22 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": (transformers.Qwen2Config, {}),
     "Qwen3ForCausalLM": (transformers.Qwen3Config, {"head_dim": 16}),
 }
+# Multi-head latent attention models (tests/models/test_deepseek_models.py).
+MLA_ARCHITECTURES = {
+    # MLA: a 32-dim latent + 8 RoPE dims cached per token; 16 + 8 qk and 16 v dims per head.
+    # V2 as V2-Lite (no q-LoRA, greedy softmax router), V3 with q-LoRA and its sigmoid router;
+    # layer 0 dense, layer 1 MoE. ``first_k_dense_replace=2`` makes every layer dense.
+    "DeepseekV2ForCausalLM": (transformers.DeepseekV2Config, dict(
+        kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=32, topk_method="greedy",
+    )),
+    "DeepseekV3ForCausalLM": (transformers.DeepseekV3Config, dict(
+        kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+    )),
+}
 KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
 
 
@@ -55,7 +71,7 @@ def write_tiny_model(
     tied: bool = False, seed: int = 0, **overrides,
 ) -> Path:
     """Writes a 2-layer model of ``architecture`` into ``directory`` and returns it."""
-    config_class, extra = ARCHITECTURES[architecture]
+    config_class, extra = {**ARCHITECTURES, **MLA_ARCHITECTURES}[architecture]
     tokenizer = tiny_tokenizer()
     fields = dict(
         vocab_size=len(tokenizer),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from radixlm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from radixlm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from radixlm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -12,6 +13,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

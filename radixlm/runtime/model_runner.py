@@ -110,10 +110,15 @@ class ModelRunner:
             self._threads = threads
 
     def _kv_pool_tokens(self) -> int:
+        """Pool tokens: ``max_total_tokens`` if given, else as many as the memory budget
+        (``kv_memory_budget``: a share of the free memory) holds in the model's KV layout,
+        at most what the running requests could use."""
+        self.kv_memory_budget: int | None = None
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
         per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
         budget = int(_available_memory(self.device) * self.args.kv_cache_memory_fraction)
+        self.kv_memory_budget = budget
         useful = self.args.max_running_requests * self.context_length
         return max(self.args.page_size, min(budget // per_token, useful))
 

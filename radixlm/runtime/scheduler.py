@@ -140,6 +140,7 @@ class Scheduler:
             "context_length": runner.context_length,
             "max_total_tokens": runner.max_total_tokens,
             "kv_bytes_per_token": runner.kv_pool.bytes_per_token(),
+            "kv_memory_budget_bytes": runner.kv_memory_budget,
             "free_kv_tokens": memory.allocator.available_size(),
             "cache_tokens": memory.tree_cache.total_size(),
             "cache_protected_tokens": memory.tree_cache.protected_size(),

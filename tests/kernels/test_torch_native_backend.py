@@ -14,7 +14,7 @@ from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kernels.torch_native_backend import TorchNativeAttentionBackend
 from radixlm.models.layers.attention import PagedAttention
 from radixlm.radix_cache.allocator import TokenToKVPoolAllocator
-from radixlm.radix_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.radix_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 
 POOL_TOKENS = 256
 NUM_LAYERS = 2
@@ -98,7 +98,7 @@ def naive_attention(q, k_new, v_new, k_prefix, v_prefix, prefix_len, scale):
     ratio = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(ratio, dim=1)  # (S, H, D)
     values = values.repeat_interleave(ratio, dim=1)
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:2], values.shape[-1])  # (E, H, D_v)
     for head in range(q.shape[1]):
         for i in range(q.shape[0]):
             visible = prefix_len + i + 1
@@ -180,3 +180,46 @@ def test_metadata_is_shared_by_every_layer_of_a_batch():
             before_v[layer_id][slots[:prefix]], prefix, layer.scaling,
         )
         torch.testing.assert_close(out[new], expected, atol=1e-5, rtol=1e-5)
+
+
+LATENT, ROPE = 12, 4
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_latent_pool_attention_matches_naive_reference_and_stores_rows_once(case):
+    """MLA layout: one KV head whose keys are latent + RoPE rows and whose values are the
+    first LATENT dims of the same rows; the output has LATENT dims per head."""
+    mode, prefix_lens, extend_lens = CASES[case]
+    batch, slots_of, _, _, _ = build_batch(mode, prefix_lens, extend_lens, 4, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    pool = MLATokenToKVPool(POOL_TOKENS + 1, NUM_LAYERS, LATENT, ROPE, torch.float32, "cpu")
+    for buffer in pool.kv_buffers:
+        buffer.normal_(generator=gen)
+    batch.kv_pool = pool
+    before = [b.clone() for b in pool.kv_buffers]
+    total, num_heads = sum(extend_lens), 4
+    q = torch.randn(total, num_heads, LATENT + ROPE, generator=gen)
+    k = torch.randn(total, 1, LATENT + ROPE, generator=gen)
+    layer = PagedAttention(LAYER, num_heads, 1, LATENT + ROPE, 0.3, v_head_dim=LATENT)
+
+    backend = batch.attn_backend
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, k[..., :LATENT], layer, batch)
+
+    assert out.shape == (total, num_heads, LATENT)
+    offset = 0
+    for slots, prefix, extend in zip(slots_of, prefix_lens, extend_lens, strict=True):
+        new = slice(offset, offset + extend)
+        offset += extend
+        cached = before[LAYER][slots[:prefix]]
+        expected = naive_attention(
+            q[new], k[new], k[new, :, :LATENT], cached, cached[..., :LATENT], prefix, 0.3
+        )
+        torch.testing.assert_close(out[new], expected, atol=1e-5, rtol=1e-5)
+    loc = batch.out_cache_loc
+    assert torch.equal(pool.kv_buffers[LAYER][loc], k)
+    assert torch.equal(pool.get_kv(LAYER)[1][loc], k[..., :LATENT])
+    untouched = torch.ones(pool.num_slots, dtype=torch.bool)
+    untouched[loc] = False
+    assert torch.equal(pool.kv_buffers[LAYER][untouched], before[LAYER][untouched])
+    assert torch.equal(pool.kv_buffers[1 - LAYER], before[1 - LAYER])
