@@ -9,6 +9,10 @@ On GPUs the kernels compile for the device. On CPUs they run only under Triton's
 interpreter (``TRITON_INTERPRET=1`` set before radixlm imports them), which is how CI
 checks them; ``require_triton_runnable`` says why they cannot run otherwise.
 
+Latent (MLA) pools (``kv_pool.values_view_keys``): only the key rows are stored, the
+values are their first D_v dims (a view); extend runs the same kernel with D_v < D_k, and
+decode runs the MLA variant, which loads each latent row once for keys and values.
+
 Decode scratch (per-split partial outputs) is allocated once per batch and shared by all
 layers; ``reserve_decode_scratch`` pins a buffer for the largest batch, so that CUDA graphs
 captured over it replay on the same memory.
@@ -25,6 +29,7 @@ from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kernels.triton_decode_attention import decode_attention, decode_scratch
 from radixlm.kernels.triton_extend_attention import extend_attention
 from radixlm.kernels.triton_kv_store import store_kv
+from radixlm.kernels.triton_mla_decode import mla_decode_attention
 
 
 @dataclass
@@ -99,17 +104,26 @@ class TritonAttentionBackend(AttentionBackend):
         k_buffer, v_buffer = self._store(k, v, layer, fb)
         batch_size, head_dim_v = q.shape[0], v_buffer.shape[-1]
         out = q.new_empty(batch_size, layer.num_heads, head_dim_v)
+        scratch = self._decode_scratch(batch_size, layer.num_heads, head_dim_v, q.device)
+        if _is_latent_pool(fb.kv_pool):
+            return mla_decode_attention(
+                q, out, k_buffer, head_dim_v, fb.req_to_token, fb.req_pool_indices,
+                fb.seq_lens, layer.scaling, self.config.num_kv_splits, scratch=scratch,
+                block_n=self.config.decode_block_n,
+            )
         decode_attention(
             q, out, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
-            layer.scaling, self.config.num_kv_splits,
-            scratch=self._decode_scratch(batch_size, layer.num_heads, head_dim_v, q.device),
+            layer.scaling, self.config.num_kv_splits, scratch=scratch,
             block_n=self.config.decode_block_n,
         )
         return out
 
     def _store(self, k, v, layer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         k_buffer, v_buffer = fb.kv_pool.get_kv(layer.layer_id)
-        store_kv(k, v, k_buffer, v_buffer, fb.out_cache_loc)
+        if _is_latent_pool(fb.kv_pool):  # v is a view of k; the pool stores rows once
+            store_kv(k, None, k_buffer, None, fb.out_cache_loc)
+        else:
+            store_kv(k, v, k_buffer, v_buffer, fb.out_cache_loc)
         return k_buffer, v_buffer
 
     def _decode_scratch(
@@ -125,3 +139,8 @@ class TritonAttentionBackend(AttentionBackend):
             batch_size, num_heads, head_dim_v, self.config.num_kv_splits, device
         )
         return self._scratch
+
+
+def _is_latent_pool(pool) -> bool:
+    """True for a pool whose values are a view of its keys (MLA's latent pool)."""
+    return bool(getattr(pool, "values_view_keys", False))

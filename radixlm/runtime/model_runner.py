@@ -8,16 +8,17 @@ import os
 import torch
 
 from radixlm.kernels.attention_backend import AttentionBackend
+from radixlm.kernels.backend_selection import (
+    BackendRequest,
+    create_backend,
+    resolve_backend_name,
+)
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
-from radixlm.kernels.torch_native_backend import TorchNativeAttentionBackend
+from radixlm.models.layers.attention import PagedAttention
 from radixlm.models.loader import load_model
 from radixlm.models.model_config import ModelConfig
 from radixlm.radix_cache.allocator import TokenToKVPoolAllocator
-from radixlm.radix_cache.memory_pool import (
-    MHATokenToKVPool,
-    MLATokenToKVPool,
-    ReqToTokenPool,
-)
+from radixlm.radix_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -46,11 +47,16 @@ class ModelRunner:
         page_size = args.page_size
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, page_size, self.device)
         self.max_total_tokens = self.allocator.size
-        self.kv_pool = self._make_kv_pool(self.allocator.size + page_size)  # + padding page
+        self.kv_pool = MHATokenToKVPool(
+            self.allocator.size + page_size,  # + the reserved padding page
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+            self.dtype, self.device,
+        )
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests, self.context_length, self.device
         )
         self.attn_backend = self._make_attention_backend()
+        self.cuda_graph_runner = self._make_cuda_graph_runner()
         logger.info(
             "model %s loaded: %s on %s, KV pool of %d tokens (%.1f MiB)",
             model_config.architecture, self.dtype, self.device, self.max_total_tokens,
@@ -61,6 +67,8 @@ class ModelRunner:
         """Runs the model over the batch's new tokens -> hidden states (T, hidden)."""
         if self.device.type == "cpu":
             self._use_threads(len(forward_batch.extend_seq_lens_list), len(forward_batch.input_ids))
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
@@ -110,34 +118,43 @@ class ModelRunner:
             self._threads = threads
 
     def _kv_pool_tokens(self) -> int:
-        """Pool tokens: ``max_total_tokens`` if given, else as many as the memory budget
-        (``kv_memory_budget``: a share of the free memory) holds in the model's KV layout,
-        at most what the running requests could use."""
-        self.kv_memory_budget: int | None = None
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
         per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
         budget = int(_available_memory(self.device) * self.args.kv_cache_memory_fraction)
-        self.kv_memory_budget = budget
         useful = self.args.max_running_requests * self.context_length
         return max(self.args.page_size, min(budget // per_token, useful))
 
-    def _make_kv_pool(self, num_slots: int) -> MHATokenToKVPool | MLATokenToKVPool:
-        """The pool layout the model attends over: latents for MLA models, else K and V."""
-        config = self.model_config
-        if config.uses_mla:
-            return MLATokenToKVPool(
-                num_slots, config.num_layers, config.kv_lora_rank, config.qk_rope_head_dim,
-                self.dtype, self.device,
-            )
-        return MHATokenToKVPool(
-            num_slots, config.num_layers, config.num_kv_heads, config.head_dim,
-            self.dtype, self.device,
+    def _make_attention_backend(self) -> AttentionBackend:
+        """The backend ``attention_backend`` names (``auto`` resolved for the device); one
+        that cannot run here raises ValueError saying why (see ``backend_selection``)."""
+        uses_mla = bool(getattr(self.model_config, "uses_mla", False))
+        request = BackendRequest(self.args.attention_backend, self.device, uses_mla)
+        self.attention_backend_name = resolve_backend_name(request)
+        layer = self.attention_layer
+        return create_backend(
+            self.attention_backend_name, self.device, num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+            page_size=self.args.page_size, dtype=self.dtype, scaling=layer.scaling,
         )
 
-    def _make_attention_backend(self) -> AttentionBackend:
-        # Only the torch-native backend exists so far; "auto" picks it everywhere.
-        return TorchNativeAttentionBackend()
+    @property
+    def attention_layer(self) -> PagedAttention:
+        """The model's first attention layer (every layer shares its head layout)."""
+        return next(m for m in self.model.modules() if isinstance(m, PagedAttention))
+
+    def _make_cuda_graph_runner(self):
+        """Captured decode graphs on CUDA with a kernel backend, unless disabled."""
+        if (
+            self.device.type != "cuda"
+            or self.args.disable_cuda_graph
+            or self.attention_backend_name not in ("triton", "flashinfer")
+        ):
+            return None
+        from radixlm.runtime.cuda_graph_runner import CudaGraphDecodeRunner
+
+        max_batch_size = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
+        return CudaGraphDecodeRunner(self, max_batch_size)
 
 
 def _available_memory(device: torch.device) -> int:

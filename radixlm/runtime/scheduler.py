@@ -151,6 +151,8 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "dtype": str(runner.dtype).removeprefix("torch."),
             "device": str(runner.device),
+            "attention_backend": runner.attention_backend_name,
+            "cuda_graph": runner.cuda_graph_runner is not None,
             "vocab_size": runner.model_config.vocab_size,
             "stats": dataclasses.asdict(self.stats),
             **{k: getattr(self.args, k) for k in ("schedule_policy", "batching",

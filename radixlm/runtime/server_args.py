@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-ATTENTION_BACKENDS = ("auto", "torch_native")
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BATCHING_MODES = ("continuous", "static")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
@@ -28,6 +28,12 @@ class ServerArgs:
     """``auto``: bfloat16 on GPUs and on CPUs with native bf16, else float32."""
     device: str = "auto"
     attention_backend: str = "auto"
+    """``auto``: flashinfer, else triton, on CUDA; torch_native on CPUs (see
+    ``radixlm.kernels.backend_selection``)."""
+    disable_cuda_graph: bool = False
+    """Run GPU decode steps eagerly instead of replaying captured CUDA graphs."""
+    cuda_graph_max_bs: int = 64
+    """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
     max_total_tokens: int | None = None
     """KV pool size in tokens; None: sized from ``kv_cache_memory_fraction``."""
     kv_cache_memory_fraction: float = 0.2
@@ -80,6 +86,7 @@ class ServerArgs:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         _check_positive("page_size", self.page_size)
+        _check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
         if self.max_queued_requests is not None and (
             not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0
         ):
