@@ -30,6 +30,24 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": (transformers.Qwen2Config, {}),
     "Qwen3ForCausalLM": (transformers.Qwen3Config, {"head_dim": 16}),
 }
+# Mixture-of-experts models (tests/models/test_moe_models.py): 8 experts, top-2.
+MOE_ARCHITECTURES = {
+    "MixtralForCausalLM": (
+        transformers.MixtralConfig,
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+    "Qwen2MoeForCausalLM": (
+        transformers.Qwen2MoeConfig,
+        # Layer 0 dense (mlp_only_layers), layer 1 routed + gated shared expert.
+        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48, "mlp_only_layers": [0]},
+    ),
+    "Qwen3MoeForCausalLM": (
+        transformers.Qwen3MoeConfig,
+        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "norm_topk_prob": True, "head_dim": 16},
+    ),
+}
 # Multi-head latent attention models (tests/models/test_deepseek_models.py).
 MLA_ARCHITECTURES = {
     # MLA: a 32-dim latent + 8 RoPE dims cached per token; 16 + 8 qk and 16 v dims per head.
@@ -71,7 +89,7 @@ def write_tiny_model(
     tied: bool = False, seed: int = 0, **overrides,
 ) -> Path:
     """Writes a 2-layer model of ``architecture`` into ``directory`` and returns it."""
-    config_class, extra = {**ARCHITECTURES, **MLA_ARCHITECTURES}[architecture]
+    config_class, extra = {**ARCHITECTURES, **MOE_ARCHITECTURES, **MLA_ARCHITECTURES}[architecture]
     tokenizer = tiny_tokenizer()
     fields = dict(
         vocab_size=len(tokenizer),

@@ -66,10 +66,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int, **attn_options):
+    def __init__(
+        self, config: PretrainedConfig, layer_id: int, mlp: nn.Module | None = None,
+        **attn_options,
+    ):
+        """``mlp``: the feed-forward block, (T, hidden) -> (T, hidden); by default the dense
+        gated MLP of ``config.intermediate_size`` (MoE models pass an ``MoEBlock``)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, **attn_options)
-        self.mlp = GatedMLP(
+        self.mlp = mlp if mlp is not None else GatedMLP(
             config.hidden_size, config.intermediate_size,
             bias=bool(getattr(config, "mlp_bias", False)),
         )
@@ -101,8 +106,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
-            for i in range(config.num_hidden_layers)
+            self.make_layer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
@@ -115,6 +119,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def make_layer(self, config: PretrainedConfig, layer_id: int) -> LlamaDecoderLayer:
+        """Decoder layer ``layer_id``; subclasses override it to swap the attention options
+        or the feed-forward block."""
+        return LlamaDecoderLayer(config, layer_id, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch

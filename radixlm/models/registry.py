@@ -6,13 +6,18 @@ from torch import nn
 
 from radixlm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from radixlm.models.llama import LlamaForCausalLM, MistralForCausalLM
+from radixlm.models.mixtral import MixtralForCausalLM
 from radixlm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from radixlm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
