@@ -12,8 +12,9 @@ is refused where it enters, in the caller's process, before anything is queued.
 
 xgrammar 0.2.9 compiles a string with ``minLength`` / ``maxLength`` (and no pattern) to any
 characters but quote, backslash and newlines, so raw control characters, which JSON does
-not allow in strings, get through (the output then fails ``json.loads``). Such strings are
-compiled as the equivalent pattern instead (``harden_json_schema``).
+not allow in strings, get through (the output then fails ``json.loads``), and so do invalid
+UTF-8 sequences. Such strings are compiled as the equivalent pattern over valid code points
+instead (``harden_json_schema``).
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ def describe_error(err: BaseException) -> str:
     return _LOCATION.sub("", first)
 
 
-_PLAIN_CHARACTER = r'[^\x00-\x1f"\\]'
+_PLAIN_CHARACTER = "[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]"
 """A string character that needs no escape in JSON (escapes are left out of length-bounded
-strings: a valid subset)."""
+strings: a valid subset), spelled as the ranges of valid code points: xgrammar matches a
+negated class such as ``[^"\\]`` byte-wise and lets through invalid UTF-8 (surrogates,
+overlong forms), which decodes to several U+FFFD and breaks ``maxLength``."""
 
 
 def harden_json_schema(schema: Any) -> Any:

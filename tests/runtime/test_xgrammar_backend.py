@@ -171,17 +171,26 @@ def test_the_bitmask_buffer_is_reused_across_steps(backend):
 def test_length_bounded_strings_refuse_raw_control_characters_and_keep_their_bounds(
     backend, schema
 ):
-    """xgrammar alone lets raw control characters into such strings (invalid JSON)."""
+    """xgrammar alone lets raw control characters (invalid JSON) and invalid UTF-8 (several
+    U+FFFD once decoded, beyond maxLength) into such strings."""
     opening = '"' if schema["type"] == "string" else '{"s": "'
     closing = '"' if schema["type"] == "string" else '"}'
     compiled = backend.compile(GrammarKey("json_schema", json.dumps(schema))).result()
 
-    def accepts(text: str) -> bool:
+    tokenizer = tiny_tokenizer()
+    char_of = {byte: char for char, byte in byte_level_alphabet().items()}
+
+    def accepts(data: bytes) -> bool:
+        """Whether the grammar takes ``data`` fed one byte token at a time."""
         matcher = backend.new_matcher(compiled)
-        ids = tiny_tokenizer().encode(text)
+        ids = tokenizer.convert_tokens_to_ids([char_of[b] for b in data])
         return all(matcher.accept_token(t) for t in ids) and matcher.is_completed()
 
-    assert accepts(opening + "abcd" + closing)
-    assert not accepts(opening + "abcde" + closing)
-    assert not accepts(opening + "a\x1eb" + closing)
-    assert not accepts(opening + "a\tb" + closing)
+    def string(content: bytes) -> bytes:
+        return opening.encode() + content + closing.encode()
+
+    assert accepts(string(b"abcd")) and accepts(string("ü€😀".encode()))
+    assert not accepts(string(b"abcde"))
+    assert not accepts(string(b"a\x1eb")) and not accepts(string(b"a\tb"))
+    assert not accepts(string(b"a\xed\xa1\x9f")), "an encoded surrogate"
+    assert not accepts(string(b"a\xe0\x97\xb2")), "an overlong form"
