@@ -12,6 +12,7 @@ from radixlm.kernels.backend_selection import (
     BackendRequest,
     create_backend,
     resolve_backend_name,
+    triton_unavailable_reason,
 )
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.models.layers.attention import PagedAttention
@@ -56,6 +57,7 @@ class ModelRunner:
             args.max_running_requests, self.context_length, self.device
         )
         self.attn_backend = self._make_attention_backend()
+        self.fused_moe = self._use_fused_moe()
         self.cuda_graph_runner = self._make_cuda_graph_runner()
         logger.info(
             "model %s loaded: %s on %s, KV pool of %d tokens (%.1f MiB)",
@@ -137,6 +139,20 @@ class ModelRunner:
             num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
             page_size=self.args.page_size, dtype=self.dtype, scaling=layer.scaling,
         )
+
+    def _use_fused_moe(self) -> bool:
+        """With a kernel backend, MoE experts run on the fused Triton kernel."""
+        if self.attention_backend_name not in ("triton", "flashinfer"):
+            return False
+        if triton_unavailable_reason(self.device) is not None:
+            return False
+        from radixlm.kernels.fused_moe import fused_experts
+        from radixlm.models.layers.moe_experts import StackedExperts
+
+        experts = [m for m in self.model.modules() if isinstance(m, StackedExperts)]
+        for module in experts:
+            module.computation = fused_experts
+        return bool(experts)
 
     @property
     def attention_layer(self) -> PagedAttention:

@@ -153,6 +153,7 @@ class Scheduler:
             "device": str(runner.device),
             "attention_backend": runner.attention_backend_name,
             "cuda_graph": runner.cuda_graph_runner is not None,
+            "fused_moe": runner.fused_moe,
             "vocab_size": runner.model_config.vocab_size,
             "stats": dataclasses.asdict(self.stats),
             **{k: getattr(self.args, k) for k in ("schedule_policy", "batching",

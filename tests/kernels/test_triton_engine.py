@@ -34,3 +34,13 @@ def test_triton_engine_generates_the_torch_native_greedy_tokens(engine_for, page
     hits = engine.generate(HITS, greedy(8))  # extends over cached prefixes
     assert [o["output_ids"] for o in first + hits] == [o["output_ids"] for o in expected]
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in hits)
+
+
+def test_triton_engine_serves_a_latent_attention_moe_model(engine_for):
+    """DeepSeek-V2 (MLA latent pool, MoE layer through the fused kernel) on Triton."""
+    reference = engine_for("DeepseekV2ForCausalLM")
+    expected = reference.generate(BATCH, greedy(6))
+    engine = engine_for("DeepseekV2ForCausalLM", attention_backend="triton")
+    assert engine.get_server_info()["fused_moe"] is True
+    out = engine.generate(BATCH, greedy(6))
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in expected]
