@@ -19,7 +19,11 @@ from radixlm.models.layers.attention import PagedAttention
 from radixlm.models.loader import load_model
 from radixlm.models.model_config import ModelConfig
 from radixlm.radix_cache.allocator import TokenToKVPoolAllocator
-from radixlm.radix_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.radix_cache.memory_pool import (
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+)
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -48,11 +52,7 @@ class ModelRunner:
         page_size = args.page_size
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, page_size, self.device)
         self.max_total_tokens = self.allocator.size
-        self.kv_pool = MHATokenToKVPool(
-            self.allocator.size + page_size,  # + the reserved padding page
-            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-            self.dtype, self.device,
-        )
+        self.kv_pool = self._make_kv_pool(self.allocator.size + page_size)  # + padding page
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests, self.context_length, self.device
         )
@@ -120,12 +120,30 @@ class ModelRunner:
             self._threads = threads
 
     def _kv_pool_tokens(self) -> int:
+        """Pool tokens: ``max_total_tokens`` if given, else as many as the memory budget
+        (``kv_memory_budget``: a share of the free memory) holds in the model's KV layout,
+        at most what the running requests could use."""
+        self.kv_memory_budget: int | None = None
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
         per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
         budget = int(_available_memory(self.device) * self.args.kv_cache_memory_fraction)
+        self.kv_memory_budget = budget
         useful = self.args.max_running_requests * self.context_length
         return max(self.args.page_size, min(budget // per_token, useful))
+
+    def _make_kv_pool(self, num_slots: int) -> MHATokenToKVPool | MLATokenToKVPool:
+        """The pool layout the model attends over: latents for MLA models, else K and V."""
+        config = self.model_config
+        if config.uses_mla:
+            return MLATokenToKVPool(
+                num_slots, config.num_layers, config.kv_lora_rank, config.qk_rope_head_dim,
+                self.dtype, self.device,
+            )
+        return MHATokenToKVPool(
+            num_slots, config.num_layers, config.num_kv_heads, config.head_dim,
+            self.dtype, self.device,
+        )
 
     def _make_attention_backend(self) -> AttentionBackend:
         """The backend ``attention_backend`` names (``auto`` resolved for the device); one
