@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -13,14 +11,12 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).parent))
 
+from runtime_checks import assert_engine_idle, assert_pool_idle  # noqa: E402
 from tiny_models import write_tiny_model  # noqa: E402
 
 import radixlm  # noqa: E402
-from radixlm.runtime import io_messages as io  # noqa: E402
-from radixlm.runtime.request import Req  # noqa: E402
-from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
 from radixlm.runtime.scheduler import Scheduler  # noqa: E402
-from radixlm.runtime.scheduler_process import build_scheduler, make_req  # noqa: E402
+from radixlm.runtime.scheduler_process import build_scheduler  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 
@@ -75,18 +71,6 @@ def engine_for(tiny_model_dir):
         assert_engine_idle(engine)
 
 
-def assert_engine_idle(engine: radixlm.Engine) -> None:
-    """No request left behind: every KV slot is free or held unlocked by the prefix cache,
-    and every request row is free."""
-    info = engine.get_server_info()
-    assert_pool_idle(info)
-
-
-def assert_pool_idle(info: dict) -> None:
-    assert info["num_running"] == 0 and info["num_waiting"] == 0
-    assert info["cache_protected_tokens"] == 0
-    assert info["free_kv_tokens"] + info["cache_tokens"] == info["max_total_tokens"]
-    assert info["free_request_rows"] == info["request_rows"]
 
 
 _SCHEDULERS: dict[tuple, Scheduler] = {}
@@ -112,23 +96,3 @@ def scheduler_for(tiny_model_dir):
     for scheduler in used:
         assert_pool_idle(scheduler.server_info())
 
-
-def scheduler_req(scheduler: Scheduler, input_ids: list[int], sampling: dict | None = None,
-                  rid: str | None = None, **fields) -> Req:
-    """A request for ``scheduler`` as the Engine would send it."""
-    params = dataclasses.asdict(SamplingParams.from_dict(sampling))
-    message = io.GenerateReq(rid or uuid.uuid4().hex, list(input_ids), params, **fields)
-    return make_req(message, scheduler.output_processor.tokenizer, {})
-
-
-def run_to_completion(scheduler: Scheduler, reqs: list[Req], max_steps: int = 10_000) -> None:
-    """Steps until every request finished; fails (instead of hanging) after ``max_steps``."""
-    for req in reqs:
-        scheduler.add_request(req)
-    for _ in range(max_steps):
-        if all(req.finished for req in reqs):
-            return
-        scheduler.step()
-    for req in reqs:
-        scheduler.abort(req)
-    raise AssertionError(f"requests still unfinished after {max_steps} steps")

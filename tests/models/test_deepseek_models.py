@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_engine_idle
+from runtime_checks import assert_engine_idle
 from tiny_models import (
     MLA_ARCHITECTURES,
     reference_greedy,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import assert_engine_idle
+from runtime_checks import assert_engine_idle
 from tiny_models import reference_greedy, reference_prompt_logprobs, write_tiny_model
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import assert_pool_idle, run_to_completion, scheduler_req
+from runtime_checks import assert_pool_idle, run_to_completion, scheduler_req
 from tiny_models import reference_prompt_logprobs
 from workloads import greedy, random_ids
 

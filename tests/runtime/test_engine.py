@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import assert_engine_idle
+from runtime_checks import assert_engine_idle
 from workloads import PROMPTS, greedy, sampled
 
 # Batches and per-prompt parameters -------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import assert_engine_idle
+from runtime_checks import assert_engine_idle
 
 import radixlm
 from radixlm.models.default_model import default_model_path

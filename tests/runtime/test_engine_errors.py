@@ -8,7 +8,7 @@ import re
 import shutil
 
 import pytest
-from conftest import assert_engine_idle
+from runtime_checks import assert_engine_idle
 from workloads import LONG_TEXT, greedy
 
 import radixlm

@@ -10,7 +10,6 @@ import re
 
 import jsonschema
 import pytest
-from conftest import assert_engine_idle
 from grammar_corpus import (
     JSON_SCHEMAS,
     MAX_NEW_TOKENS,
@@ -18,6 +17,7 @@ from grammar_corpus import (
     json_prompt,
     regex_prompt,
 )
+from runtime_checks import assert_engine_idle
 
 import radixlm
 

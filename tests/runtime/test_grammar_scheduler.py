@@ -10,7 +10,7 @@ import re
 
 import jsonschema
 import pytest
-from conftest import run_to_completion, scheduler_req
+from runtime_checks import run_to_completion, scheduler_req
 from workloads import random_ids
 
 from radixlm.runtime.grammar_backend import GrammarKey

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import torch
-from conftest import run_to_completion, scheduler_req
+from runtime_checks import run_to_completion, scheduler_req
 from tiny_models import reference_greedy, reference_prompt_logprobs
 from workloads import greedy, random_ids
 

@@ -8,7 +8,7 @@ import functools
 import random
 
 import pytest
-from conftest import assert_engine_idle, run_to_completion, scheduler_req
+from runtime_checks import assert_engine_idle, run_to_completion, scheduler_req
 from workloads import greedy, random_ids
 
 NUM_REQUESTS = 300

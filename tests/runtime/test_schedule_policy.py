@@ -13,7 +13,7 @@ import random
 import re
 
 import pytest
-from conftest import assert_engine_idle, assert_pool_idle, run_to_completion, scheduler_req
+from runtime_checks import assert_engine_idle, assert_pool_idle, run_to_completion, scheduler_req
 from workloads import greedy, random_ids
 
 import radixlm

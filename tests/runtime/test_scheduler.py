@@ -4,7 +4,7 @@ once (admit what fits, queue the rest), requests that can never fit, and prefix-
 from __future__ import annotations
 
 import pytest
-from conftest import assert_engine_idle, run_to_completion, scheduler_req
+from runtime_checks import assert_engine_idle, run_to_completion, scheduler_req
 from workloads import LONG_TEXT, greedy
 
 import radixlm

@@ -1,0 +1,49 @@
+"""Checks and request helpers shared by test modules (importable: a conftest is not)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import radixlm
+from radixlm.runtime import io_messages as io
+from radixlm.runtime.request import Req
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.scheduler_process import make_req
+
+
+def assert_engine_idle(engine: radixlm.Engine) -> None:
+    """No request left behind: every KV slot is free or held unlocked by the prefix cache,
+    and every request row is free."""
+    info = engine.get_server_info()
+    assert_pool_idle(info)
+
+
+def assert_pool_idle(info: dict) -> None:
+    assert info["num_running"] == 0 and info["num_waiting"] == 0
+    assert info["cache_protected_tokens"] == 0
+    assert info["free_kv_tokens"] + info["cache_tokens"] == info["max_total_tokens"]
+    assert info["free_request_rows"] == info["request_rows"]
+
+
+def scheduler_req(scheduler: Scheduler, input_ids: list[int], sampling: dict | None = None,
+                  rid: str | None = None, **fields) -> Req:
+    """A request for ``scheduler`` as the Engine would send it."""
+    params = dataclasses.asdict(SamplingParams.from_dict(sampling))
+    message = io.GenerateReq(rid or uuid.uuid4().hex, list(input_ids), params, **fields)
+    return make_req(message, scheduler.output_processor.tokenizer, {})
+
+
+def run_to_completion(scheduler: Scheduler, reqs: list[Req], max_steps: int = 10_000) -> None:
+    """Steps until every request finished; fails (instead of hanging) after ``max_steps``."""
+    for req in reqs:
+        scheduler.add_request(req)
+    for _ in range(max_steps):
+        if all(req.finished for req in reqs):
+            return
+        scheduler.step()
+    for req in reqs:
+        scheduler.abort(req)
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
