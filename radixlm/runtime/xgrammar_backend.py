@@ -13,8 +13,9 @@ is refused where it enters, in the caller's process, before anything is queued.
 xgrammar 0.2.9 compiles a string with ``minLength`` / ``maxLength`` (and no pattern) to any
 characters but quote, backslash and newlines, so raw control characters, which JSON does
 not allow in strings, get through (the output then fails ``json.loads``), and so do invalid
-UTF-8 sequences. Such strings are compiled as the equivalent pattern over valid code points
-instead (``harden_json_schema``).
+UTF-8 sequences (which break ``maxLength`` once decoded). Such strings are compiled as a
+pattern of printable ASCII with the same bounds instead (``harden_json_schema``): a subset
+of what the schema allows, so every output still validates.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import functools
 import json
 import logging
 import re
+import sys
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixlm.runtime.grammar_backend import (
@@ -46,11 +49,13 @@ def describe_error(err: BaseException) -> str:
     return _LOCATION.sub("", first)
 
 
-_PLAIN_CHARACTER = "[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]"
-"""A string character that needs no escape in JSON (escapes are left out of length-bounded
-strings: a valid subset), spelled as the ranges of valid code points: xgrammar matches a
-negated class such as ``[^"\\]`` byte-wise and lets through invalid UTF-8 (surrogates,
-overlong forms), which decodes to several U+FFFD and breaks ``maxLength``."""
+_PLAIN_CHARACTER = "[ !#-\\[\\]-~]"
+"""A length-bounded string's character: printable ASCII but quote and backslash (a valid
+subset: no escapes, no other characters). Not xgrammar's ``[^"\\]`` style: it matches
+byte-wise and lets invalid UTF-8 (surrogates, overlong forms) through, which decodes to
+several U+FFFD and breaks ``maxLength``. Not the ranges of all valid code points either:
+correct, but it makes mask fills 10-100x slower inside such strings (p99 3.7 ms against
+27 us on the default model's vocabulary)."""
 
 
 def harden_json_schema(schema: Any) -> Any:
@@ -177,9 +182,23 @@ class XGrammarBackend(GrammarBackend):
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        import xgrammar as xgr
+        """On the CPU, the bitmask is unpacked with numpy and applied as one ``masked_fill``:
+        about 35 us per 49k-token row, against about 160 us for xgrammar's CPU kernel
+        (benchmarks/bench_grammar.py). Elsewhere, xgrammar's kernel on the logits' device."""
+        if logits.device.type != "cpu" or sys.byteorder != "little":
+            import xgrammar as xgr
 
-        if logits.device != bitmask.device:
-            bitmask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
-                                        indices=rows)
+            if logits.device != bitmask.device:
+                bitmask = bitmask.to(logits.device, non_blocking=True)
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                            indices=rows)
+            return
+        vocab = self.vocab_size
+        # Bit j of int32 word i allows token 32 i + j: little-endian bytes, low bits first.
+        words = bitmask[rows].numpy().view(np.uint8)
+        banned = np.unpackbits(~words, axis=-1, count=vocab, bitorder="little").view(np.bool_)
+        banned = torch.from_numpy(banned)  # (N, vocab)
+        if rows == list(range(logits.shape[0])):
+            logits[:, :vocab].masked_fill_(banned, float("-inf"))
+        else:
+            logits[rows, :vocab] = logits[rows, :vocab].masked_fill(banned, float("-inf"))

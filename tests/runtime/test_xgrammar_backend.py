@@ -172,7 +172,7 @@ def test_length_bounded_strings_refuse_raw_control_characters_and_keep_their_bou
     backend, schema
 ):
     """xgrammar alone lets raw control characters (invalid JSON) and invalid UTF-8 (several
-    U+FFFD once decoded, beyond maxLength) into such strings."""
+    U+FFFD once decoded, beyond maxLength) into such strings; they are printable ASCII."""
     opening = '"' if schema["type"] == "string" else '{"s": "'
     closing = '"' if schema["type"] == "string" else '"}'
     compiled = backend.compile(GrammarKey("json_schema", json.dumps(schema))).result()
@@ -189,8 +189,27 @@ def test_length_bounded_strings_refuse_raw_control_characters_and_keep_their_bou
     def string(content: bytes) -> bytes:
         return opening.encode() + content + closing.encode()
 
-    assert accepts(string(b"abcd")) and accepts(string("ü€😀".encode()))
+    assert accepts(string(b"abcd")) and accepts(string(b"a b~"))
+    assert not accepts(string("ü".encode())), "bounded strings are printable ASCII"
     assert not accepts(string(b"abcde"))
     assert not accepts(string(b"a\x1eb")) and not accepts(string(b"a\tb"))
     assert not accepts(string(b"a\xed\xa1\x9f")), "an encoded surrogate"
     assert not accepts(string(b"a\xe0\x97\xb2")), "an overlong form"
+
+
+def test_the_cpu_mask_equals_xgrammars_own_kernel_on_any_rows(backend):
+    import xgrammar as xgr
+
+    tokenizer = tiny_tokenizer()
+    compiled = [backend.compile(GrammarKey("regex", r)).result()
+                for r in (FINITE_REGEX, "[a-z ]+", "[0-9]{2}")]
+    matchers = [backend.new_matcher(c) for c in compiled]
+    assert matchers[1].accept_token(tokenizer.encode("a")[0])
+    for rows in ([0, 1, 2], [0, 2], [1]):
+        picked = [m if i in rows else None for i, m in enumerate(matchers)]
+        logits = torch.randn(3, backend.vocab_size)
+        expected = logits.clone()
+        backend.mask_logits(logits, picked)
+        bitmask = backend.bitmask(3).clone()
+        xgr.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+        assert torch.equal(logits, expected), rows
