@@ -122,8 +122,9 @@ def test_a_running_request_keeps_its_prefix_while_others_evict(engine_for):
 def test_flush_cache_is_refused_while_a_request_runs(engine_for):
     engine = engine_for()
     ids = random_ids(5, 30)
-    stream = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 16},
-                             stream=True)
+    # Long enough that it is still running when the flush arrives, even on a fast machine.
+    params = {**GREEDY, "max_new_tokens": 256, "ignore_eos": True}
+    stream = engine.generate(input_ids=ids, sampling_params=params, stream=True)
     next(stream)
     assert engine.flush_cache() is False
     for _ in stream:
