@@ -22,12 +22,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.models.decoder_lm import DecoderOnlyLM
 from radixlm.models.layers.layernorm import RMSNorm
 from radixlm.models.layers.mla import MultiHeadLatentAttention
 from radixlm.models.layers.mlp import GatedMLP
 from radixlm.models.layers.moe import MoEBlock
-from radixlm.models.layers.rotary_embedding import RotaryEmbedding
-from radixlm.models.model_config import rope_parameters
 from radixlm.models.weight_loading import load_named_weights
 
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -73,55 +72,23 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class DeepseekV2ForCausalLM(nn.Module):
-    """Token ids -> final hidden states; ``compute_logits`` maps chosen rows to the vocabulary."""
-
+class DeepseekV2ForCausalLM(DecoderOnlyLM):
     def __init__(self, config: PretrainedConfig, max_position: int):
-        super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported; supported: "
                              f"{SUPPORTED_ACTIVATIONS}")
-        self.config = config
-        trained_context = getattr(config, "max_position_embeddings", max_position)
-        rope_interleaved = self.rope_interleaved(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, rope_interleaved, trained_context)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            config.qk_rope_head_dim, max_position, rope_parameters(config),
-            trained_context=trained_context,
-        )
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        super().__init__(config, max_position, rope_head_dim=config.qk_rope_head_dim)
+
+    def make_layer(self, config: PretrainedConfig, layer_id: int) -> DeepseekDecoderLayer:
+        trained_context = getattr(config, "max_position_embeddings", self.max_position)
+        return DeepseekDecoderLayer(config, layer_id, self.rope_interleaved(config),
+                                    trained_context)
 
     @staticmethod
     def rope_interleaved(config: PretrainedConfig) -> bool:
         """V2 always rotates interleaved pairs (its complex-number RoPE)."""
         return True
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        """input_ids, positions: (T,) -> hidden states (T, hidden)."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.lookup(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, forward_batch)
-        x, _ = self.norm(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, hidden) -> float32 logits (N, vocab)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
 
     # Checkpoint tensors that land in a shard of a stacked (fused) parameter: the dense
     # MLPs and the shared experts. Routed experts are stacked by ``MoEBlock`` itself.

@@ -14,12 +14,12 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.models.decoder_lm import DecoderOnlyLM
 from radixlm.models.layers.attention import PagedAttention
 from radixlm.models.layers.layernorm import RMSNorm
 from radixlm.models.layers.linear import StackedLinear
 from radixlm.models.layers.mlp import GatedMLP
-from radixlm.models.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from radixlm.models.model_config import rope_parameters
+from radixlm.models.layers.rotary_embedding import apply_rotary
 from radixlm.models.weight_loading import load_named_weights
 
 
@@ -95,52 +95,19 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    """Token ids -> final hidden states; ``compute_logits`` maps chosen rows to the vocabulary."""
-
+class LlamaForCausalLM(DecoderOnlyLM):
     qkv_bias = False
     qk_norm = False
 
     def __init__(self, config: PretrainedConfig, max_position: int):
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            self.make_layer(config, i) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = self.layers[0].self_attn.head_dim
-        self.rotary_emb = RotaryEmbedding(
-            head_dim, max_position, rope_parameters(config),
-            trained_context=getattr(config, "max_position_embeddings", max_position),
-        )
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        super().__init__(config, max_position, rope_head_dim=head_dim)
 
     def make_layer(self, config: PretrainedConfig, layer_id: int) -> LlamaDecoderLayer:
         """Decoder layer ``layer_id``; subclasses override it to swap the attention options
         or the feed-forward block."""
         return LlamaDecoderLayer(config, layer_id, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        """input_ids, positions: (T,) -> hidden states (T, hidden)."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.lookup(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, forward_batch)
-        x, _ = self.norm(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, hidden) -> float32 logits (N, vocab)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
 
     # Checkpoint tensors that land in a shard of a stacked (fused) parameter.
     stacked_params = {

@@ -1,0 +1,65 @@
+"""The frame every decoder-only model here shares: embed, decoder layers, final norm, LM head.
+
+A model supplies its decoder layers (``make_layer``) and the width its RoPE rotates; this
+class owns the token embedding, the one rotary table all layers share (looked up once per
+batch), the final RMSNorm and the output projection (tied to the embedding or not).
+
+Layer contract: ``layer(rope, x, residual, forward_batch) -> (x, residual)``, pre-norm, the
+residual stream carried separately and added by the next norm (``residual`` is None for
+the first layer).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.models.layers.layernorm import RMSNorm
+from radixlm.models.layers.rotary_embedding import RotaryEmbedding
+from radixlm.models.model_config import rope_parameters
+
+
+class DecoderOnlyLM(nn.Module):
+    """Token ids -> final hidden states; ``compute_logits`` maps chosen rows to the vocabulary."""
+
+    def __init__(self, config: PretrainedConfig, max_position: int, rope_head_dim: int):
+        super().__init__()
+        self.config = config
+        self.max_position = max_position  # the serving context (RoPE tables cover it)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            self.make_layer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            rope_head_dim, max_position, rope_parameters(config),
+            trained_context=getattr(config, "max_position_embeddings", max_position),
+        )
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def make_layer(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
+        """Decoder layer ``layer_id`` (see the layer contract above)."""
+        raise NotImplementedError
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,) -> hidden states (T, hidden)."""
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.lookup(positions, x.dtype)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(rope, x, residual, forward_batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, hidden) -> float32 logits (N, vocab)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(hidden, weight.t()).float()
