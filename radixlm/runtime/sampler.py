@@ -116,12 +116,12 @@ def _filter_probs(probs: torch.Tensor, params) -> torch.Tensor:
         # Keep a token while the mass before it is below top_p (the first token always stays).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         keep = (ranks < k) & (mass_before < torch.tensor(top_p, dtype=probs.dtype)[:, None])
-        sorted_probs = sorted_probs.masked_fill(~keep, 0.0)
+        sorted_probs = sorted_probs * keep  # (a product: on CPUs far cheaper than masked_fill)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     if any(p > 0.0 for p in min_p):
         threshold = probs.max(dim=-1, keepdim=True).values
         threshold = threshold * torch.tensor(min_p, dtype=probs.dtype)[:, None]
-        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs * (probs >= threshold)
     return probs
 
 
