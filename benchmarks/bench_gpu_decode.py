@@ -21,6 +21,17 @@ Three measurements in one run (issue 9), each printed as a table, then one JSON 
 ``--smoke`` runs the same code paths on a CPU (Triton under its interpreter, perf_counter
 instead of CUDA events, float32, a 2-layer model); its figures mean nothing. Without CUDA
 and without ``--smoke`` the script exits with status 2.
+
+On the lent H200 (see .library/device): its image has torch, triton and transformers but
+not msgspec or pyzmq, and no flashinfer (its wheel is over the 64 MiB carry limit, so its
+rows read FAILED). Download the two wheels here once, keep them out of git, and carry them:
+
+    pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 msgspec pyzmq -d .wheels
+    echo /.wheels/ >> .git/info/exclude
+    # run(carry=[".wheels"], timeout_s=540):
+    pip install -q --no-index --no-deps .wheels/*.whl && PYTHONPATH=$PWD \
+        python3 benchmarks/bench_gpu_decode.py 2>&1 | tee $OUT/bench_gpu_decode.log
 """
 
 from __future__ import annotations
