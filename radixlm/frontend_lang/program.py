@@ -58,7 +58,8 @@ class Program:
         tokens``, ``temperature``, ...) set the defaults of every ``gen``; the others go to
         the program. Without ``stream`` returns when everything ran (raising
         :class:`ProgramError` if a call failed); with it, at once: read the text with
-        ``text_iter``."""
+        ``text_iter``. ``use_thread`` is accepted for SGLang compatibility (a state always
+        runs its expressions on a worker thread)."""
         options, program_kwargs = _split_options(kwargs)
         arguments = self._arguments(args, program_kwargs)
         executor = Executor(resolve_backend(backend), _defaults(options), stream)
