@@ -105,10 +105,6 @@ class GrammarBackend(ABC):
                 self._cache.move_to_end(key)
             return future
 
-    def cached_keys(self) -> list[GrammarKey]:
-        with self._lock:
-            return list(self._cache)
-
     def bitmask(self, rows: int) -> torch.Tensor:
         """A (rows, words) bitmask buffer, grown as needed and reused across steps."""
         if self._bitmask is None or self._bitmask.shape[0] < rows:

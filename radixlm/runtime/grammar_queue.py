@@ -42,10 +42,14 @@ class GrammarQueue:
     def pop_done(self) -> list[Req]:
         """The requests whose compilation has ended: ready ones with a matcher, failed
         ones finished (abort)."""
-        done = [(req, future) for req, future in self.pending if future.done()]
+        # One look at each future: a compilation that ends between two looks would
+        # otherwise leave its request in neither list.
+        done, still = [], []
+        for pair in self.pending:
+            (done if pair[1].done() else still).append(pair)
         if not done:
             return []
-        self.pending = [(req, future) for req, future in self.pending if not future.done()]
+        self.pending = still
         for req, future in done:
             self._attach(req, future)
         return [req for req, _ in done]

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from radixlm.runtime.detokenizer import REPLACEMENT_CHAR
 from radixlm.runtime.grammar_backend import GrammarMatcher
-
-REPLACEMENT_CHAR = "\ufffd"
 
 
 class JumpForward:
@@ -35,6 +34,7 @@ class JumpForward:
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
         self._extendable: frozenset[int] | None = None
+        self.extendable()  # now (tens of ms for a large vocabulary), not mid-step later
 
     def extendable(self) -> frozenset[int]:
         """Token ids whose text is a strict prefix of another token's text (computed once,

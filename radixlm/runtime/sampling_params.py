@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import InitVar, dataclass, fields
 from typing import Any
 
 GREEDY_TEMPERATURE = 1e-6
@@ -44,6 +44,9 @@ class SamplingParams:
     json_schema: str | None = None
     """A JSON schema as a JSON string (a dict is turned into one)."""
     ebnf: str | None = None
+    check_grammar: InitVar[bool] = True
+    """Parse the constraint (where a request enters); the scheduler, rebuilding checked
+    params, skips it: its compile pool reports a bad grammar anyway, off its loop."""
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -57,7 +60,7 @@ class SamplingParams:
             raise ValueError(f"unknown sampling parameters {unknown}; known: {sorted(known)}")
         return cls(**params)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check_grammar: bool) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=0)
         _check_int("min_new_tokens", self.min_new_tokens, minimum=0)
         _check_int("n", self.n, minimum=1)
@@ -92,7 +95,7 @@ class SamplingParams:
             _check_int("sampling_seed", self.sampling_seed, minimum=0)
         if self.logit_bias is not None:
             self._check_logit_bias()
-        self._check_constraint()
+        self._check_constraint(check_grammar)
 
     @property
     def is_greedy(self) -> bool:
@@ -121,7 +124,7 @@ class SamplingParams:
             raise ValueError(f"token ids {bad} in stop_token_ids/logit_bias are outside the "
                              f"vocabulary (size {vocab_size})")
 
-    def _check_constraint(self) -> None:
+    def _check_constraint(self, check_grammar: bool) -> None:
         """At most one of regex, json_schema and ebnf, and one the grammar parser accepts."""
         if isinstance(self.json_schema, dict):
             self.json_schema = json.dumps(self.json_schema)
@@ -134,9 +137,10 @@ class SamplingParams:
         text = getattr(self, kind)
         if not isinstance(text, str) or not text:
             raise ValueError(f"{kind} must be a non-empty string, got {text!r}")
-        from radixlm.runtime.xgrammar_backend import check_constraint
+        if check_grammar:
+            from radixlm.runtime.xgrammar_backend import check_constraint
 
-        check_constraint(kind, text)
+            check_constraint(kind, text)
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):

@@ -177,7 +177,10 @@ class Scheduler:
         args = self.args
         adder = PrefillAdder(
             memory=self.memory,
-            reserved=sum(decode_reserve(r, self.new_token_ratio) for r in self.running),
+            # Running requests hold back their expected output, plus the jumped tokens
+            # (jump-forward) that have no KV yet.
+            reserved=sum(decode_reserve(r, self.new_token_ratio) + r.seq_len - r.kv_len - 1
+                         for r in self.running),
             prefill_tokens=args.max_prefill_tokens,
             chunk_tokens=args.chunked_prefill_size,
             rows=self.memory.req_to_token_pool.available_size(),
@@ -209,7 +212,7 @@ class Scheduler:
         self.chunked = adder.chunked_req
         self.running += [r for r in reqs if r is not self.chunked]
         self.stats.extend_steps += 1
-        return self._forward(ForwardMode.EXTEND, reqs, new_ids)
+        return self._forward(ForwardMode.EXTEND, reqs, new_ids, share_prefixes=True)
 
     def _run_decode(self) -> list[Req]:
         """One token for each running request, or, when jump-forward left some request
@@ -225,11 +228,14 @@ class Scheduler:
         pending = [r.output_ids[r.kv_len - len(r.input_ids):] for r in reqs]
         return self._forward(ForwardMode.EXTEND, reqs, pending)
 
-    def _forward(self, mode: ForwardMode, reqs: list[Req], new_ids: list[list[int]]) -> list[Req]:
+    def _forward(self, mode: ForwardMode, reqs: list[Req], new_ids: list[list[int]],
+                 share_prefixes: bool = False) -> list[Req]:
         """Allocates KV for each request's new tokens, runs the model, processes the output.
 
         A request's ``kv_len`` advances as soon as its slots are allocated, so that if a
         later allocation or the forward pass fails, aborting the requests frees everything.
+        ``share_prefixes`` (admission extends): an unfinished request's prompt or chunk
+        enters the radix cache at once, not only when the request ends.
         """
         input_ids, positions, slots, prefix_lens, extend_lens = [], [], [], [], []
         if mode is ForwardMode.DECODE:
@@ -256,8 +262,7 @@ class Scheduler:
                 else:
                     self.running.remove(req)
                 self.memory.release(req)
-            elif extend > 1:
-                # A prompt (or chunk) becomes shareable at once, not only when its request ends.
+            elif share_prefixes and extend > 1:
                 self.memory.cache_unfinished(req)
         return reqs
 

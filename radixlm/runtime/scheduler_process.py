@@ -55,7 +55,7 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
 
 
 def make_req(msg: io.GenerateReq, tokenizer, leaders: dict[str, Req]) -> Req:
-    params = SamplingParams(**msg.sampling)
+    params = SamplingParams(**msg.sampling, check_grammar=False)  # checked where it entered
     detokenizer = None
     if params.stop or params.stop_regex:  # stop strings are matched on text
         detokenizer = IncrementalDetokenizer(
