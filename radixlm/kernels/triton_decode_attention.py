@@ -40,7 +40,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # row offsets of large batches pass 2**31
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
@@ -104,7 +104,7 @@ def _merge_splits_kernel(
     stride_ob, stride_oh, head_dim_v,
     NUM_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     split_len = tl.cdiv(seq_len, NUM_SPLITS)

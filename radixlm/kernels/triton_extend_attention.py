@@ -137,6 +137,13 @@ def extend_attention(
     batch_size = len(extend_lens)
     if batch_size == 0 or max_extend_len == 0:
         return out
+    block_dk = max(16, triton.next_power_of_2(head_dim_k))
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
+    if block_dk + block_dv > 512:
+        # MLA's 576 / 512-wide heads: 64-row tiles overflow an sm_90's shared memory in
+        # bfloat16 (32-row tiles take 128 KB). In float32 even 16-row tiles do not fit: MLA
+        # prefill on GPUs needs a 16-bit dtype (or keys split into latent and RoPE parts).
+        block_m, block_n = min(block_m, 32), min(block_n, 32)
     grid = (batch_size, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_attention_kernel[grid](
         q, k, v, out, k_buffer, v_buffer,
@@ -148,8 +155,7 @@ def extend_attention(
         req_to_token.stride(0),
         num_heads // num_kv_heads, head_dim_k, head_dim_v,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_DK=max(16, triton.next_power_of_2(head_dim_k)),
-        BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        BLOCK_DK=block_dk, BLOCK_DV=block_dv,
         DOT_PRECISION=dot_precision(q.dtype),
     )
     return out

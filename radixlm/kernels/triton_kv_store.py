@@ -24,7 +24,7 @@ def _store_kv_kernel(
     num_heads, head_dim,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_V: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # long chunks: offsets pass 2**31
     slot = tl.load(loc_ptr + t).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)

@@ -40,7 +40,7 @@ def _mla_decode_split_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # row offsets of large batches pass 2**31
     head_block = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)

@@ -64,6 +64,7 @@ class CudaGraphDecodeRunner:
         self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
         self.ones = torch.ones(n, dtype=torch.int64, device=device)
+        self.zeros = torch.zeros(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._flashinfer_states: dict[int, object] = {}
@@ -128,7 +129,9 @@ class CudaGraphDecodeRunner:
             out_cache_loc=self.out_cache_loc[:size],
             req_pool_indices=self.req_pool_indices[:size],
             seq_lens=self.seq_lens[:size],
-            prefix_lens=self.seq_lens[:size] - 1,
+            # Decode backends do not read prefix lengths; a static buffer keeps a replay from
+            # computing (or a captured kernel from reading) a tensor made outside the graph.
+            prefix_lens=self.zeros[:size],
             extend_seq_lens=self.ones[:size],
             req_to_token=runner.req_to_token_pool.req_to_token,
             kv_pool=runner.kv_pool,

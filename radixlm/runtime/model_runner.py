@@ -16,6 +16,7 @@ from radixlm.kernels.backend_selection import (
 )
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.models.layers.attention import PagedAttention
+from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.loader import load_model
 from radixlm.models.model_config import ModelConfig
 from radixlm.radix_cache.allocator import TokenToKVPoolAllocator
@@ -165,7 +166,6 @@ class ModelRunner:
         if triton_unavailable_reason(self.device) is not None:
             return False
         from radixlm.kernels.fused_moe import fused_experts
-        from radixlm.models.layers.moe_experts import StackedExperts
 
         experts = [m for m in self.model.modules() if isinstance(m, StackedExperts)]
         for module in experts:
@@ -187,6 +187,11 @@ class ModelRunner:
             return None
         from radixlm.runtime.cuda_graph_runner import CudaGraphDecodeRunner
 
+        if not self.fused_moe and any(
+                isinstance(m, StackedExperts) for m in self.model.modules()):
+            logger.warning("CUDA graphs are off: MoE experts without the fused kernel (no "
+                           "Triton here) sync with the host, which a graph cannot capture")
+            return None
         max_batch_size = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
         return CudaGraphDecodeRunner(self, max_batch_size)
 

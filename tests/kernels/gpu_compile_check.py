@@ -104,8 +104,16 @@ def main(dtype_names: list[str]) -> int:
         latent = torch.zeros(64, 1, 576, dtype=dtype)
         triton_mla_decode.mla_decode_attention(
             torch.zeros(2, 16, 576, dtype=dtype), torch.empty(2, 16, 512, dtype=dtype),
-            latent, 512, table, idx, lens, 0.1, block_n=32,
+            latent, 512, table, idx, lens, 0.1, block_n=64,
         )
+        if dtype.itemsize == 2:  # MLA prefill at the GPU's tiles (16-bit only, see there)
+            mla_q = torch.zeros(6, 16, 576, dtype=dtype)
+            mla_k = torch.zeros(6, 1, 576, dtype=dtype)
+            triton_extend_attention.extend_attention(
+                mla_q, mla_k, mla_k[..., :512], torch.empty(6, 16, 512, dtype=dtype), latent,
+                latent[..., :512], table, idx, idx, lens * 3, idx, 3, 0.1, block_m=64,
+                block_n=64,
+            )
         fused_moe.fused_experts(
             torch.zeros(5, 256, dtype=dtype, device="cpu"), torch.zeros(8, 512, 256, dtype=dtype),
             torch.zeros(8, 256, 256, dtype=dtype), torch.ones(5, 2),
