@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from tiny_models import write_tiny_model
 from torch import nn
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
@@ -15,8 +16,10 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from radixlm.models.layers.moe import MoEBlock
 from radixlm.models.layers.moe_experts import grouped_experts_torch, naive_experts_per_token
-from radixlm.models.layers.moe_router import RouterConfig, select_experts
+from radixlm.models.layers.moe_router import MoERouter, RouterConfig, select_experts
 from radixlm.models.llama import LlamaForCausalLM
+from radixlm.models.loader import load_model
+from radixlm.models.model_config import ModelConfig
 from radixlm.models.weight_loading import load_named_weights
 
 HIDDEN = 64
@@ -204,3 +207,15 @@ def test_misshaped_or_out_of_range_expert_tensor_is_refused():
 def test_router_config_names_the_bad_field(fields, message):
     with pytest.raises(ValueError, match=message):
         RouterConfig(**fields)
+
+
+@pytest.mark.parametrize("architecture", ["DeepseekV3ForCausalLM", "MixtralForCausalLM"])
+def test_router_parameters_stay_float32_when_the_model_is_cast(tmp_path, architecture):
+    path = write_tiny_model(tmp_path, architecture)
+    model = load_model(ModelConfig.from_path(path), torch.bfloat16, "cpu", max_position=64)
+    routers = [m for m in model.modules() if isinstance(m, MoERouter)]
+    assert routers and all(r.weight.dtype == torch.float32 for r in routers)
+    biases = [r.e_score_correction_bias for r in routers if r.e_score_correction_bias is not None]
+    assert all(b.dtype == torch.float32 for b in biases)
+    assert (architecture == "DeepseekV3ForCausalLM") == bool(biases)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16

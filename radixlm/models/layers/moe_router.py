@@ -1,8 +1,8 @@
 """The router of a mixture-of-experts layer: which ``top_k`` experts each token goes to, and
 with what weights.
 
-Three families of routing are covered, each exactly as its reference implementation
-computes it:
+Three families of routing are covered, each as its reference implementation computes it
+(router logits always in float32):
 
 - softmax, then top-k, optionally renormalised over the k chosen (Mixtral, Jiang et al.
   2024, always renormalises; Qwen2-MoE / Qwen3-MoE follow ``norm_topk_prob``);
@@ -125,14 +125,18 @@ def _mask_dropped_groups(choice: torch.Tensor, config: RouterConfig) -> torch.Te
 class MoERouter(nn.Module):
     """The gate: ``weight`` (E, H) and, for DeepSeek-V3, ``e_score_correction_bias`` (E,).
 
-    The correction bias is marked ``keep_float32``: the loader leaves it in float32 when
-    the rest of the model is cast, because it shifts scores in [0, 1] by small amounts.
+    Both are marked ``keep_float32``: the loader leaves them in float32 when the rest of
+    the model is cast (as transformers keeps DeepSeek-V3's gate), so the router's logits
+    are float32 without a cast of the weight every step, and the bias can shift scores in
+    [0, 1] by small amounts. (In bfloat16 this is slightly more precise than transformers'
+    Mixtral and Qwen-MoE, whose router logits are bfloat16.)
     """
 
     def __init__(self, hidden_size: int, config: RouterConfig):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
+        self.weight.keep_float32 = True
         if config.correction_bias:
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(config.num_experts, dtype=torch.float32)
@@ -143,6 +147,6 @@ class MoERouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> (topk_weights (T, k) float32, topk_ids (T, k))."""
-        logits = F.linear(x.float(), self.weight.float())  # (T, E)
+        logits = F.linear(x.float(), self.weight)  # (T, E) float32
         bias = self.e_score_correction_bias
         return select_experts(logits, self.config, None if bias is None else bias.float())
