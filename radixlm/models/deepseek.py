@@ -18,15 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 from transformers import PretrainedConfig
 
-from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.models.decoder_lm import DecoderOnlyLM
-from radixlm.models.layers.layernorm import RMSNorm
 from radixlm.models.layers.mla import MultiHeadLatentAttention
-from radixlm.models.layers.mlp import GatedMLP
 from radixlm.models.layers.moe import MoEBlock
+from radixlm.models.llama import LlamaDecoderLayer
 from radixlm.models.weight_loading import load_named_weights
 
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -39,39 +36,6 @@ def is_moe_layer(config: PretrainedConfig, layer_id: int) -> bool:
     )
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(
-        self, config: PretrainedConfig, layer_id: int, rope_interleaved: bool,
-        trained_context: int,
-    ):
-        super().__init__()
-        self.self_attn = MultiHeadLatentAttention(
-            config, layer_id, rope_interleaved, trained_context
-        )
-        if is_moe_layer(config, layer_id):
-            self.mlp = MoEBlock.for_deepseek(config)
-        else:
-            self.mlp = GatedMLP(
-                config.hidden_size, config.intermediate_size,
-                bias=bool(getattr(config, "mlp_bias", False)),
-            )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-        residual: torch.Tensor | None, forward_batch: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this block's output, the residual stream before it is added)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, forward_batch)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
-
 class DeepseekV2ForCausalLM(DecoderOnlyLM):
     def __init__(self, config: PretrainedConfig, max_position: int):
         act = getattr(config, "hidden_act", "silu")
@@ -80,10 +44,14 @@ class DeepseekV2ForCausalLM(DecoderOnlyLM):
                              f"{SUPPORTED_ACTIVATIONS}")
         super().__init__(config, max_position, rope_head_dim=config.qk_rope_head_dim)
 
-    def make_layer(self, config: PretrainedConfig, layer_id: int) -> DeepseekDecoderLayer:
+    def make_layer(self, config: PretrainedConfig, layer_id: int) -> LlamaDecoderLayer:
+        """Llama's pre-norm block with latent attention and, from layer
+        ``first_k_dense_replace`` on, the MoE block."""
         trained_context = getattr(config, "max_position_embeddings", self.max_position)
-        return DeepseekDecoderLayer(config, layer_id, self.rope_interleaved(config),
-                                    trained_context)
+        attn = MultiHeadLatentAttention(config, layer_id, self.rope_interleaved(config),
+                                        trained_context)
+        mlp = MoEBlock.for_deepseek(config) if is_moe_layer(config, layer_id) else None
+        return LlamaDecoderLayer(config, layer_id, mlp=mlp, attn=attn)
 
     @staticmethod
     def rope_interleaved(config: PretrainedConfig) -> bool:

@@ -68,12 +68,15 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self, config: PretrainedConfig, layer_id: int, mlp: nn.Module | None = None,
-        **attn_options,
+        attn: nn.Module | None = None, **attn_options,
     ):
         """``mlp``: the feed-forward block, (T, hidden) -> (T, hidden); by default the dense
-        gated MLP of ``config.intermediate_size`` (MoE models pass an ``MoEBlock``)."""
+        gated MLP of ``config.intermediate_size`` (MoE models pass an ``MoEBlock``).
+        ``attn``: the attention, (rope, x, forward_batch) -> (T, hidden); by default Llama's
+        with ``attn_options`` (DeepSeek passes multi-head latent attention)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, **attn_options)
+        self.self_attn = attn if attn is not None else LlamaAttention(
+            config, layer_id, **attn_options)
         self.mlp = mlp if mlp is not None else GatedMLP(
             config.hidden_size, config.intermediate_size,
             bias=bool(getattr(config, "mlp_bias", False)),
