@@ -23,10 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.kernels.triton_extend_attention import dot_precision
-
-_LOG2E = 1.4426950408889634
-_MASKED = tl.constexpr(-1.0e38)
+from radixlm.kernels.triton_extend_attention import (
+    LOG2E,
+    MASKED,
+    dot_precision,
+    online_softmax_step,
+)
 
 
 @triton.jit
@@ -63,7 +65,7 @@ def _decode_split_kernel(
         mask=h_mask[:, None] & dk_mask[None, :], other=0.0,
     )  # (H_group, DK)
 
-    m_i = tl.full([BLOCK_H], _MASKED, dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
@@ -77,17 +79,12 @@ def _decode_split_kernel(
             mask=n_mask[None, :] & dk_mask[:, None], other=0.0,
         )  # (DK, N)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(n_mask[None, :], scores, _MASKED)
+        scores = tl.where(n_mask[None, :], scores, MASKED)
         v = tl.load(
             v_buf_ptr + slots[:, None] * stride_vbuf_slot + kv_h * stride_vbuf_h + dv[None, :],
             mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
         )  # (N, DV)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION)
 
     mid = b * stride_mid_b + heads[:, None] * stride_mid_h + split * stride_mid_s + dv[None, :]
     tl.store(mid_o_ptr + mid, acc / l_i[:, None], mask=h_mask[:, None] & dv_mask[None, :])
@@ -110,7 +107,7 @@ def _merge_splits_kernel(
     split_len = tl.cdiv(seq_len, NUM_SPLITS)
     dv = tl.arange(0, BLOCK_DV)
     dv_mask = dv < head_dim_v
-    m = tl.full([], _MASKED, dtype=tl.float32)
+    m = tl.full([], MASKED, dtype=tl.float32)
     total = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
     for s in range(NUM_SPLITS):
@@ -186,7 +183,7 @@ def decode_attention(
     _decode_split_kernel[(batch_size, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, mid_o, mid_lse,
         req_to_token, req_pool_indices, seq_lens,
-        scaling * _LOG2E,
+        scaling * LOG2E,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

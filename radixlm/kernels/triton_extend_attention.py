@@ -21,12 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
-_MASKED = tl.constexpr(-1.0e38)  # finite, so a fully masked block never produces inf - inf
+LOG2E = 1.4426950408889634
+MASKED = tl.constexpr(-1.0e38)  # finite, so a fully masked block never produces inf - inf
 
 
 @triton.jit
-def _online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
+def online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
     """Folds one block of log2-scaled scores (M, N) and values (N, DV) into the state."""
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -69,7 +69,7 @@ def _extend_attention_kernel(
         mask=m_mask[:, None] & dk_mask[None, :], other=0.0,
     )  # (M, DK)
 
-    m_i = tl.full([BLOCK_M], _MASKED, dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
@@ -85,12 +85,12 @@ def _extend_attention_kernel(
             mask=n_mask[None, :] & dk_mask[:, None], other=0.0,
         )  # (DK, N)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(n_mask[None, :], scores, _MASKED)
+        scores = tl.where(n_mask[None, :], scores, MASKED)
         v = tl.load(
             v_buf_ptr + slots[:, None] * stride_vbuf_slot + kv_h * stride_vbuf_h + dv[None, :],
             mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
         )  # (N, DV)
-        m_i, l_i, acc = _online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION)
 
     # Phase 2: the new tokens, causal; no key past this block's last query is needed.
     end = tl.minimum(extend_len, (block_m + 1) * BLOCK_M)
@@ -103,12 +103,12 @@ def _extend_attention_kernel(
         )  # (DK, N)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         visible = n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None])
-        scores = tl.where(visible, scores, _MASKED)
+        scores = tl.where(visible, scores, MASKED)
         v = tl.load(
             v_ptr + (start + offs_n)[:, None] * stride_vt + kv_h * stride_vh + dv[None, :],
             mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
         )  # (N, DV)
-        m_i, l_i, acc = _online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(
@@ -148,7 +148,7 @@ def extend_attention(
     _extend_attention_kernel[grid](
         q, k, v, out, k_buffer, v_buffer,
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_starts,
-        scaling * _LOG2E,
+        scaling * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),

@@ -23,10 +23,12 @@ import triton
 import triton.language as tl
 
 from radixlm.kernels.triton_decode_attention import decode_scratch, merge_splits
-from radixlm.kernels.triton_extend_attention import dot_precision
-
-_LOG2E = 1.4426950408889634
-_MASKED = tl.constexpr(-1.0e38)
+from radixlm.kernels.triton_extend_attention import (
+    LOG2E,
+    MASKED,
+    dot_precision,
+    online_softmax_step,
+)
 
 
 @triton.jit
@@ -63,7 +65,7 @@ def _mla_decode_split_kernel(
         q_base + latent_dim + dr[None, :], mask=h_mask[:, None] & dr_mask[None, :], other=0.0
     )  # (H_block, D_r)
 
-    m_i = tl.full([BLOCK_H], _MASKED, dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DL], dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
@@ -82,15 +84,8 @@ def _mla_decode_split_kernel(
         )  # (D_r, N)
         scores = tl.dot(q_lat, tl.trans(latents), input_precision=DOT_PRECISION)
         scores += tl.dot(q_rope, k_rope, input_precision=DOT_PRECISION)
-        scores = tl.where(n_mask[None, :], scores * scale_log2, _MASKED)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(latents.dtype), latents, input_precision=DOT_PRECISION
-        )
-        m_i = m_new
+        scores = tl.where(n_mask[None, :], scores * scale_log2, MASKED)
+        m_i, l_i, acc = online_softmax_step(scores, m_i, l_i, acc, latents, DOT_PRECISION)
 
     mid = b * stride_mid_b + heads[:, None] * stride_mid_h + split * stride_mid_s + dl[None, :]
     tl.store(mid_o_ptr + mid, acc / l_i[:, None], mask=h_mask[:, None] & dl_mask[None, :])
@@ -132,7 +127,7 @@ def mla_decode_attention(
     _mla_decode_split_kernel[grid](
         q, kv_buffer, mid_o, mid_lse,
         req_to_token, req_pool_indices, seq_lens,
-        scaling * _LOG2E,
+        scaling * LOG2E,
         q.stride(0), q.stride(1), kv_buffer.stride(0), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         num_heads, latent_dim, rope_dim,
