@@ -1,6 +1,6 @@
 """The ``radixlm`` command.
 
-    radixlm generate "What is the capital of France?"    # streams the default model's answer
+    radixlm generate "What is the capital of Japan?"    # streams the default model's answer
     radixlm serve --port 30000                           # SGLang's native HTTP API
 """
 

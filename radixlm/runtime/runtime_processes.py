@@ -10,6 +10,7 @@ reports readiness, as msgpack, through a pipe of its own. The processes talk ove
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import select
 import shutil
@@ -24,6 +25,8 @@ import msgspec
 
 from radixlm.runtime import io_messages as io
 from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -75,6 +78,8 @@ def start_runtime_processes(
 ) -> RuntimeProcesses:
     """Starts both processes and waits until they are ready; a failure to start raises
     ``ValueError`` (bad model or options) or ``RuntimeError``, leaving nothing running."""
+    if (warning := args.dtype_warning()) is not None:
+        logger.warning(warning)
     socket_dir = tempfile.mkdtemp(prefix="radixlm-")
     os.chmod(socket_dir, 0o700)
     paths = SocketPaths(*(f"ipc://{socket_dir}/{name}" for name in

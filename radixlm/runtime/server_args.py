@@ -150,15 +150,34 @@ class ServerArgs:
             return torch.bfloat16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
+    def dtype_warning(self) -> str | None:
+        """Why the chosen dtype is a poor choice on this machine, or None.
+
+        On a CPU without native bf16, bf16 matmuls are emulated (about 9x slower than
+        float32) and round differently from CPUs that have it, so a greedy answer near a
+        tie can differ from both float32's and a native-bf16 machine's."""
+        if self.dtype != "bfloat16" or self.resolved_device().type != "cpu":
+            return None
+        if cpu_has_native_bf16():
+            return None
+        return (
+            "dtype=bfloat16 on a CPU without native bf16 (AVX512-BF16 or AMX) is slow (its "
+            "matmuls are emulated, several times slower than float32) and imprecise (answers "
+            "near a tie differ from float32's and from a native-bf16 CPU's); dtype=auto "
+            "picks float32 here"
+        )
+
 
 def cpu_has_native_bf16() -> bool:
-    """True where the CPU computes bf16 matmuls natively (AVX512-BF16 or AMX)."""
+    """True where the CPU computes bf16 matmuls natively (AVX512-BF16 or AMX) and torch's
+    kernels run at that level (``ATEN_CPU_CAPABILITY=avx2`` holds them back to AVX2)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    has_flag = "avx512_bf16" in flags or "amx_bf16" in flags
+    return has_flag and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def _check_positive(name: str, value: int) -> None:

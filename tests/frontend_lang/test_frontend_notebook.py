@@ -27,7 +27,9 @@ def test_frontend_quickstart_runs_and_shows_select_fork_streaming_and_cache_hits
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
 
-    assert "Paris" in printed
+    # Answers whose every token leads by at least 0.9 nats in float32, so they hold in
+    # bfloat16 too, whatever the CPU.
+    assert "Tokyo" in printed
     label, _, labels = printed_line(printed, "label: ").partition(" of ")
     assert label in ast.literal_eval(labels)
 
@@ -37,8 +39,9 @@ def test_frontend_quickstart_runs_and_shows_select_fork_streaming_and_cache_hits
     # The parent's text was cached before the fork; each branch computes its own label.
     assert all(0 < int(cached) < int(prompt) for _, cached, prompt in branches)
 
+    pieces = re.search(r"^\d+ pieces: (.*)$", printed, re.MULTILINE).group(1)
+    assert "Cairo" in "".join(ast.literal_eval(pieces))
     assert printed_line(printed, "the pieces make the answer: ") == "True"
-    assert "Tokyo" in printed
 
     cached = ast.literal_eval(printed_line(printed, "cached tokens per item: "))
     prompt = ast.literal_eval(printed_line(printed, "prompt tokens per item: "))

@@ -3,6 +3,8 @@ the same dequantized weights."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import transformers
@@ -10,6 +12,7 @@ from runtime_checks import assert_engine_idle
 
 import radixlm
 from radixlm.models.default_model import default_model_path
+from radixlm.runtime.server_args import cpu_has_native_bf16
 
 pytestmark = pytest.mark.default_model
 
@@ -59,11 +62,51 @@ def test_chat_template_answer_names_paris(engine):
     assert_engine_idle(engine)
 
 
-def test_bfloat16_engine_answers_too():
-    with radixlm.Engine(dtype="bfloat16", max_total_tokens=2048) as engine:
-        prompt = engine.apply_chat_template(
-            [{"role": "user", "content": "What is the capital of France?"}]
+@torch.inference_mode()
+def test_bfloat16_engine_is_as_close_to_float32_as_transformers_bfloat16(reference, caplog):
+    """bf16 rounding flips greedy answers where the model is near a tie, and which way
+    depends on the CPU's kernels (SmolLM2's first answer token to "What is the capital of
+    France?" is "The" by 0.08 nats in float64: AVX-512 bf16 says "The", AVX2-emulated bf16
+    "L'Étoile"). So no fixed answer is asserted: radixlm's bf16 is measured against the
+    float32 model, with transformers' bf16 on the same machine as the yardstick."""
+    path = default_model_path()
+    bf16_reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16
+    ).eval()
+    with caplog.at_level(logging.WARNING), radixlm.Engine(
+        dtype="bfloat16", max_total_tokens=2048
+    ) as engine:
+        outputs = engine.generate(
+            PROMPTS, {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True},
+            return_logprob=True, logprob_start_len=0,
         )
-        out = engine.generate(prompt, {"max_new_tokens": 32, "temperature": 0.0})
-        assert "Paris" in out["text"]
+        prompt = engine.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of Japan?"}]
+        )
+        answer = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0.0})
+        prompt_ids = [engine.tokenizer.encode(p) for p in PROMPTS]
         assert_engine_idle(engine)
+    warnings = [r for r in caplog.records if "dtype=bfloat16" in r.getMessage()]
+    assert len(warnings) == (0 if cpu_has_native_bf16() else 1)
+
+    ours_error, theirs_error = [], []
+    for ids, out in zip(prompt_ids, outputs):
+        sequence = torch.tensor([ids + out["output_ids"]])
+        targets = sequence[0, 1:, None]
+        exact = torch.log_softmax(reference(sequence).logits[0, :-1], -1)  # (L - 1, V)
+        theirs = torch.log_softmax(bf16_reference(sequence).logits[0, :-1].float(), -1)
+        meta = out["meta_info"]
+        ours = torch.tensor([entry[0] for entry in meta["input_token_logprobs"][1:]]
+                            + [entry[0] for entry in meta["output_token_logprobs"]])
+        exact_chosen = exact.gather(1, targets)[:, 0]
+        ours_error.append((ours - exact_chosen).abs())
+        theirs_error.append((theirs.gather(1, targets)[:, 0] - exact_chosen).abs())
+        # Every greedy token is float32's best, or within bf16's error of it.
+        outputs_from = len(ids) - 1
+        gap = exact[outputs_from:].max(-1).values - exact_chosen[outputs_from:]
+        assert gap.max() < 0.25, (ids, out["output_ids"])
+    ours_error, theirs_error = torch.cat(ours_error), torch.cat(theirs_error)
+    assert ours_error.max() < 0.5
+    assert ours_error.mean() <= 1.5 * theirs_error.mean()
+    # An answer with a wide margin (the least sure token leads by 0.97 nats in float32).
+    assert "Tokyo" in answer["text"]
