@@ -116,10 +116,10 @@ def decode_case(batch_size: int, context: int, heads: int, kv_heads: int, head_d
     """Requests of ``context`` tokens (the last one new) on random pages of a pool with a
     quarter more pages than they need, in random rows of the index table, as the allocator
     lays them out: token i at offset i % page_size of the request's (i // page_size)-th page."""
+    from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
     from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
-    from radixlm.kernels.torch_native_backend import TorchNativeAttentionBackend
+    from radixlm.kv_cache.memory_pool import MHATokenToKVPool
     from radixlm.models.layers.attention import PagedAttention
-    from radixlm.radix_cache.memory_pool import MHATokenToKVPool
 
     gen = torch.Generator(device=device).manual_seed(seed)
     pages_per_req = -(-context // page_size)
@@ -168,7 +168,7 @@ def bench_attention(case: DecodeCase, backend_names: list[str], page_size: int,
 
     Every backend stores the same k/v into the same slots, so all read the same pool.
     """
-    from radixlm.kernels.backend_selection import create_backend
+    from radixlm.kernels.attention.backend_selection import create_backend
 
     layer, rows, outputs = case.layer, [], {}
     for name in ["torch_native"] + [n for n in backend_names if n != "torch_native"]:

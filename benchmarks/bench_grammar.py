@@ -38,8 +38,8 @@ from transformers import AutoTokenizer  # noqa: E402
 import radixlm  # noqa: E402
 from radixlm.models.default_model import default_model_path  # noqa: E402
 from radixlm.models.model_config import ModelConfig  # noqa: E402
-from radixlm.runtime.grammar_backend import GrammarKey  # noqa: E402
-from radixlm.runtime.xgrammar_backend import XGrammarBackend  # noqa: E402
+from radixlm.runtime.grammar.grammar_backend import GrammarKey  # noqa: E402
+from radixlm.runtime.grammar.xgrammar_backend import XGrammarBackend  # noqa: E402
 
 VOCAB_NOTE = "the default model's 49,152-token vocabulary, 1 thread"
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.radix_cache.allocator import TokenToKVPoolAllocator
-from radixlm.radix_cache.radix_tree import RadixCache
+from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
+from radixlm.kv_cache.radix_tree import RadixCache
 
 VOCAB = 32_000
 SEED = 0

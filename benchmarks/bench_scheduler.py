@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny_models import write_tiny_model  # noqa: E402
 
-from radixlm.runtime import io_messages as io  # noqa: E402
-from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
-from radixlm.runtime.scheduler import Scheduler  # noqa: E402
-from radixlm.runtime.scheduler_process import build_scheduler, make_req, token_out  # noqa: E402
+from radixlm.runtime import messages as io  # noqa: E402
+from radixlm.runtime.sampling.sampling_params import SamplingParams  # noqa: E402
+from radixlm.runtime.scheduler.scheduler import Scheduler  # noqa: E402
+from radixlm.runtime.scheduler.scheduler_process import build_scheduler, make_req, token_out  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 PROMPT_LEN = 64

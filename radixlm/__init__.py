@@ -8,7 +8,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from radixlm.frontend_lang import *  # noqa: E402, F403 - the DSL's public names
 from radixlm.frontend_lang import __all__ as _frontend_names  # noqa: E402
-from radixlm.runtime.engine import Engine  # noqa: E402
+from radixlm.runtime.engine.engine import Engine  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 __all__ = ["Engine", "ServerArgs", *_frontend_names]

@@ -100,7 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from radixlm.runtime.engine import Engine
+    from radixlm.runtime.engine.engine import Engine
 
     with Engine(args.model_path, dtype=args.dtype) as engine:
         prompt = args.prompt
@@ -125,8 +125,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from radixlm.runtime.engine import Engine
-    from radixlm.runtime.http_server import create_app
+    from radixlm.runtime.engine.engine import Engine
+    from radixlm.runtime.server.http_server import create_app
     from radixlm.runtime.server_args import ServerArgs
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}

@@ -15,8 +15,8 @@ from runtime_checks import assert_engine_idle, assert_pool_idle  # noqa: E402
 from tiny_models import write_tiny_model  # noqa: E402
 
 import radixlm  # noqa: E402
-from radixlm.runtime.scheduler import Scheduler  # noqa: E402
-from radixlm.runtime.scheduler_process import build_scheduler  # noqa: E402
+from radixlm.runtime.scheduler.scheduler import Scheduler  # noqa: E402
+from radixlm.runtime.scheduler.scheduler_process import build_scheduler  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 

@@ -6,11 +6,11 @@ import dataclasses
 import uuid
 
 import radixlm
-from radixlm.runtime import io_messages as io
+from radixlm.runtime import messages as io
 from radixlm.runtime.request import Req
-from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.scheduler import Scheduler
-from radixlm.runtime.scheduler_process import make_req
+from radixlm.runtime.sampling.sampling_params import SamplingParams
+from radixlm.runtime.scheduler.scheduler import Scheduler
+from radixlm.runtime.scheduler.scheduler_process import make_req
 
 
 def assert_engine_idle(engine: radixlm.Engine) -> None:

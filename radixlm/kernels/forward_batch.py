@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from radixlm.kernels.attention_backend import AttentionBackend
+    from radixlm.kernels.attention.attention_backend import AttentionBackend
 
 
 class ForwardMode(Enum):

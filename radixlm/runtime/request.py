@@ -8,9 +8,12 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from radixlm.runtime.grammar_backend import GrammarKey, GrammarMatcher
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.detokenizer.incremental_detokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+)
+from radixlm.runtime.grammar.grammar_backend import GrammarKey, GrammarMatcher
+from radixlm.runtime.sampling.sampling_params import SamplingParams
 
 
 def finish_stop(matched: str | int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ class ServerArgs:
     device: str = "auto"
     attention_backend: str = "auto"
     """``auto``: flashinfer, else triton, on CUDA; torch_native on CPUs (see
-    ``radixlm.kernels.backend_selection``)."""
+    ``radixlm.kernels.attention.backend_selection``)."""
     disable_cuda_graph: bool = False
     """Run GPU decode steps eagerly instead of replaying captured CUDA graphs."""
     cuda_graph_max_bs: int = 64

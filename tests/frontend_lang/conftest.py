@@ -6,7 +6,7 @@ import pytest
 from live_server import LiveServer
 
 import radixlm
-from radixlm.runtime.http_server import create_app
+from radixlm.runtime.server.http_server import create_app
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import pytest
 from live_server import LiveServer, free_port
 
 import radixlm as sgl
-from radixlm.runtime.http_server import create_app
+from radixlm.runtime.server.http_server import create_app
 
 
 @pytest.fixture

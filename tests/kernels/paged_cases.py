@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
-from radixlm.kernels.torch_native_backend import TorchNativeAttentionBackend
-from radixlm.radix_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.kv_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 NUM_LAYERS = 2
 MAX_ROWS = 8

@@ -14,7 +14,7 @@ from tiny_models import (
 )
 
 import radixlm
-from radixlm.runtime.scheduler_process import build_scheduler
+from radixlm.runtime.scheduler.scheduler_process import build_scheduler
 from radixlm.runtime.server_args import ServerArgs
 
 PROMPTS = [

@@ -9,14 +9,14 @@ import transformers
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
+from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
-from radixlm.kernels.torch_native_backend import TorchNativeAttentionBackend
+from radixlm.kv_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
 from radixlm.models.layers.attention import PagedAttention
 from radixlm.models.layers.mla import MultiHeadLatentAttention
 from radixlm.models.layers.rotary_embedding import RotaryEmbedding
 from radixlm.models.model_config import rope_parameters
 from radixlm.models.weight_loading import load_named_weights
-from radixlm.radix_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
 
 HEADS, NOPE, ROPE, V_DIM, RANK = 4, 16, 8, 12, 32
 CONTEXT = 128

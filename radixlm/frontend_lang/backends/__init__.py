@@ -17,7 +17,7 @@ def as_backend(backend: Any) -> Backend:
     """A :class:`Backend` for ``backend``: a backend itself, or a :class:`radixlm.Engine`
     (wrapped once per engine)."""
     from radixlm.frontend_lang.backends.native import EngineBackend
-    from radixlm.runtime.engine import Engine
+    from radixlm.runtime.engine.engine import Engine
 
     if isinstance(backend, Backend):
         return backend

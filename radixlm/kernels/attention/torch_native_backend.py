@@ -1,0 +1,121 @@
+"""Attention in plain PyTorch: the CPU backend and the reference the kernels are tested against.
+
+Each batch is turned once into a padded layout shared by all layers: a (B, S) table of KV
+slots (S = the longest sequence), where each request's queries sit in a (B, Q) grid, and a
+boolean mask that lets query i of request b see keys 0 .. prefix_b + i. Each layer then
+gathers its K and V through the table and runs one ``scaled_dot_product_attention`` for
+the whole batch, prefill and decode alike.
+
+Values may have a head dim D_v other than the keys' D (multi-head latent attention: keys
+are latent + RoPE rows, values the latent alone, read as a view of the gathered keys);
+the output then has D_v per head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.kernels.attention.attention_backend import AttentionBackend
+from radixlm.kernels.forward_batch import ForwardBatch
+
+
+@dataclass
+class _PaddedLayout:
+    kv_slots: torch.Tensor  # (B, S) slot of key j of request b (padding: any valid slot)
+    query_rows: torch.Tensor | None  # (T,) row of each new token in the flattened (B * Q) grid
+    mask: torch.Tensor | None  # (B, 1, Q, S) True where the key is visible; None: all visible
+    is_causal: bool  # a single fresh sequence: plain causal attention, no mask
+    batch_size: int
+    max_queries: int
+
+
+class TorchNativeAttentionBackend(AttentionBackend):
+    def __init__(self) -> None:
+        self._layout: _PaddedLayout | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        extend_lens = fb.extend_seq_lens_list
+        seq_lens = fb.seq_lens_list
+        batch_size, max_q, max_kv = len(seq_lens), max(extend_lens), max(seq_lens)
+        device = fb.input_ids.device
+        kv_slots = fb.req_to_token[fb.req_pool_indices, :max_kv].contiguous()
+        single_fresh = batch_size == 1 and extend_lens[0] == seq_lens[0]
+        uniform_decode = max_q == 1 and min(seq_lens) == max_kv
+        query_rows = mask = None
+        if max_q > 1 and batch_size > 1:
+            starts = torch.tensor(extend_lens, device=device).cumsum(0) - fb.extend_seq_lens
+            req_of_token = torch.repeat_interleave(
+                torch.arange(batch_size, device=device), fb.extend_seq_lens
+            )
+            offset_in_req = torch.arange(len(fb.input_ids), device=device) - starts[req_of_token]
+            query_rows = req_of_token * max_q + offset_in_req
+        if not (single_fresh or uniform_decode):
+            i = torch.arange(max_q, device=device)
+            j = torch.arange(max_kv, device=device)
+            # Padded query rows repeat the request's last query, so no row is fully masked.
+            last_visible = fb.prefix_lens[:, None] + torch.minimum(
+                i[None, :], (fb.extend_seq_lens - 1)[:, None]
+            )  # (B, Q)
+            mask = (j[None, None, :] <= last_visible[:, :, None]).unsqueeze(1)  # (B, 1, Q, S)
+        self._layout = _PaddedLayout(
+            kv_slots, query_rows, mask, single_fresh, batch_size, max_q
+        )
+
+    def forward_extend(self, q, k, v, layer, forward_batch):
+        return self._attend(q, k, v, layer, forward_batch)
+
+    def forward_decode(self, q, k, v, layer, forward_batch):
+        """One query per request: two small batched matmuls beat SDPA's kernel setup."""
+        keys, values = self._gather_kv(k, v, layer, forward_batch)  # (B, H_kv, S, D|D_v)
+        b, group = q.shape[0], layer.num_heads // layer.num_kv_heads
+        queries = q.view(b, layer.num_kv_heads, group, layer.head_dim)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * layer.scaling
+        if self._layout.mask is not None:  # (B, 1, 1, S) broadcasts over (B, H_kv, G, S)
+            scores = scores.masked_fill(~self._layout.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)  # (B, H_kv, G, S)
+        out = torch.matmul(probs, values)  # (B, H_kv, G, D_v)
+        return out.reshape(b, layer.num_heads, values.shape[-1])
+
+    def _gather_kv(self, k, v, layer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores the new K/V, then reads every request's K/V as (B, H_kv, S, D) and
+        (B, H_kv, S, D_v). A latent (MLA) pool's values are a slice of its keys: one gather."""
+        pool = fb.kv_pool
+        pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        k_buffer, v_buffer = pool.get_kv(layer.layer_id)
+        slots = self._layout.kv_slots  # (B, S)
+        # index_select on flat indices: far cheaper on CPUs than advanced indexing.
+        keys = k_buffer.index_select(0, slots.view(-1)).view(*slots.shape, *k_buffer.shape[1:])
+        if pool.values_view_keys:
+            values = keys[..., : v_buffer.shape[-1]]  # (B, S, H_kv, D_v), a view
+        else:
+            values = v_buffer.index_select(0, slots.view(-1))
+            values = values.view(*slots.shape, *v_buffer.shape[1:])
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def _attend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
+        layout = self._layout
+        keys, values = self._gather_kv(k, v, layer, fb)  # (B, H_kv, S, D|D_v)
+        b, num_q = layout.batch_size, layout.max_queries
+        if layout.query_rows is None:
+            queries = q.view(b, num_q, *q.shape[1:])  # (B, Q, H, D)
+        else:
+            queries = q.new_zeros(b * num_q, *q.shape[1:])
+            queries[layout.query_rows] = q
+            queries = queries.view(b, num_q, *q.shape[1:])
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),  # (B, H, Q, D)
+            keys,
+            values,
+            attn_mask=layout.mask,
+            is_causal=layout.is_causal and num_q > 1,
+            scale=layer.scaling,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )  # (B, H, Q, D_v)
+        out = out.transpose(1, 2).reshape(b * num_q, q.shape[1], values.shape[-1])
+        if layout.query_rows is not None:
+            out = out[layout.query_rows]
+        return out

@@ -1,0 +1,146 @@
+"""The Triton attention backend: paged extend and split-KV decode kernels over the KV pool.
+
+Per batch (``init_forward_metadata``): the first query row of each request and the longest
+extend; per layer: store the new K/V with ``store_kv``, then run ``extend_attention`` or
+``decode_attention``. Keys are always read through ``req_to_token``, so the backend works
+for any page size (a page is a run of consecutive slots; the kernels read slot by slot).
+
+On GPUs the kernels compile for the device. On CPUs they run only under Triton's
+interpreter (``TRITON_INTERPRET=1`` set before radixlm imports them), which is how CI
+checks them; ``require_triton_runnable`` says why they cannot run otherwise.
+
+Latent (MLA) pools (``kv_pool.values_view_keys``): only the key rows are stored, the
+values are their first D_v dims (a view); extend runs the same kernel with D_v < D_k, and
+decode runs the MLA variant, which loads each latent row once for keys and values.
+
+Decode scratch (per-split partial outputs) is allocated once per batch and shared by all
+layers; ``reserve_decode_scratch`` pins a buffer for the largest batch, so that CUDA graphs
+captured over it replay on the same memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.kernels.attention.attention_backend import AttentionBackend
+from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
+from radixlm.kernels.triton_ops.decode_attention import decode_attention, decode_scratch
+from radixlm.kernels.triton_ops.extend_attention import extend_attention
+from radixlm.kernels.triton_ops.kv_store import store_kv
+from radixlm.kernels.triton_ops.mla_decode import mla_decode_attention
+
+
+@dataclass
+class TritonBackendConfig:
+    """Tuning knobs of the Triton kernels.
+
+    ``num_kv_splits``: key ranges per request in decode (more splits: more parallelism on
+    long contexts, more merging work). Block sizes: queries / keys per program tile.
+    """
+
+    num_kv_splits: int = 8
+    extend_block_m: int = 64
+    extend_block_n: int = 64
+    decode_block_n: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_splits", "extend_block_m", "extend_block_n", "decode_block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("extend_block_m", "extend_block_n", "decode_block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> TritonBackendConfig:
+        """Large tiles on GPUs; small ones under the interpreter, where each tile is numpy."""
+        if device.type == "cuda":
+            return cls()
+        return cls(num_kv_splits=4, extend_block_m=16, extend_block_n=16, decode_block_n=16)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, config: TritonBackendConfig | None = None, device: str = "cpu"):
+        self.config = config or TritonBackendConfig.for_device(torch.device(device))
+        self._extend_starts: torch.Tensor | None = None
+        self._max_extend = 0
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._reserved_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        self._scratch = None
+        if fb.mode is ForwardMode.DECODE:
+            return
+        self._extend_starts = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
+        self._max_extend = max(fb.extend_seq_lens_list, default=0)
+
+    def reserve_decode_scratch(
+        self, max_batch_size: int, num_heads: int, head_dim_v: int, device: torch.device
+    ) -> None:
+        """Pins decode scratch for batches up to ``max_batch_size`` (CUDA-graph capture)."""
+        self._reserved_scratch = decode_scratch(
+            max_batch_size, num_heads, head_dim_v, self.config.num_kv_splits, device
+        )
+
+    def forward_extend(self, q, k, v, layer, forward_batch):
+        fb = forward_batch
+        k_buffer, v_buffer = self._store(k, v, layer, fb)
+        out = q.new_empty(q.shape[0], layer.num_heads, v_buffer.shape[-1])
+        extend_attention(
+            q, k, v, out, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices,
+            fb.prefix_lens, fb.extend_seq_lens, self._extend_starts, self._max_extend,
+            layer.scaling, block_m=self.config.extend_block_m,
+            block_n=self.config.extend_block_n,
+        )
+        return out
+
+    def forward_decode(self, q, k, v, layer, forward_batch):
+        fb = forward_batch
+        k_buffer, v_buffer = self._store(k, v, layer, fb)
+        batch_size, head_dim_v = q.shape[0], v_buffer.shape[-1]
+        out = q.new_empty(batch_size, layer.num_heads, head_dim_v)
+        scratch = self._decode_scratch(batch_size, layer.num_heads, head_dim_v, q.device)
+        if _is_latent_pool(fb.kv_pool):
+            return mla_decode_attention(
+                q, out, k_buffer, head_dim_v, fb.req_to_token, fb.req_pool_indices,
+                fb.seq_lens, layer.scaling, self.config.num_kv_splits, scratch=scratch,
+                block_n=self.config.decode_block_n,
+            )
+        decode_attention(
+            q, out, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
+            layer.scaling, self.config.num_kv_splits, scratch=scratch,
+            block_n=self.config.decode_block_n,
+        )
+        return out
+
+    def _store(self, k, v, layer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        k_buffer, v_buffer = fb.kv_pool.get_kv(layer.layer_id)
+        if _is_latent_pool(fb.kv_pool):  # v is a view of k; the pool stores rows once
+            store_kv(k, None, k_buffer, None, fb.out_cache_loc)
+        else:
+            store_kv(k, v, k_buffer, v_buffer, fb.out_cache_loc)
+        return k_buffer, v_buffer
+
+    def _decode_scratch(
+        self, batch_size: int, num_heads: int, head_dim_v: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One buffer per batch for every layer; the pinned one when it fits."""
+        for scratch in (self._reserved_scratch, self._scratch):
+            if scratch is not None and scratch[0].shape[0] >= batch_size and scratch[0].shape[
+                1:
+            ] == (num_heads, self.config.num_kv_splits, head_dim_v):
+                return scratch
+        self._scratch = decode_scratch(
+            batch_size, num_heads, head_dim_v, self.config.num_kv_splits, device
+        )
+        return self._scratch
+
+
+def _is_latent_pool(pool) -> bool:
+    """True for a pool whose values are a view of its keys (MLA's latent pool)."""
+    return bool(getattr(pool, "values_view_keys", False))

@@ -1,0 +1,72 @@
+"""The prefix-cache interface the scheduler programs against.
+
+Two implementations: ``RadixCache`` (radix_tree.py), which shares KV across requests, and
+``NoPrefixCache`` (no_cache.py), the baseline that shares nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixlm.kv_cache.radix_tree import MatchResult, TreeNode
+
+
+class PrefixCache(ABC):
+    """KV slots of token prefixes, kept across requests.
+
+    Contract:
+    - ``match_prefix(key, extra_key)`` returns the slots of the longest cached prefix of
+      ``key`` in namespace ``extra_key`` (a multiple of ``page_size`` tokens) and the node
+      where it ends. Until ``inc_lock_ref(node)`` the slots may be evicted.
+    - A node locked with ``inc_lock_ref`` (and its ancestors) is never evicted until the
+      matching ``dec_lock_ref``.
+    - ``insert(key, indices, extra_key)`` offers a sequence's slots to the cache and returns
+      how many leading tokens were already cached. The cache never frees on insert: when
+      ``keeps_inserted`` the caller frees its own duplicates and the unaligned tail; when
+      not, the caller frees all of ``indices``.
+    - ``evict(n)`` frees at least ``n`` tokens' slots through the allocator, least recently
+      used first, or everything evictable; it is the only call that frees.
+    - ``evictable_size() + protected_size() == total_size()``: tokens held unlocked, locked,
+      and in all.
+    - ``reset()`` forgets everything without freeing: the caller resets the allocator.
+    """
+
+    keeps_inserted: bool
+    page_size: int
+
+    @abstractmethod
+    def match_prefix(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult: ...
+
+    @abstractmethod
+    def insert(
+        self, key: Sequence[int], indices: torch.Tensor, extra_key: str | None = None
+    ) -> int: ...
+
+    @abstractmethod
+    def inc_lock_ref(self, node: TreeNode) -> None: ...
+
+    @abstractmethod
+    def dec_lock_ref(self, node: TreeNode) -> None: ...
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int: ...
+
+    @abstractmethod
+    def evictable_size(self) -> int: ...
+
+    @abstractmethod
+    def protected_size(self) -> int: ...
+
+    def total_size(self) -> int:
+        return self.evictable_size() + self.protected_size()
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    @abstractmethod
+    def pretty_print(self) -> str: ...

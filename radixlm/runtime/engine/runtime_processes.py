@@ -1,0 +1,171 @@
+"""Starting and stopping the Scheduler and Detokenizer processes.
+
+Each is a fresh interpreter calling ``child_main`` here (``python -c``), so nothing of the
+caller's main script is re-imported (scripts need no ``if __name__ == "__main__"`` guard, and
+notebooks work), and nothing is pickled: a child gets its options as msgpack on stdin and
+reports readiness, as msgpack, through a pipe of its own. The processes talk over
+``ipc://`` sockets in a private temporary directory (mode 0700).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from radixlm.runtime import messages as io
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+SHUTDOWN_TIMEOUT_S = 5.0
+ROLES = ("scheduler", "detokenizer")
+
+
+@dataclass
+class SocketPaths:
+    """The ``ipc://`` endpoints of the three processes' input sockets."""
+
+    scheduler: str
+    detokenizer: str
+    tokenizer_manager: str
+
+
+class ChildConfig(msgspec.Struct):
+    server_args: dict[str, Any]
+    model_path: str
+    tokenizer_path: str
+    paths: dict[str, str]
+
+
+@dataclass
+class RuntimeProcesses:
+    paths: SocketPaths
+    processes: dict[str, subprocess.Popen]
+    socket_dir: str
+    scheduler_info: dict[str, Any]
+    """What the scheduler reported when ready (pool size, context length, ...)."""
+
+    def stop(self, graceful: bool = True) -> None:
+        """Waits for the processes to exit (when they were asked to), then ends any that
+        linger; without ``graceful``, terminates them at once."""
+        if not graceful:
+            for process in self.processes.values():
+                process.terminate()
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        for process in self.processes.values():
+            try:
+                process.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(2.0)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def start_runtime_processes(
+    args: ServerArgs, model_path: str, tokenizer_path: str
+) -> RuntimeProcesses:
+    """Starts both processes and waits until they are ready; a failure to start raises
+    ``ValueError`` (bad model or options) or ``RuntimeError``, leaving nothing running."""
+    if (warning := args.dtype_warning()) is not None:
+        logger.warning(warning)
+    socket_dir = tempfile.mkdtemp(prefix="radixlm-")
+    os.chmod(socket_dir, 0o700)
+    paths = SocketPaths(*(f"ipc://{socket_dir}/{name}" for name in
+                          ("scheduler", "detokenizer", "tokenizer_manager")))
+    config = msgspec.msgpack.encode(ChildConfig(
+        dataclasses.asdict(args), model_path, tokenizer_path, dataclasses.asdict(paths)
+    ))
+    runtime = RuntimeProcesses(paths, {}, socket_dir, {})
+    ready_fds = {}
+    try:
+        for role in ROLES:
+            read_fd, write_fd = os.pipe()
+            runtime.processes[role] = subprocess.Popen(
+                [sys.executable, "-c", _CHILD_COMMAND, role, str(write_fd)],
+                stdin=subprocess.PIPE, pass_fds=(write_fd,),
+            )
+            os.close(write_fd)
+            ready_fds[role] = read_fd
+            runtime.processes[role].stdin.write(config)
+            runtime.processes[role].stdin.close()
+        for role in ROLES:
+            reply = _wait_ready(role, ready_fds[role], runtime.processes[role])
+            if role == "scheduler":
+                runtime.scheduler_info = reply.info
+    except BaseException:
+        for process in runtime.processes.values():
+            process.kill()
+        runtime.stop()
+        raise
+    finally:
+        for fd in ready_fds.values():
+            os.close(fd)
+    return runtime
+
+
+def _wait_ready(role: str, fd: int, process: subprocess.Popen) -> io.ControlReply:
+    """Reads the child's ready message (the pipe closes after it)."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    data = b""
+    while True:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the {role} process did not start in {STARTUP_TIMEOUT_S:.0f} s")
+        readable, _, _ = select.select([fd], [], [], 0.1)
+        if readable:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        elif process.poll() is not None:
+            break
+    if not data:
+        raise RuntimeError(f"the {role} process exited while starting "
+                           f"(exit code {process.poll()})")
+    reply = io.decode(data)
+    if isinstance(reply, io.ProcessFailed):
+        raise ValueError(reply.message)
+    return reply
+
+
+class _ReadyPipe:
+    """The child's end: one message, then closed."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def send_bytes(self, data: bytes) -> None:
+        with os.fdopen(self.fd, "wb") as pipe:
+            pipe.write(data)
+
+
+_CHILD_COMMAND = f"import sys; from {__name__} import child_main; child_main(*sys.argv[1:])"
+"""A child's program: importing the module by name (not ``-m``) loads it exactly once."""
+
+
+def child_main(role: str, ready_fd: str) -> None:
+    """A child process's entry point (``radixlm`` sets ``OMP_WAIT_POLICY`` on import)."""
+    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ChildConfig)
+    args = ServerArgs(**config.server_args)
+    paths = SocketPaths(**config.paths)
+    ready = _ReadyPipe(int(ready_fd))
+    if role == "scheduler":
+        from radixlm.runtime.scheduler.scheduler_process import run_scheduler_process
+
+        run_scheduler_process(args, config.model_path, paths, ready)
+    else:
+        from radixlm.runtime.detokenizer.detokenizer_process import run_detokenizer_process
+
+        run_detokenizer_process(config.tokenizer_path, paths, ready)
+

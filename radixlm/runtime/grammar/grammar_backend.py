@@ -1,0 +1,152 @@
+"""The grammar backend's contract: compile constraints once, off the scheduler's loop, and
+give each constrained request a matcher that masks its next token.
+
+A constraint is a ``GrammarKey`` (kind, text): a regex, a JSON schema or an EBNF grammar.
+``GrammarBackend.compile`` returns a future; compiling runs in a small thread pool, so the
+scheduler keeps stepping other requests while a grammar compiles, and every request with
+the same key shares one compilation (the cache holds the future itself, so a second request
+arriving mid-compilation waits on the same one).
+
+``xgrammar_backend.py`` implements it on xgrammar; another backend (outlines, llguidance)
+would implement the same two classes.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixlm.runtime.sampling.sampling_params import CONSTRAINT_KINDS as GRAMMAR_KINDS
+from radixlm.runtime.server_args import GRAMMAR_BACKENDS
+
+CACHE_ENTRIES = 1024
+"""Compiled grammars kept (least recently used ones are dropped beyond this)."""
+COMPILE_THREADS = 2
+
+
+@dataclass(frozen=True)
+class GrammarKey:
+    """One constraint: ``kind`` is one of ``GRAMMAR_KINDS``; ``text`` its source."""
+
+    kind: str
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+
+
+class GrammarMatcher(ABC):
+    """One request's position in its grammar.
+
+    Invariant kept by the scheduler: the matcher has accepted exactly the request's
+    ``output_ids`` (in order), so retraction, which keeps the output, keeps the matcher
+    valid, and re-admission needs no replay. ``rollback(n)`` undoes the last ``n``
+    accepted tokens (jump-forward uses it to give back tokens that do not fit).
+    """
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advances by one token; False (state unchanged) if the grammar forbids it."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last ``num_tokens`` accepted tokens."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the allowed next tokens into ``bitmask[row]`` (state unchanged)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted at the end of a complete match."""
+
+    @abstractmethod
+    def is_completed(self) -> bool:
+        """True when the text so far is a complete match (it may still be extended)."""
+
+    @abstractmethod
+    def jump_forward_string(self) -> str:
+        """The longest text every continuation must start with ("" when there is a
+        choice); whole characters only. State unchanged."""
+
+
+class GrammarBackend(ABC):
+    """Compiles constraints against one tokenizer and applies their token masks.
+
+    ``compile`` may be called from any thread; everything else from the scheduler's.
+    """
+
+    def __init__(self, vocab_size: int, threads: int = COMPILE_THREADS):
+        self.vocab_size = vocab_size
+        """Width of the model's logits (may exceed the tokenizer's vocabulary)."""
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="radixlm-grammar")
+        self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._bitmask: torch.Tensor | None = None
+
+    def compile(self, key: GrammarKey) -> Future:
+        """A future of the compiled grammar for ``key`` (an exception if it is invalid);
+        the same future for every call with an equal key while it stays cached."""
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._pool.submit(self._compile, key)
+                self._cache[key] = future
+                while len(self._cache) > CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+            return future
+
+    def bitmask(self, rows: int) -> torch.Tensor:
+        """A (rows, words) bitmask buffer, grown as needed and reused across steps."""
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            self._bitmask = self.allocate_bitmask(max(rows, 8))
+        return self._bitmask[:rows]
+
+    def mask_logits(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
+        """Sets to -inf, in place, every logit the row's matcher forbids (rows without a
+        matcher are left alone)."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        bitmask = self.bitmask(len(matchers))
+        for row in rows:
+            matchers[row].fill_bitmask(bitmask, row)
+        self.apply_bitmask(logits, bitmask, rows)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @abstractmethod
+    def _compile(self, key: GrammarKey) -> Any:
+        """Compiles ``key`` (runs in the pool); raises ``ValueError`` naming the problem."""
+
+    @abstractmethod
+    def new_matcher(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher at the start of ``compiled``."""
+
+    @abstractmethod
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """A bitmask buffer for ``rows`` requests over ``vocab_size`` tokens."""
+
+    @abstractmethod
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Masks ``logits[rows]`` (N, vocab_size) by ``bitmask[rows]`` in place."""
+
+
+def make_grammar_backend(name: str, tokenizer, vocab_size: int,
+                         stop_token_ids: set[int]) -> GrammarBackend:
+    """The backend called ``name`` (one of ``GRAMMAR_BACKENDS``) for this tokenizer."""
+    if name == "xgrammar":
+        from radixlm.runtime.grammar.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
+    raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {name!r}")

@@ -1,0 +1,211 @@
+"""Owns the model, its KV memory and the attention backend; runs one forward pass per batch."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from radixlm.kernels.attention.attention_backend import AttentionBackend
+from radixlm.kernels.attention.backend_selection import (
+    BackendRequest,
+    create_backend,
+    resolve_backend_name,
+    triton_unavailable_reason,
+)
+from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
+from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
+from radixlm.kv_cache.memory_pool import (
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+)
+from radixlm.models.layers.attention import PagedAttention
+from radixlm.models.layers.moe_experts import StackedExperts
+from radixlm.models.loader import load_model
+from radixlm.models.model_config import ModelConfig
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKENS_FOR_THREADS = 128
+"""Batches with fewer new tokens than this run on one CPU thread (see ``_use_threads``)."""
+
+
+class ModelRunner:
+    """The model plus the memory it attends over.
+
+    Pools are allocated here, once: ``max_total_tokens`` KV slots (rounded down to whole
+    pages) and ``max_running_requests`` request rows of ``context_length`` entries.
+    """
+
+    def __init__(self, args: ServerArgs, model_config: ModelConfig):
+        self.args = args
+        self.model_config = model_config
+        self.device = args.resolved_device()
+        self.dtype = args.resolved_dtype()
+        self._max_threads = args.num_threads or torch.get_num_threads()
+        self._threads = torch.get_num_threads()
+        self.context_length = args.context_length or model_config.max_position_embeddings
+        self.model = load_model(model_config, self.dtype, self.device, self.context_length)
+        self.max_total_tokens = self._kv_pool_tokens()
+        page_size = args.page_size
+        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, page_size, self.device)
+        self.max_total_tokens = self.allocator.size
+        self.kv_pool = self._make_kv_pool(self.allocator.size + page_size)  # + padding page
+        self.req_to_token_pool = ReqToTokenPool(
+            args.max_running_requests, self.context_length, self.device
+        )
+        self.attn_backend = self._make_attention_backend()
+        self.fused_moe = self._use_fused_moe()
+        self.cuda_graph_runner = self._make_cuda_graph_runner()
+        logger.info(
+            "model %s loaded: %s on %s, KV pool of %d tokens (%.1f MiB)",
+            model_config.architecture, self.dtype, self.device, self.max_total_tokens,
+            self.max_total_tokens * self.kv_pool.bytes_per_token() / 2**20,
+        )
+
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Runs the model over the batch's new tokens -> hidden states (T, hidden)."""
+        if self.device.type == "cpu":
+            self._use_threads(len(forward_batch.extend_seq_lens_list), len(forward_batch.input_ids))
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
+        self.attn_backend.init_forward_metadata(forward_batch)
+        with torch.inference_mode():
+            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden)
+
+    def make_forward_batch(
+        self, mode: ForwardMode, input_ids: list[int], positions: list[int],
+        out_cache_loc: torch.Tensor, req_pool_indices: list[int],
+        prefix_lens: list[int], extend_lens: list[int],
+    ) -> ForwardBatch:
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        return ForwardBatch(
+            mode=mode,
+            input_ids=as_tensor(input_ids),
+            positions=as_tensor(positions),
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=as_tensor(req_pool_indices),
+            seq_lens=as_tensor(seq_lens),
+            prefix_lens=as_tensor(prefix_lens),
+            extend_seq_lens=as_tensor(extend_lens),
+            req_to_token=self.req_to_token_pool.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            seq_lens_list=seq_lens,
+            extend_seq_lens_list=extend_lens,
+        )
+
+    def _use_threads(self, batch_size: int, num_tokens: int) -> None:
+        """CPU threads for this pass: one for small batches, all for large ones.
+
+        Waking a sleeping OpenMP thread costs tens of microseconds per op, and a decode step
+        runs over a thousand small ops, so below ``MIN_TOKENS_PER_THREAD`` tokens a single
+        thread is faster (and, on a shared machine, immune to a busy neighbour core).
+        """
+        threads = self._max_threads
+        if self.args.num_threads is None and num_tokens < MIN_TOKENS_FOR_THREADS:
+            threads = 1
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
+
+    def _kv_pool_tokens(self) -> int:
+        """Pool tokens: ``max_total_tokens`` if given, else as many as the memory budget
+        (``kv_memory_budget``: a share of the free memory) holds in the model's KV layout,
+        at most what the running requests could use."""
+        self.kv_memory_budget: int | None = None
+        if self.args.max_total_tokens is not None:
+            return self.args.max_total_tokens
+        per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        budget = int(_available_memory(self.device) * self.args.kv_cache_memory_fraction)
+        self.kv_memory_budget = budget
+        useful = self.args.max_running_requests * self.context_length
+        return max(self.args.page_size, min(budget // per_token, useful))
+
+    def _make_kv_pool(self, num_slots: int) -> MHATokenToKVPool | MLATokenToKVPool:
+        """The pool layout the model attends over: latents for MLA models, else K and V."""
+        config = self.model_config
+        if config.uses_mla:
+            return MLATokenToKVPool(
+                num_slots, config.num_layers, config.kv_lora_rank, config.qk_rope_head_dim,
+                self.dtype, self.device,
+            )
+        return MHATokenToKVPool(
+            num_slots, config.num_layers, config.num_kv_heads, config.head_dim,
+            self.dtype, self.device,
+        )
+
+    def _make_attention_backend(self) -> AttentionBackend:
+        """The backend ``attention_backend`` names (``auto`` resolved for the device); one
+        that cannot run here raises ValueError saying why (see ``backend_selection``)."""
+        uses_mla = bool(getattr(self.model_config, "uses_mla", False))
+        request = BackendRequest(self.args.attention_backend, self.device, uses_mla)
+        self.attention_backend_name = resolve_backend_name(request)
+        layer = self.attention_layer
+        return create_backend(
+            self.attention_backend_name, self.device, num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+            page_size=self.args.page_size, dtype=self.dtype, scaling=layer.scaling,
+        )
+
+    def _use_fused_moe(self) -> bool:
+        """With a kernel backend, MoE experts run on the fused Triton kernel."""
+        if self.attention_backend_name not in ("triton", "flashinfer"):
+            return False
+        if triton_unavailable_reason(self.device) is not None:
+            return False
+        from radixlm.kernels.triton_ops.fused_moe import fused_experts
+
+        experts = [m for m in self.model.modules() if isinstance(m, StackedExperts)]
+        for module in experts:
+            module.computation = fused_experts
+        return bool(experts)
+
+    @property
+    def attention_layer(self) -> PagedAttention:
+        """The model's first attention layer (every layer shares its head layout)."""
+        return next(m for m in self.model.modules() if isinstance(m, PagedAttention))
+
+    def _make_cuda_graph_runner(self):
+        """Captured decode graphs on CUDA with a kernel backend, unless disabled."""
+        if (
+            self.device.type != "cuda"
+            or self.args.disable_cuda_graph
+            or self.attention_backend_name not in ("triton", "flashinfer")
+        ):
+            return None
+        from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
+
+        if not self.fused_moe and any(
+                isinstance(m, StackedExperts) for m in self.model.modules()):
+            logger.warning("CUDA graphs are off: MoE experts without the fused kernel (no "
+                           "Triton here) sync with the host, which a graph cannot capture")
+            return None
+        max_batch_size = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
+        return CudaGraphDecodeRunner(self, max_batch_size)
+
+
+def _available_memory(device: torch.device) -> int:
+    """Free bytes on ``device`` (host memory available to new allocations on the CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,177 @@
+"""Sampling parameters of one request, as the SGLang native API names them."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import InitVar, dataclass, fields
+from typing import Any
+
+GREEDY_TEMPERATURE = 1e-6
+"""A temperature below this means greedy decoding."""
+CONSTRAINT_KINDS = ("regex", "json_schema", "ebnf")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next tokens and when to stop.
+
+    Built with ``from_dict``, which rejects unknown keys; ``__post_init__`` validates ranges
+    and raises ``ValueError`` naming the field and what is allowed.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    """A JSON schema as a JSON string (a dict is turned into one)."""
+    ebnf: str | None = None
+    check_grammar: InitVar[bool] = True
+    """Parse the constraint (where a request enters); the scheduler, rebuilding checked
+    params, skips it: its compile pool reports a bad grammar anyway, off its loop."""
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
+        if params is None:
+            return cls()
+        if not isinstance(params, dict):
+            raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameters {unknown}; known: {sorted(known)}")
+        return cls(**params)
+
+    def __post_init__(self, check_grammar: bool) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=0)
+        _check_int("min_new_tokens", self.min_new_tokens, minimum=0)
+        _check_int("n", self.n, minimum=1)
+        _check_int("top_k", self.top_k, minimum=-1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or a positive integer, got 0")
+        _check_number("temperature", self.temperature, low=0.0)
+        _check_number("top_p", self.top_p, low=0.0, high=1.0)
+        if self.top_p <= 0.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, low=0.0)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        self.stop = _string_list("stop", self.stop)
+        self.stop_regex = _string_list("stop_regex", self.stop_regex)
+        for pattern in self.stop_regex or []:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as err:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: "
+                                 f"{err}") from None
+        if self.stop_token_ids is not None and not (
+            isinstance(self.stop_token_ids, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    for t in self.stop_token_ids)
+        ):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if self.sampling_seed is not None:
+            _check_int("sampling_seed", self.sampling_seed, minimum=0)
+        if self.logit_bias is not None:
+            self._check_logit_bias()
+        self._check_constraint(check_grammar)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the constraint on the output, if any."""
+        for kind in CONSTRAINT_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named in the parameters must exist in the vocabulary."""
+        ids = list(self.stop_token_ids or [])
+        ids += [int(t) for t in (self.logit_bias or {})]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad} in stop_token_ids/logit_bias are outside the "
+                             f"vocabulary (size {vocab_size})")
+
+    def _check_constraint(self, check_grammar: bool) -> None:
+        """At most one of regex, json_schema and ebnf, and one the grammar parser accepts."""
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
+        given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of regex, json_schema and ebnf, got {given}")
+        if not given:
+            return
+        kind = given[0]
+        text = getattr(self, kind)
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{kind} must be a non-empty string, got {text!r}")
+        if check_grammar:
+            from radixlm.runtime.grammar.xgrammar_backend import check_constraint
+
+            check_constraint(kind, text)
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must map token ids to biases")
+        for token, bias in self.logit_bias.items():
+            try:
+                int(token)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias key {token!r} is not a token id") from None
+            _check_number(f"logit_bias[{token!r}]", bias, low=-100.0, high=100.0)
+
+
+def _string_list(name: str, value: Any) -> list[str] | None:
+    """None, or a non-empty list of non-empty strings (a lone string becomes a list)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings")
+    return value
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, low: float, high: float = math.inf) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not low <= value <= high:
+        bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")

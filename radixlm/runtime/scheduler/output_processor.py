@@ -1,0 +1,184 @@
+"""After a forward pass: logits for the rows that need them, next tokens, logprobs, stop checks."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from radixlm.runtime.grammar.jump_forward import JumpForward
+from radixlm.runtime.request import Req, finish_abort, finish_length, finish_stop
+from radixlm.runtime.sampling.logprobs import token_logprobs
+from radixlm.runtime.sampling.sampler import Sampler
+
+
+class OutputProcessor:
+    """Turns a batch's hidden states into each request's next token and finish state.
+
+    Only the rows that matter go through the LM head: each request's last new token (to
+    sample from) and, for requests that asked for prompt logprobs, the prompt rows whose
+    next-token distribution they asked about.
+    """
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, compute_logits, eos_token_ids: set[int],
+        context_length: int, jump_forward: JumpForward | None = None,
+    ):
+        """``jump_forward``: None disables jump-forward decoding."""
+        self.tokenizer = tokenizer
+        # Special tokens' texts, for stop strings naming them (their text is never shown).
+        self.special_tokens = {
+            tid: tokenizer.convert_ids_to_tokens(tid) for tid in tokenizer.all_special_ids
+        }
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.special_tokens.update({tid: t.content for tid, t in added.items() if t.special})
+        self.compute_logits = compute_logits
+        self.eos_token_ids = eos_token_ids
+        self.context_length = context_length
+        self.jump_forward = jump_forward
+
+    def process(
+        self, reqs: list[Req], hidden: torch.Tensor, prefix_lens: list[int],
+        extend_lens: list[int], sampler: Sampler,
+    ) -> None:
+        rows: list[int] = []
+        # Per request: (first logits row, row count, first position), or None when no prompt
+        # logprobs are owed.
+        input_row_ranges: list[tuple[int, int, int] | None] = []
+        last_rows: list[int] = []
+        sample_rows: list[int] = []
+        offset = 0
+        for req, prefix, extend in zip(reqs, prefix_lens, extend_lens):
+            end = prefix + extend  # positions computed: prefix .. end - 1
+            complete = end == req.seq_len  # else a chunk: its last row predicts a prompt token
+            logprob_end = end - 1 if complete else end
+            first_position = self._first_input_logprob_position(req, prefix)
+            if first_position is None:
+                input_row_ranges.append(None)
+            else:
+                count = max(logprob_end - first_position, 0)
+                start = offset + first_position - prefix
+                input_row_ranges.append((len(rows), count, first_position))
+                rows += range(start, start + count)
+            last_rows.append(len(rows))
+            if complete:
+                rows.append(offset + extend - 1)
+            offset += extend
+        if not rows:
+            return
+        row_index = torch.tensor(rows, device=hidden.device)
+        logits = self.compute_logits(hidden.index_select(0, row_index))  # (N, V)
+        to_sample: list[Req] = []
+        for req, owed, last in zip(reqs, input_row_ranges, last_rows):
+            if owed is not None:
+                first, count, position = owed
+                self._add_input_logprobs(req, logits[first : first + count], position)
+            if req.kv_len == req.seq_len and not self._ends_before_sampling(req):
+                to_sample.append(req)
+                sample_rows.append(last)
+        if not to_sample:
+            return
+        sample_logits = logits[sample_rows]
+        next_ids = sampler.sample(sample_logits, to_sample)
+        for req, token, row_logits in zip(to_sample, next_ids, sample_logits):
+            if req.logprobs is not None:
+                self._add_output_logprob(req, row_logits[None], token)
+            self._append_sampled(req, token)
+
+    def _first_input_logprob_position(self, req: Req, prefix: int) -> int | None:
+        """The first prompt position whose logits this extend must produce, if any.
+
+        As in SGLang, ``logprob_start_len = s`` asks for the logprobs of prompt tokens
+        s + 1 .. L - 1, computed from the logits at positions s .. L - 2 (plus a null entry
+        for token 0 when s == 0). Prefix-cache matches are capped at s, so those positions
+        are always computed here.
+        """
+        if req.logprobs is None or req.logprobs.start is None or req.output_ids:
+            return None
+        return max(req.logprobs.start, prefix)
+
+    def _add_input_logprobs(self, req: Req, logits: torch.Tensor, position: int) -> None:
+        spec = req.logprobs
+        decode = self._decode_one if spec.with_text else None
+        if spec.start == 0 and not req.input_token_logprobs:
+            first = req.input_ids[0]
+            req.input_token_logprobs.append([None, first, decode(first) if decode else None])
+            if spec.top_k:
+                req.input_top_logprobs.append(None)
+        if logits.shape[0] == 0:
+            return
+        targets = req.input_ids[position + 1 : position + 1 + logits.shape[0]]
+        entries, tops = token_logprobs(logits, targets, spec.top_k, decode)
+        req.input_token_logprobs += entries
+        req.input_top_logprobs += tops
+
+    def _add_output_logprob(self, req: Req, logits: torch.Tensor, token: int) -> None:
+        spec = req.logprobs
+        decode = self._decode_one if spec.with_text else None
+        entries, tops = token_logprobs(logits, [token], spec.top_k, decode)
+        req.output_token_logprobs += entries
+        req.output_top_logprobs += tops
+
+    def _ends_before_sampling(self, req: Req) -> bool:
+        """A request with no output budget (prefill only, or a full context) ends here."""
+        if req.sampling.max_new_tokens == 0 or req.seq_len >= self.context_length:
+            req.finish_reason = finish_length(len(req.output_ids))
+            return True
+        return False
+
+    def _append_sampled(self, req: Req, token: int) -> None:
+        """Appends a sampled token and, for a constrained request where the grammar forces
+        what follows, the jump-forward tokens after it (not for requests wanting logprobs:
+        jumped tokens have none). A grammar that has terminated (accepted a stop
+        token) ends the request with that stop."""
+        grammar = req.grammar
+        if grammar is None:
+            self._append_token(req, token)
+            return
+        if not grammar.accept_token(token):  # the mask forbids this; a bug if it happens
+            req.finish_reason = finish_abort(f"the grammar rejected sampled token {token}")
+            return
+        tokens = [token]
+        if self.jump_forward is not None and req.logprobs is None and not grammar.is_terminated():
+            room = min(req.sampling.max_new_tokens - len(req.output_ids),
+                       self.context_length - req.seq_len)
+            tokens = self.jump_forward.jump(grammar, token, room) or tokens
+        appended = 0
+        while appended < len(tokens) and not req.finished:
+            self._append_token(req, tokens[appended])
+            appended += 1
+        req.jump_forward_tokens += appended - 1  # every token after the first was not sampled
+        if not req.finished and grammar.is_terminated():
+            req.finish_reason = finish_stop(tokens[-1])
+
+    def _append_token(self, req: Req, token: int) -> None:
+        """Appends a sampled token and decides whether the request ends with it.
+
+        Stops, in order: a stop token (EOS unless ``ignore_eos``, or ``stop_token_ids``); a
+        stop string or regex in the text (a stop string equal to a special token's text also
+        matches that token, though such text never shows); the output budget or the context.
+        The Detokenizer trims the text at the stop.
+        """
+        params = req.sampling
+        req.output_ids.append(token)
+        detokenizer = req.detokenizer
+        new_text = detokenizer.feed([token]) if detokenizer is not None else ""
+        stop_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        if token in stop_ids and len(req.output_ids) >= params.min_new_tokens:
+            req.finish_reason = finish_stop(token)
+        elif req.stop_matcher is not None:
+            found = None
+            if new_text:
+                found = req.stop_matcher.search(detokenizer.text, len(new_text))
+            elif self.special_tokens.get(token) in req.stop_matcher.stop:
+                found = (0, 0, self.special_tokens[token])
+            if found is not None:
+                req.finish_reason = finish_stop(found[2])
+        if req.finish_reason is None and (
+            len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_length
+        ):
+            req.finish_reason = finish_length(len(req.output_ids))
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])

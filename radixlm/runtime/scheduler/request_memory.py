@@ -1,0 +1,140 @@
+"""The KV memory a request holds, and how it passes to and from the prefix cache.
+
+A request's KV slots live in its row of ``req_to_token``. The first ``len(req.prefix_indices)``
+of them belong to the tree (matched at admission, locked while the request runs); the rest
+were allocated for the request and are its own until it hands them to the tree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.kv_cache.allocator import OutOfKVSlots, TokenToKVPoolAllocator, pages_for
+from radixlm.kv_cache.base import PrefixCache
+from radixlm.kv_cache.memory_pool import ReqToTokenPool
+from radixlm.runtime.request import Req
+
+
+class RequestMemory:
+    """Request rows, KV slots and the prefix cache, operated on per request.
+
+    Invariant (checked by tests after every run):
+    ``allocator.available_size() + tree.total_size() + slots held by running requests
+    (beyond their tree prefix) == allocator.size``.
+    """
+
+    def __init__(
+        self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
+        tree_cache: PrefixCache,
+    ):
+        self.req_to_token_pool = req_to_token_pool
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.page_size = allocator.page_size
+
+    def available_tokens(self) -> int:
+        """KV slots that can be had now: free ones plus what the cache could evict."""
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def match_and_lock(self, req: Req) -> None:
+        """Finds the request's cached prefix (``req.match_key()``) and locks it."""
+        match = self.tree_cache.match_prefix(req.match_key(), req.extra_key)
+        req.prefix_indices = match.indices
+        req.last_node = match.last_node
+        self.tree_cache.inc_lock_ref(match.last_node)
+
+    def unlock(self, req: Req) -> None:
+        """Undoes ``match_and_lock`` for a request that was not admitted after all."""
+        self.tree_cache.dec_lock_ref(req.last_node)
+        req.prefix_indices, req.last_node = None, None
+
+    def assign_row(self, req: Req) -> None:
+        """Gives the request a row holding its cached prefix (counted in ``cached_tokens``
+        the first time only: a retracted request's recomputation is no cache hit)."""
+        row = self.req_to_token_pool.alloc()
+        assert row is not None, "admission checks for a free row first"
+        prefix = req.prefix_indices
+        self.req_to_token[row, : len(prefix)] = prefix
+        req.req_pool_idx, req.kv_len = row, len(prefix)
+        if not req.retractions:
+            req.cached_tokens = len(prefix)
+        req.last_slot = int(prefix[-1]) if len(prefix) else -1
+
+    def alloc(self, req: Req, num_tokens: int) -> torch.Tensor:
+        """Slots for the request's next ``num_tokens`` tokens, evicting from the cache if needed."""
+        shortfall = pages_for(num_tokens, self.page_size) - self.allocator.available_size()
+        if shortfall > 0:
+            self.tree_cache.evict(shortfall)
+        try:
+            slots = self.allocator.alloc_extend(req.last_slot, num_tokens)
+        except OutOfKVSlots as err:
+            raise OutOfKVSlots(f"{err}; the scheduler's reservation was wrong") from err
+        self.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + num_tokens] = slots
+        if num_tokens:  # the caller advances req.kv_len
+            req.last_slot = int(slots[-1])
+        return slots
+
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
+        """One slot for each request's next token (one allocation when pages are tokens)."""
+        if self.page_size > 1:
+            return torch.cat([self.alloc(req, 1) for req in reqs])
+        shortfall = len(reqs) - self.allocator.available_size()
+        if shortfall > 0:
+            self.tree_cache.evict(shortfall)
+        slots = self.allocator.alloc(len(reqs))
+        rows = torch.tensor([r.req_pool_idx for r in reqs], device=slots.device)
+        columns = torch.tensor([r.kv_len for r in reqs], device=slots.device)
+        self.req_to_token[rows, columns] = slots
+        for req, slot in zip(reqs, slots.tolist()):
+            req.last_slot = slot
+        return slots
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Shares what the running request has computed so far, and keeps running on it.
+
+        Its KV enters the tree; slots that duplicate ones cached meanwhile are freed and
+        replaced in its row by the cached ones; the lock moves to the new deepest node.
+        """
+        if not self.tree_cache.keeps_inserted:
+            return
+        kv_len = req.kv_len
+        aligned = kv_len - kv_len % self.page_size
+        if aligned <= len(req.prefix_indices):
+            return
+        tokens = req.all_ids()[:aligned]
+        slots = self.req_to_token[req.req_pool_idx, :aligned]
+        already = self.tree_cache.insert(tokens, slots, req.extra_key)
+        self._free_duplicates(req, slots, already)
+        match = self.tree_cache.match_prefix(tokens, req.extra_key)
+        self.req_to_token[req.req_pool_idx, : len(match.indices)] = match.indices
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.tree_cache.inc_lock_ref(match.last_node)
+        req.prefix_indices, req.last_node = match.indices, match.last_node
+
+    def release(self, req: Req) -> None:
+        """Hands a finished (or aborted) request's KV to the cache and frees the rest."""
+        slots = self.req_to_token[req.req_pool_idx, : req.kv_len].clone()
+        own_start = len(req.prefix_indices)
+        if self.tree_cache.keeps_inserted:
+            aligned = req.kv_len - req.kv_len % self.page_size
+            tokens = req.all_ids()[:aligned]
+            already = self.tree_cache.insert(tokens, slots[:aligned], req.extra_key)
+            self._free_duplicates(req, slots, already)
+            own_start = max(aligned, own_start)
+        self.allocator.free(slots[own_start:])
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.kv_len, req.last_slot = None, 0, -1
+        req.prefix_indices, req.last_node = None, None
+
+    def _free_duplicates(self, req: Req, slots: torch.Tensor, already_cached: int) -> None:
+        """Frees the request's own slots for tokens another request cached first."""
+        start = len(req.prefix_indices)
+        if already_cached > start:
+            self.allocator.free(slots[start:already_cached])
+
+    def flush(self) -> None:
+        """Empties the cache; only valid while no request holds KV."""
+        self.tree_cache.reset()
+        self.allocator.reset()

@@ -1,0 +1,291 @@
+"""Iteration-level (continuous) batching with chunked prefill, cache-aware admission and
+retraction.
+
+Each step is one forward pass, either:
+- an extend step: the chunked request's next chunk and newly admitted requests (in the
+  policy's order, under the ``PrefillAdder``'s budgets), each computing only what its
+  cached prefix does not cover; or, when nothing can be admitted,
+- a decode step: one token for every running request. If the pool cannot hold that
+  token for everyone, requests are retracted first (their KV handed to the cache, the
+  requests re-queued at the front, recomputed later); a retracted request still finishes.
+
+Admission reserves KV for running requests' expected output (``new_token_ratio`` times
+their remaining budget). The ratio decays each decode step, so admission grows bolder
+while nothing goes wrong, and jumps back to 1 after a retraction.
+
+``batching="static"`` (for comparison) admits a batch only when nothing runs, and runs
+it until its last request ends.
+
+Constrained requests wait in the ``grammar_queue`` until their grammar has compiled (in a
+thread pool), then join the waiting queue. After jump-forward decoding a running request
+has several tokens without KV; a step where any request has more than one runs as an
+extend over every running request's pending tokens instead of a decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.kernels.forward_batch import ForwardMode
+from radixlm.kv_cache.allocator import pages_for
+from radixlm.runtime.model_executor.model_runner import ModelRunner
+from radixlm.runtime.request import Req, finish_abort
+from radixlm.runtime.sampling.sampler import Sampler
+from radixlm.runtime.scheduler.grammar_queue import GrammarQueue
+from radixlm.runtime.scheduler.output_processor import OutputProcessor
+from radixlm.runtime.scheduler.prefill_adder import PrefillAdder, decode_reserve
+from radixlm.runtime.scheduler.request_memory import RequestMemory
+from radixlm.runtime.scheduler.schedule_policy import SchedulePolicy
+from radixlm.runtime.server_args import ServerArgs
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler started."""
+
+    forward_steps: int = 0
+    extend_steps: int = 0
+    decode_steps: int = 0
+    """Steps that extend running requests (one token each, or their jumped tokens)."""
+    jump_forward_steps: int = 0
+    """Decode steps run as an extend because some request had jumped tokens."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    retractions: int = 0
+
+
+class Scheduler:
+    """Runs requests to completion over the runner's pools.
+
+    Invariants between steps: ``running`` requests have computed their whole prompt and
+    hold a row and the KV of all but their last token (all but their last jumped tokens
+    and the sampled one before them, after a jump-forward); the ``chunked`` request (if
+    any) holds a row and the KV of its first ``kv_len`` prompt tokens; waiting, finished
+    and grammar-queued requests hold neither.
+    """
+
+    def __init__(self, runner: ModelRunner, memory: RequestMemory,
+                 output_processor: OutputProcessor, sampler: Sampler, args: ServerArgs):
+        self.runner = runner
+        self.memory = memory
+        self.output_processor = output_processor
+        self.sampler = sampler
+        self.args = args
+        self.policy = SchedulePolicy(args.schedule_policy, memory.tree_cache, args.random_seed)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.new_token_ratio = args.init_new_token_ratio
+        self.stats = SchedulerStats()
+        self.grammar_queue = GrammarQueue(sampler.grammar_backend)
+        self._failed: list[Req] = []  # grammar failures to report at the next step
+
+    def add_request(self, req: Req) -> None:
+        """Queues ``req``; a constrained one waits for its grammar first (a failed
+        grammar finishes it, reported at the next step)."""
+        if req.grammar_key is not None and req.grammar is None:
+            if not self.grammar_queue.add(req):
+                return
+            if req.finished:
+                self._failed.append(req)
+                return
+        self.waiting.append(req)
+
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.chunked is not None
+                    or self.grammar_queue or self._failed)
+
+    def requests(self) -> list[Req]:
+        """Every request not yet finished."""
+        chunked = [self.chunked] if self.chunked is not None else []
+        return self.grammar_queue.reqs() + self.waiting + chunked + self.running
+
+    def step(self) -> list[Req]:
+        """One forward pass. Returns the requests that took part in it (and those whose
+        grammar failed to compile, now finished)."""
+        ended = self._move_compiled()
+        adder = self._admit()
+        if adder.reqs:
+            return ended + self._run_extend(adder)
+        if self.running:
+            self._retract_until_decode_fits()
+            return ended + self._run_decode()
+        if not ended:
+            self.grammar_queue.wait()  # nothing to run until a grammar is ready
+        return ended
+
+    def abort(self, req: Req, message: str = "aborted") -> None:
+        """Ends ``req`` at once, freeing its KV; a no-op for a finished request."""
+        if req.finished:
+            return
+        if self.grammar_queue.remove(req):
+            pass
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        elif req is self.chunked or req in self.running:
+            if req is self.chunked:
+                self.chunked = None
+            else:
+                self.running.remove(req)
+            self.memory.release(req)
+        req.finish_reason = finish_abort(message)
+
+    def server_info(self) -> dict:
+        """The pool, the cache and the queues, as plain data."""
+        runner, memory = self.runner, self.memory
+        return {
+            "context_length": runner.context_length,
+            "max_total_tokens": runner.max_total_tokens,
+            "kv_bytes_per_token": runner.kv_pool.bytes_per_token(),
+            "kv_memory_budget_bytes": runner.kv_memory_budget,
+            "free_kv_tokens": memory.allocator.available_size(),
+            "cache_tokens": memory.tree_cache.total_size(),
+            "cache_protected_tokens": memory.tree_cache.protected_size(),
+            "request_rows": memory.req_to_token_pool.size,
+            "free_request_rows": memory.req_to_token_pool.available_size(),
+            "page_size": memory.page_size,
+            "num_running": len(self.running) + (self.chunked is not None),
+            "num_waiting": len(self.waiting),
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "device": str(runner.device),
+            "attention_backend": runner.attention_backend_name,
+            "cuda_graph": runner.cuda_graph_runner is not None,
+            "fused_moe": runner.fused_moe,
+            "vocab_size": runner.model_config.vocab_size,
+            "stats": dataclasses.asdict(self.stats),
+            **{k: getattr(self.args, k) for k in ("schedule_policy", "batching",
+                                                  "chunked_prefill_size", "disable_radix_cache")},
+        }
+
+    # Admission ---------------------------------------------------------------------------
+
+    def _move_compiled(self) -> list[Req]:
+        """Moves requests whose grammar is ready to the waiting queue; returns those whose
+        grammar failed (finished)."""
+        failed, self._failed = self._failed, []
+        for req in self.grammar_queue.pop_done():
+            if req.finished:
+                failed.append(req)
+            else:
+                self.waiting.append(req)
+        return failed
+
+    def _admit(self) -> PrefillAdder:
+        args = self.args
+        adder = PrefillAdder(
+            memory=self.memory,
+            # Running requests hold back their expected output, plus the jumped tokens
+            # (jump-forward) that have no KV yet.
+            reserved=sum(decode_reserve(r, self.new_token_ratio) + r.seq_len - r.kv_len - 1
+                         for r in self.running),
+            prefill_tokens=args.max_prefill_tokens,
+            chunk_tokens=args.chunked_prefill_size,
+            rows=self.memory.req_to_token_pool.available_size(),
+            new_token_ratio=self.new_token_ratio,
+        )
+        if self.chunked is not None and not adder.add_chunked(self.chunked):
+            return adder  # it goes first: nothing overtakes a chunked prompt
+        static_batch_busy = args.batching == "static" and (self.running or self.chunked)
+        if self.waiting and adder.rows and adder.chunked_req is None and not static_batch_busy:
+            for req in self.policy.order(self.waiting):
+                leader = req.prefill_leader
+                if leader is not None and not (leader.output_ids or leader.finished):
+                    continue  # reuse the leader's prompt once it is cached
+                if not adder.add_new(req):
+                    break
+        admitted = {id(r) for r in adder.new_reqs}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        for req in adder.new_reqs:
+            if not req.retractions:
+                self.stats.prompt_tokens += len(req.input_ids)
+                self.stats.cached_tokens += req.cached_tokens
+        return adder
+
+    # Forward passes ----------------------------------------------------------------------
+
+    def _run_extend(self, adder: PrefillAdder) -> list[Req]:
+        reqs = adder.reqs
+        new_ids = [r.all_ids()[r.kv_len : r.kv_len + n] for r, n in zip(reqs, adder.extend_lens)]
+        self.chunked = adder.chunked_req
+        self.running += [r for r in reqs if r is not self.chunked]
+        self.stats.extend_steps += 1
+        return self._forward(ForwardMode.EXTEND, reqs, new_ids, share_prefixes=True)
+
+    def _run_decode(self) -> list[Req]:
+        """One token for each running request, or, when jump-forward left some request
+        several tokens without KV, an extend over every running request's pending tokens."""
+        reqs = list(self.running)
+        self.stats.decode_steps += 1
+        self.new_token_ratio = max(
+            self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio
+        )
+        if all(r.seq_len - r.kv_len == 1 for r in reqs):
+            return self._forward(ForwardMode.DECODE, reqs, [[r.output_ids[-1]] for r in reqs])
+        self.stats.jump_forward_steps += 1
+        pending = [r.output_ids[r.kv_len - len(r.input_ids):] for r in reqs]
+        return self._forward(ForwardMode.EXTEND, reqs, pending)
+
+    def _forward(self, mode: ForwardMode, reqs: list[Req], new_ids: list[list[int]],
+                 share_prefixes: bool = False) -> list[Req]:
+        """Allocates KV for each request's new tokens, runs the model, processes the output.
+
+        A request's ``kv_len`` advances as soon as its slots are allocated, so that if a
+        later allocation or the forward pass fails, aborting the requests frees everything.
+        ``share_prefixes`` (admission extends): an unfinished request's prompt or chunk
+        enters the radix cache at once, not only when the request ends.
+        """
+        input_ids, positions, slots, prefix_lens, extend_lens = [], [], [], [], []
+        if mode is ForwardMode.DECODE:
+            slots.append(self.memory.alloc_decode(reqs))
+        for req, ids in zip(reqs, new_ids):
+            if mode is ForwardMode.EXTEND:
+                slots.append(self.memory.alloc(req, len(ids)))
+            input_ids += ids
+            positions += range(req.kv_len, req.kv_len + len(ids))
+            prefix_lens.append(req.kv_len)
+            extend_lens.append(len(ids))
+            req.kv_len += len(ids)
+        batch = self.runner.make_forward_batch(
+            mode, input_ids, positions, torch.cat(slots), [r.req_pool_idx for r in reqs],
+            prefix_lens, extend_lens,
+        )
+        hidden = self.runner.forward(batch)
+        self.stats.forward_steps += 1
+        self.output_processor.process(reqs, hidden, prefix_lens, extend_lens, self.sampler)
+        for req, extend in zip(reqs, extend_lens):
+            if req.finished:
+                if req is self.chunked:
+                    self.chunked = None
+                else:
+                    self.running.remove(req)
+                self.memory.release(req)
+            elif share_prefixes and extend > 1:
+                self.memory.cache_unfinished(req)
+        return reqs
+
+    # Retraction --------------------------------------------------------------------------
+
+    def _retract_until_decode_fits(self) -> None:
+        """Retracts running requests until every remaining one can store its next token."""
+        page = self.memory.page_size
+        while True:
+            need = sum(pages_for(r.seq_len, page) - pages_for(r.kv_len, page)
+                       for r in self.running)
+            if need <= self.memory.available_tokens():
+                return
+            if self.chunked is not None:  # its prefill so far stays cached
+                victim, self.chunked = self.chunked, None
+            elif len(self.running) > 1:
+                # The request that loses least progress and frees most memory.
+                victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+                self.running.remove(victim)
+            else:
+                return  # one request always fits: the Engine refuses any that cannot
+            self.memory.release(victim)
+            victim.retractions += 1
+            self.stats.retractions += 1
+            self.waiting.insert(0, victim)
+            self.new_token_ratio = 1.0

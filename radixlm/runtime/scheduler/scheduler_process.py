@@ -1,0 +1,220 @@
+"""The Scheduler's process: builds the model and its memory, then loops: take requests from
+the TokenizerManager, run one scheduler step, send the new tokens to the Detokenizer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from typing import Any
+
+import zmq
+from transformers import AutoTokenizer
+
+from radixlm.kv_cache.no_cache import NoPrefixCache
+from radixlm.kv_cache.radix_tree import RadixCache
+from radixlm.models.model_config import ModelConfig
+from radixlm.runtime import messages as io
+from radixlm.runtime.detokenizer.incremental_detokenizer import (
+    CONTEXT_TOKENS,
+    IncrementalDetokenizer,
+)
+from radixlm.runtime.engine.runtime_processes import SocketPaths
+from radixlm.runtime.grammar.grammar_backend import make_grammar_backend
+from radixlm.runtime.grammar.jump_forward import JumpForward
+from radixlm.runtime.model_executor.model_runner import ModelRunner
+from radixlm.runtime.request import LogprobRequest, Req, finish_abort
+from radixlm.runtime.sampling.sampler import Sampler
+from radixlm.runtime.sampling.sampling_params import SamplingParams
+from radixlm.runtime.scheduler.output_processor import OutputProcessor
+from radixlm.runtime.scheduler.request_memory import RequestMemory
+from radixlm.runtime.scheduler.scheduler import Scheduler
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500
+"""How long an idle scheduler waits for a request before checking that its parent lives."""
+
+
+def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
+    """The model runner, KV memory, prefix cache and scheduler, in this process."""
+    model_config = ModelConfig.from_path(model_path, args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path)
+    runner = ModelRunner(args, model_config)
+    cache_class = NoPrefixCache if args.disable_radix_cache else RadixCache
+    tree_cache = cache_class(runner.allocator, runner.allocator.page_size)
+    memory = RequestMemory(runner.req_to_token_pool, runner.allocator, tree_cache)
+    grammar_backend = make_grammar_backend(
+        args.grammar_backend, tokenizer, model_config.vocab_size, model_config.eos_token_ids
+    )
+    sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, args.random_seed,
+                      grammar_backend)
+    processor = OutputProcessor(
+        tokenizer, runner.compute_logits, model_config.eos_token_ids, runner.context_length,
+        jump_forward=None if args.disable_jump_forward else JumpForward(tokenizer),
+    )
+    return Scheduler(runner, memory, processor, sampler, args)
+
+
+def make_req(msg: io.GenerateReq, tokenizer, leaders: dict[str, Req]) -> Req:
+    params = SamplingParams(**msg.sampling, check_grammar=False)  # checked where it entered
+    detokenizer = None
+    if params.stop or params.stop_regex:  # stop strings are matched on text
+        detokenizer = IncrementalDetokenizer(
+            tokenizer, msg.input_ids, params.skip_special_tokens,
+            params.spaces_between_special_tokens,
+        )
+    logprobs = None
+    if msg.return_logprob:
+        logprobs = LogprobRequest(msg.logprob_start, msg.top_logprobs_num,
+                                  msg.return_text_in_logprobs)
+    return Req(
+        rid=msg.rid, input_ids=msg.input_ids, sampling=params, detokenizer=detokenizer,
+        logprobs=logprobs, extra_key=msg.extra_key,
+        prefill_leader=leaders.get(msg.prefill_leader) if msg.prefill_leader else None,
+    )
+
+
+def token_out(req: Req) -> io.TokenOut:
+    """What ``req`` produced since its last report (and marks it reported)."""
+    out = io.TokenOut(
+        rid=req.rid,
+        new_ids=req.output_ids[req.reported_ids:],
+        finish_reason=req.finish_reason,
+        prompt_tokens=len(req.input_ids),
+        cached_tokens=req.cached_tokens,
+        retractions=req.retractions,
+        jump_forward_tokens=req.jump_forward_tokens,
+        input_token_logprobs=req.input_token_logprobs[req.reported_input_logprobs:],
+        input_top_logprobs=req.input_top_logprobs[req.reported_input_logprobs:],
+        output_token_logprobs=req.output_token_logprobs[req.reported_ids:],
+        output_top_logprobs=req.output_top_logprobs[req.reported_ids:],
+    )
+    if not req.reported_anything:
+        params = req.sampling
+        out.spec = io.DetokenizeSpec(
+            prompt_tail=req.input_ids[-CONTEXT_TOKENS:],
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            stop=params.stop or [],
+            no_stop_trim=params.no_stop_trim,
+        )
+    req.reported_ids = len(req.output_ids)
+    req.reported_input_logprobs = len(req.input_token_logprobs)
+    req.reported_anything = True
+    return out
+
+
+class SchedulerLoop:
+    """Receives requests, steps the scheduler, reports every change of every request."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, context: zmq.Context, paths: SocketPaths):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.inbox = context.socket(zmq.PULL)
+        self.inbox.bind(paths.scheduler)
+        self.to_detokenizer = context.socket(zmq.PUSH)
+        self.to_detokenizer.connect(paths.detokenizer)
+        self.to_tokenizer_manager = context.socket(zmq.PUSH)
+        self.to_tokenizer_manager.connect(paths.tokenizer_manager)
+        self.by_rid: dict[str, Req] = {}
+        self.parent = os.getppid()
+
+    def run(self) -> None:
+        while True:
+            if not self._receive(block=self.scheduler.is_idle()):
+                return
+            if self.scheduler.is_idle():
+                continue
+            try:
+                stepped = self.scheduler.step()
+            except Exception as err:  # a failed step must not take the server down
+                logger.exception("scheduler step failed")
+                stepped = self.scheduler.requests()
+                for req in stepped:
+                    self.scheduler.abort(req, f"internal error: {err}")
+            self._report(stepped)
+
+    def _receive(self, block: bool) -> bool:
+        """Handles every waiting message; False when told to shut down (or orphaned)."""
+        timeout = IDLE_POLL_MS if block else 0
+        while self.inbox.poll(timeout):
+            timeout = 0
+            msg = io.decode(self.inbox.recv())
+            if isinstance(msg, io.GenerateReq):
+                self._add(msg)
+            elif isinstance(msg, io.AbortReq):
+                self._abort(msg.rid)
+            elif isinstance(msg, io.ControlReq):
+                if msg.kind == "shutdown":
+                    return False
+                self._control(msg)
+        return os.getppid() == self.parent
+
+    def _add(self, msg: io.GenerateReq) -> None:
+        try:
+            req = make_req(msg, self.tokenizer, self.by_rid)
+        except (ValueError, TypeError) as err:  # the Engine validates; this is a last guard
+            reason = finish_abort(f"invalid request: {err}")
+            out = io.TokenOut(msg.rid, [], reason, len(msg.input_ids), 0, 0)
+            self.to_detokenizer.send(io.encode(io.TokenBatch([out])))
+            return
+        self.by_rid[req.rid] = req
+        self.scheduler.add_request(req)
+
+    def _abort(self, rid: str | None) -> None:
+        victims = [r for r in self.scheduler.requests() if rid is None or r.rid == rid]
+        for req in victims:
+            self.scheduler.abort(req, "aborted by request")
+        self._report(victims)
+
+    def _control(self, msg: io.ControlReq) -> None:
+        info: dict[str, Any] = {}
+        ok = True
+        if msg.kind == "flush_cache":
+            ok = self.scheduler.is_idle()
+            if ok:
+                self.scheduler.memory.flush()
+        elif msg.kind == "server_info":
+            info = self.scheduler.server_info()
+        else:
+            ok, info = False, {"error": f"unknown control request {msg.kind!r}"}
+        self.to_tokenizer_manager.send(io.encode(io.ControlReply(msg.request_id, ok, info)))
+
+    def _report(self, reqs: list[Req]) -> None:
+        outputs = [
+            token_out(r) for r in reqs
+            if r.finished or len(r.output_ids) > r.reported_ids
+            or len(r.input_token_logprobs) > r.reported_input_logprobs
+        ]
+        for req in reqs:
+            if req.finished:
+                self.by_rid.pop(req.rid, None)
+        if outputs:
+            self.to_detokenizer.send(io.encode(io.TokenBatch(outputs)))
+
+
+def run_scheduler_process(args: ServerArgs, model_path: str, paths: SocketPaths, ready) -> None:
+    """Process entry point. ``ready.send_bytes`` gets the scheduler's facts or an error."""
+    context = zmq.Context()
+    try:
+        scheduler = build_scheduler(args, model_path)
+        loop = SchedulerLoop(scheduler, scheduler.output_processor.tokenizer, context, paths)
+    except Exception as err:
+        ready.send_bytes(io.encode(io.ProcessFailed("scheduler", _describe(err))))
+        return
+    ready.send_bytes(io.encode(io.ControlReply(0, True, scheduler.server_info())))
+    try:
+        loop.run()
+    except Exception as err:
+        logger.exception("the scheduler loop failed")
+        loop.to_tokenizer_manager.send(io.encode(io.ProcessFailed("scheduler", _describe(err))))
+    finally:
+        context.destroy(linger=100)
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, ValueError):
+        return str(err)
+    return "".join(traceback.format_exception_only(type(err), err)).strip()

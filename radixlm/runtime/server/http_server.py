@@ -1,0 +1,166 @@
+"""The HTTP server: SGLang's native API over an Engine (COMPATIBILITY.md, section 1).
+
+A thin FastAPI layer: every route validates its body (pydantic), calls the Engine's async
+API, and maps errors to status codes: bad input 400 (``{"error": {"message"}}``), a bad or
+missing API key 401, a body over ``MAX_BODY_BYTES`` 413, a full queue or a dead runtime 503.
+``/metrics`` serves Prometheus metrics. With ``api_key`` set, every route but ``/health``
+requires ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict
+
+from radixlm.runtime.engine.engine import Engine
+from radixlm.runtime.engine.tokenizer_manager import QueueFull, RuntimeUnavailable
+from radixlm.runtime.server.metrics import ServerMetrics
+from radixlm.runtime.server.openai_api import add_openai_routes
+from radixlm.runtime.server.server_sent_events import server_sent_events
+
+logger = logging.getLogger(__name__)
+
+OPEN_ROUTES = {"/health"}
+MAX_BODY_BYTES = 32 * 2**20
+
+
+class GenerateRequest(BaseModel):
+    """The body of ``POST /generate``; unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+    extra_key: str | None = None
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rid: str | None = None
+    abort_all: bool = False
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def create_app(
+    engine: Engine, api_key: str | None = None, served_model_name: str | None = None
+) -> FastAPI:
+    """The FastAPI app serving ``engine``: the native API, and the OpenAI API under /v1 with
+    the model named ``served_model_name`` (default: the model directory's name)."""
+    app = FastAPI(title="radixlm", description="SGLang's native API and the OpenAI API")
+    add_openai_routes(app, engine, served_model_name or engine.model_config.path.name)
+
+    @app.middleware("http")
+    async def check_api_key_and_size(request: Request, call_next):
+        declared = request.headers.get("content-length", "0")
+        if not declared.isdigit() or int(declared) > MAX_BODY_BYTES:
+            return error_response(413, f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+        if api_key is not None and request.url.path not in OPEN_ROUTES:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "invalid or missing API key")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0]
+        field = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        return error_response(400, f"{field}: {first.get('msg', 'invalid value')}")
+
+    @app.exception_handler(ValueError)
+    async def bad_value(_: Request, err: ValueError) -> JSONResponse:
+        return error_response(400, str(err))
+
+    @app.exception_handler(RuntimeUnavailable)
+    async def unavailable(_: Request, err: RuntimeUnavailable) -> JSONResponse:
+        return error_response(503, str(err))
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, err: QueueFull) -> JSONResponse:
+        return error_response(503, str(err))
+
+    metrics = ServerMetrics(engine.get_server_info)
+    engine.attach_metrics(metrics)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_healthy() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        await engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1})
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        config = engine.model_config
+        return {
+            "model_path": str(config.path),
+            "tokenizer_path": str(engine.server_args.tokenizer_path or config.path),
+            "is_generation": True,
+            "architectures": list(config.hf_config.architectures or []),
+            # The frontend's RuntimeEndpoint renders roles with the model's own template.
+            "chat_template": getattr(engine.tokenizer, "chat_template", None),
+            "bos_token": engine.tokenizer.bos_token,
+            "eos_token": engine.tokenizer.eos_token,
+        }
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return engine.get_server_info()
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        if engine.flush_cache():
+            return Response("cache flushed", status_code=200)
+        return error_response(400, "the cache can only be flushed while no request runs")
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest) -> Response:
+        if not body.abort_all and body.rid is None:
+            return error_response(400, "give a rid, or abort_all: true")
+        engine.abort(None if body.abort_all else body.rid)
+        return Response(status_code=200)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest):
+        result = await engine.async_generate(
+            prompt=body.text, input_ids=body.input_ids, sampling_params=body.sampling_params,
+            return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
+            top_logprobs_num=body.top_logprobs_num,
+            return_text_in_logprobs=body.return_text_in_logprobs, stream=body.stream,
+            rid=body.rid, extra_key=body.extra_key,
+        )
+        if not body.stream:
+            return result
+        sse = server_sent_events(
+            result, result, lambda chunk: json.dumps(chunk, ensure_ascii=False),
+            lambda err: {"error": {"message": str(err)}},
+        )
+        return StreamingResponse(sse, media_type="text/event-stream")
+
+    return app

@@ -1,0 +1,225 @@
+"""TorchNativeAttentionBackend against a naive per-request attention loop over the paged pool.
+
+Each case scatters the KV of ragged requests over random pool slots and random request
+rows, leaves stale slot indices past every sequence's end, and checks the backend's
+output and what it wrote into the pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
+from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
+from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
+from radixlm.kv_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from radixlm.models.layers.attention import PagedAttention
+
+POOL_TOKENS = 256
+NUM_LAYERS = 2
+LAYER = 1
+KV_HEADS = 2
+HEAD_DIM = 16
+
+# (mode, prefix lengths, extend lengths)
+CASES = {
+    "extend_ragged_with_prefixes": (ForwardMode.EXTEND, [0, 5, 3, 9], [7, 1, 4, 2]),
+    "extend_fresh_batch": (ForwardMode.EXTEND, [0, 0, 0], [3, 8, 1]),
+    "extend_one_fresh_sequence": (ForwardMode.EXTEND, [0], [9]),
+    "extend_one_sequence_after_prefix": (ForwardMode.EXTEND, [6], [5]),
+    "extend_one_token_prompt": (ForwardMode.EXTEND, [0], [1]),
+    "extend_single_tokens_after_prefixes": (ForwardMode.EXTEND, [4, 0, 2], [1, 1, 1]),
+    "decode_ragged": (ForwardMode.DECODE, [4, 11, 1, 7], [1, 1, 1, 1]),
+    "decode_uniform": (ForwardMode.DECODE, [6, 6, 6], [1, 1, 1]),
+    "decode_one_request": (ForwardMode.DECODE, [13], [1]),
+}
+
+
+def build_batch(mode, prefix_lens, extend_lens, num_heads, seed):
+    """Pools with random prefix KV at scattered slots, plus the new tokens' q, k, v."""
+    gen = torch.Generator().manual_seed(seed)
+    allocator = TokenToKVPoolAllocator(POOL_TOKENS)
+    req_pool = ReqToTokenPool(max_requests=8, max_context_len=32, device="cpu")
+    kv_pool = MHATokenToKVPool(
+        POOL_TOKENS + 1, NUM_LAYERS, KV_HEADS, HEAD_DIM, torch.float32, "cpu"
+    )
+    # Garbage everywhere, so a key read through a wrong or stale index changes the result.
+    for layer in range(NUM_LAYERS):
+        kv_pool.k_buffers[layer].normal_(generator=gen)
+        kv_pool.v_buffers[layer].normal_(generator=gen)
+    # Stale slot indices in every row, as left behind by earlier requests.
+    req_pool.req_to_token.copy_(torch.randint(0, POOL_TOKENS + 1, (8, 32), generator=gen))
+
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    all_slots = allocator.alloc(sum(seq_lens))
+    all_slots = all_slots[torch.randperm(len(all_slots), generator=gen)]
+    rows = [req_pool.alloc() for _ in range(8)]
+    rows = [rows[i] for i in torch.randperm(8, generator=gen)[: len(seq_lens)].tolist()]
+    slots_of, out_cache_loc, offset = [], [], 0
+    for row, seq_len, prefix in zip(rows, seq_lens, prefix_lens, strict=True):
+        slots = all_slots[offset : offset + seq_len]
+        offset += seq_len
+        req_pool.req_to_token[row, :seq_len] = slots
+        slots_of.append(slots)
+        out_cache_loc.append(slots[prefix:])
+
+    total = sum(extend_lens)
+    q = torch.randn(total, num_heads, HEAD_DIM, generator=gen)
+    k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
+
+    def as_tensor(values):
+        return torch.tensor(values, dtype=torch.int64)
+
+    positions = [p + i for p, e in zip(prefix_lens, extend_lens, strict=True) for i in range(e)]
+    batch = ForwardBatch(
+        mode=mode,
+        input_ids=torch.zeros(total, dtype=torch.int64),
+        positions=as_tensor(positions),
+        out_cache_loc=torch.cat(out_cache_loc),
+        req_pool_indices=as_tensor(rows),
+        seq_lens=as_tensor(seq_lens),
+        prefix_lens=as_tensor(prefix_lens),
+        extend_seq_lens=as_tensor(extend_lens),
+        req_to_token=req_pool.req_to_token,
+        kv_pool=kv_pool,
+        attn_backend=TorchNativeAttentionBackend(),
+        seq_lens_list=seq_lens,
+        extend_seq_lens_list=list(extend_lens),
+    )
+    return batch, slots_of, q, k, v
+
+
+def naive_attention(q, k_new, v_new, k_prefix, v_prefix, prefix_len, scale):
+    """One request: q (E, H, D) attends to prefix + new keys with a causal, offset mask."""
+    keys = torch.cat([k_prefix, k_new])  # (S, H_kv, D)
+    values = torch.cat([v_prefix, v_new])
+    ratio = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(ratio, dim=1)  # (S, H, D)
+    values = values.repeat_interleave(ratio, dim=1)
+    out = q.new_empty(*q.shape[:2], values.shape[-1])  # (E, H, D_v)
+    for head in range(q.shape[1]):
+        for i in range(q.shape[0]):
+            visible = prefix_len + i + 1
+            scores = keys[:visible, head] @ q[i, head] * scale  # (visible,)
+            out[i, head] = torch.softmax(scores, dim=0) @ values[:visible, head]
+    return out
+
+
+@pytest.mark.parametrize("gqa_ratio", [1, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_attention_matches_naive_reference_and_writes_new_kv(case, gqa_ratio):
+    mode, prefix_lens, extend_lens = CASES[case]
+    num_heads = KV_HEADS * gqa_ratio
+    batch, slots_of, q, k, v = build_batch(mode, prefix_lens, extend_lens, num_heads, seed=7)
+    pool = batch.kv_pool
+    before_k = [b.clone() for b in pool.k_buffers]
+    before_v = [b.clone() for b in pool.v_buffers]
+    layer = PagedAttention(LAYER, num_heads, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    req_to_token_before = batch.req_to_token.clone()
+
+    backend = batch.attn_backend
+    backend.init_forward_metadata(batch)
+    call = backend.forward_decode if mode is ForwardMode.DECODE else backend.forward_extend
+    out = call(q, k, v, layer, batch)
+
+    assert out.shape == q.shape and out.dtype == q.dtype
+    offset = 0
+    for slots, prefix, extend in zip(slots_of, prefix_lens, extend_lens, strict=True):
+        new = slice(offset, offset + extend)
+        offset += extend
+        expected = naive_attention(
+            q[new], k[new], v[new], before_k[LAYER][slots[:prefix]],
+            before_v[LAYER][slots[:prefix]], prefix, layer.scaling,
+        )
+        torch.testing.assert_close(out[new], expected, atol=1e-5, rtol=1e-5)
+
+    # New K/V land at out_cache_loc of this layer; nothing else in the pool changes.
+    loc = batch.out_cache_loc
+    torch.testing.assert_close(pool.k_buffers[LAYER][loc], k, atol=0, rtol=0)
+    torch.testing.assert_close(pool.v_buffers[LAYER][loc], v, atol=0, rtol=0)
+    untouched = torch.ones(pool.num_slots, dtype=torch.bool)
+    untouched[loc] = False
+    for layer_id in range(NUM_LAYERS):
+        if layer_id != LAYER:
+            assert torch.equal(pool.k_buffers[layer_id], before_k[layer_id])
+            assert torch.equal(pool.v_buffers[layer_id], before_v[layer_id])
+        assert torch.equal(pool.k_buffers[layer_id][untouched], before_k[layer_id][untouched])
+        assert torch.equal(pool.v_buffers[layer_id][untouched], before_v[layer_id][untouched])
+    assert torch.equal(batch.req_to_token, req_to_token_before)
+
+
+def test_forward_dispatches_by_mode_to_the_same_result():
+    mode, prefix_lens, extend_lens = CASES["decode_ragged"]
+    batch, _, q, k, v = build_batch(mode, prefix_lens, extend_lens, 4, seed=3)
+    layer = PagedAttention(0, 4, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    backend = batch.attn_backend
+    backend.init_forward_metadata(batch)
+    via_forward = backend.forward(q, k, v, layer, batch)
+    direct = backend.forward_decode(q, k, v, layer, batch)
+    torch.testing.assert_close(via_forward, direct, atol=0, rtol=0)
+
+
+def test_metadata_is_shared_by_every_layer_of_a_batch():
+    """init_forward_metadata runs once; each layer then attends over its own KV."""
+    mode, prefix_lens, extend_lens = CASES["extend_ragged_with_prefixes"]
+    batch, slots_of, q, k, v = build_batch(mode, prefix_lens, extend_lens, 4, seed=5)
+    before_k = [b.clone() for b in batch.kv_pool.k_buffers]
+    before_v = [b.clone() for b in batch.kv_pool.v_buffers]
+    backend = batch.attn_backend
+    backend.init_forward_metadata(batch)
+    for layer_id in range(NUM_LAYERS):
+        layer = PagedAttention(layer_id, 4, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+        out = backend.forward_extend(q, k, v, layer, batch)
+        slots, prefix, extend = slots_of[1], prefix_lens[1], extend_lens[1]
+        start = extend_lens[0]
+        new = slice(start, start + extend)
+        expected = naive_attention(
+            q[new], k[new], v[new], before_k[layer_id][slots[:prefix]],
+            before_v[layer_id][slots[:prefix]], prefix, layer.scaling,
+        )
+        torch.testing.assert_close(out[new], expected, atol=1e-5, rtol=1e-5)
+
+
+LATENT, ROPE = 12, 4
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_latent_pool_attention_matches_naive_reference_and_stores_rows_once(case):
+    """MLA layout: one KV head whose keys are latent + RoPE rows and whose values are the
+    first LATENT dims of the same rows; the output has LATENT dims per head."""
+    mode, prefix_lens, extend_lens = CASES[case]
+    batch, slots_of, _, _, _ = build_batch(mode, prefix_lens, extend_lens, 4, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    pool = MLATokenToKVPool(POOL_TOKENS + 1, NUM_LAYERS, LATENT, ROPE, torch.float32, "cpu")
+    for buffer in pool.kv_buffers:
+        buffer.normal_(generator=gen)
+    batch.kv_pool = pool
+    before = [b.clone() for b in pool.kv_buffers]
+    total, num_heads = sum(extend_lens), 4
+    q = torch.randn(total, num_heads, LATENT + ROPE, generator=gen)
+    k = torch.randn(total, 1, LATENT + ROPE, generator=gen)
+    layer = PagedAttention(LAYER, num_heads, 1, LATENT + ROPE, 0.3, v_head_dim=LATENT)
+
+    backend = batch.attn_backend
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, k[..., :LATENT], layer, batch)
+
+    assert out.shape == (total, num_heads, LATENT)
+    offset = 0
+    for slots, prefix, extend in zip(slots_of, prefix_lens, extend_lens, strict=True):
+        new = slice(offset, offset + extend)
+        offset += extend
+        cached = before[LAYER][slots[:prefix]]
+        expected = naive_attention(
+            q[new], k[new], k[new, :, :LATENT], cached, cached[..., :LATENT], prefix, 0.3
+        )
+        torch.testing.assert_close(out[new], expected, atol=1e-5, rtol=1e-5)
+    loc = batch.out_cache_loc
+    assert torch.equal(pool.kv_buffers[LAYER][loc], k)
+    assert torch.equal(pool.get_kv(LAYER)[1][loc], k[..., :LATENT])
+    untouched = torch.ones(pool.num_slots, dtype=torch.bool)
+    untouched[loc] = False
+    assert torch.equal(pool.kv_buffers[LAYER][untouched], before[LAYER][untouched])
+    assert torch.equal(pool.kv_buffers[1 - LAYER], before[1 - LAYER])

@@ -1,0 +1,144 @@
+"""The Engine's three processes: async use, failures of a child, shutdown, and the
+Detokenizer's text rules."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+
+import pytest
+from tiny_models import tiny_tokenizer
+from workloads import PROMPTS, greedy
+
+import radixlm
+from radixlm.runtime import messages as io
+from radixlm.runtime.detokenizer.detokenizer_process import Detokenizer
+from radixlm.runtime.engine.tokenizer_manager import RuntimeUnavailable
+
+
+def test_async_generate_runs_inside_a_running_event_loop(engine_for):
+    engine = engine_for()
+    expected = engine.generate(PROMPTS[:3], greedy(8))
+
+    async def main():
+        together = await engine.async_generate(PROMPTS[:3], greedy(8))
+        alone = await asyncio.gather(*(engine.async_generate(p, greedy(8)) for p in PROMPTS[:3]))
+        chunks = [c async for c in await engine.async_generate(PROMPTS[0], greedy(8), stream=True)]
+        # The blocking API works from inside a loop too: it never runs the caller's loop.
+        blocking = engine.generate(PROMPTS[0], greedy(8))
+        return together, alone, chunks, blocking
+
+    together, alone, chunks, blocking = asyncio.run(main())
+    ids = [o["output_ids"] for o in expected]
+    assert [o["output_ids"] for o in together] == ids
+    assert [o["output_ids"] for o in alone] == ids
+    assert chunks[-1]["output_ids"] == ids[0] and blocking["output_ids"] == ids[0]
+
+
+def test_generate_calls_from_several_threads_batch_together(engine_for):
+    engine = engine_for()
+    expected = [engine.generate(p, greedy(12))["output_ids"] for p in PROMPTS]
+    results: dict[int, list[int]] = {}
+
+    def worker(i: int) -> None:
+        results[i] = engine.generate(PROMPTS[i], greedy(12))["output_ids"]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [results[i] for i in range(len(PROMPTS))] == expected
+
+
+def test_killing_the_scheduler_fails_pending_calls_within_seconds(tiny_model_dir):
+    engine = radixlm.Engine(str(tiny_model_dir()), dtype="float32", max_total_tokens=4096)
+    try:
+        stream = engine.generate([PROMPTS[0]] * 4, greedy(480), stream=True)
+        next(stream)  # the requests are running
+        engine._runtime.processes["scheduler"].kill()
+        killed = time.monotonic()
+        with pytest.raises(RuntimeUnavailable, match="scheduler"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - killed < 5
+        assert not engine.is_healthy()
+        with pytest.raises(RuntimeUnavailable):
+            engine.generate(PROMPTS[0], greedy(2))
+    finally:
+        engine.shutdown()
+    assert all(p.poll() is not None for p in engine._runtime.processes.values())
+
+
+def test_shutdown_leaves_no_child_process(tiny_model_dir):
+    engine = radixlm.Engine(str(tiny_model_dir()), dtype="float32", max_total_tokens=1024)
+    processes = list(engine._runtime.processes.values())
+    assert all(p.poll() is None for p in processes)
+    assert engine.generate(PROMPTS[0], greedy(4))["meta_info"]["completion_tokens"] == 4
+    started = time.monotonic()
+    engine.shutdown()
+    assert time.monotonic() - started < 5
+    assert all(p.poll() is not None for p in processes)
+    with pytest.raises(RuntimeUnavailable):
+        engine.generate(PROMPTS[0], greedy(2))
+
+
+def test_a_model_that_fails_to_load_raises_naming_the_file(tmp_path, tiny_model_dir):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir(), broken)
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="model.safetensors"):
+        radixlm.Engine(str(broken), dtype="float32", max_total_tokens=1024)
+
+
+def _token_out(rid, new_ids, finish=None, stop=(), no_stop_trim=False, first=False):
+    spec = io.DetokenizeSpec([], True, True, list(stop), no_stop_trim) if first else None
+    return io.TokenOut(rid, new_ids, finish, 1, 0, 0, spec=spec)
+
+
+def test_detokenizer_finds_a_stop_string_split_across_chunks_and_holds_it_back():
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer.encode("The quick brown fox")
+    text = tokenizer.decode(ids)
+    stop = "n fo"  # spans the tokens of "brown" and " fox"
+    detokenizer = Detokenizer(tokenizer)
+    shown = []
+    for i, token in enumerate(ids):
+        # As the Scheduler does: the request ends with the token that completes the stop.
+        done = stop in tokenizer.decode(ids[: i + 1])
+        out = _token_out("r", [token], {"type": "stop", "matched": stop} if done else None,
+                         stop=[stop], first=i == 0)
+        shown.append(detokenizer.handle(io.TokenBatch([out])).outputs[0].text)
+        if done:
+            break
+    kept = text[: text.index(stop)]
+    for partial in shown:
+        assert kept.startswith(partial)  # never the start of the stop string
+    assert shown[-1] == kept
+    assert "r" not in detokenizer.states
+
+
+def test_detokenizer_never_shows_a_broken_character():
+    tokenizer = tiny_tokenizer()
+    text = "Héllo wörld 😀 ünïcödé"
+    ids = tokenizer.encode(text)
+    detokenizer = Detokenizer(tokenizer)
+    shown = []
+    for i, token in enumerate(ids):
+        finish = {"type": "length", "length": len(ids)} if i == len(ids) - 1 else None
+        out = _token_out("u", [token], finish, first=i == 0)
+        shown.append(detokenizer.handle(io.TokenBatch([out])).outputs[0].text)
+    assert all("\ufffd" not in piece for piece in shown)
+    assert shown[-1] == text
+    assert all(text.startswith(piece) for piece in shown)
+
+
+def test_the_scheduler_survives_an_invalid_message(engine_for):
+    engine = engine_for()
+    bad = io.GenerateReq("bad-request", [5, 6, 7], {"temperature": -1.0})
+    out = engine._call(engine._tm.collect([bad]))[0]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "temperature" in out["meta_info"]["finish_reason"]["message"]
+    assert engine.generate(PROMPTS[0], greedy(3))["meta_info"]["completion_tokens"] == 3

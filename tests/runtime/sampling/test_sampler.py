@@ -1,0 +1,257 @@
+"""The Sampler against naive references on hand-made logits.
+
+Distributions are checked empirically: one ``sample`` call over a batch of identical rows
+draws thousands of tokens at once. The sampler's generator is seeded, so every test is
+deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import tiny_tokenizer
+
+from radixlm.runtime.detokenizer.incremental_detokenizer import IncrementalDetokenizer
+from radixlm.runtime.request import Req
+from radixlm.runtime.sampling.sampler import Sampler
+from radixlm.runtime.sampling.sampling_params import SamplingParams
+
+VOCAB = 8
+EOS = 7
+DRAWS = 4000
+
+
+def make_req(input_ids=(1, 2, 3), output_ids=(), **params) -> Req:
+    req = Req(
+        rid="r",
+        input_ids=list(input_ids),
+        sampling=SamplingParams.from_dict(params),
+        detokenizer=IncrementalDetokenizer(tiny_tokenizer(), list(input_ids)),
+    )
+    req.output_ids = list(output_ids)
+    return req
+
+
+def logits_of(probs: list[float]) -> torch.Tensor:
+    """Logits over VOCAB tokens whose softmax is ``probs`` on the first ids and 0 elsewhere."""
+    row = torch.full((VOCAB,), float("-inf"))
+    row[: len(probs)] = torch.log(torch.tensor(probs))
+    return row
+
+
+def draw(row: torch.Tensor, req: Req, draws: int = DRAWS, seed: int = 0) -> torch.Tensor:
+    """Token counts (VOCAB,) of ``draws`` samples of ``row`` under ``req``'s settings."""
+    sampler = Sampler(VOCAB, {EOS}, seed)
+    tokens = sampler.sample(row[None].expand(draws, -1).clone(), [req] * draws)
+    return torch.bincount(torch.tensor(tokens), minlength=VOCAB)
+
+
+def support(counts: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(counts)[:, 0].tolist())
+
+
+def test_top_k_1_equals_greedy_on_random_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(64, VOCAB) * 3
+    reqs = [make_req(temperature=1.5, top_k=1) for _ in range(64)]
+    assert Sampler(VOCAB, {EOS}, 0).sample(logits.clone(), reqs) == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_take_the_argmax_even_next_to_sampled_rows():
+    torch.manual_seed(1)
+    logits = torch.randn(16, VOCAB) * 3
+    reqs = [make_req(temperature=0.0 if i % 2 else 1.0) for i in range(16)]
+    tokens = Sampler(VOCAB, {EOS}, 0).sample(logits.clone(), reqs)
+    assert tokens[1::2] == logits.argmax(-1)[1::2].tolist()
+
+
+FIVE = [0.4, 0.3, 0.15, 0.1, 0.05]
+
+
+@pytest.mark.parametrize(
+    ("top_p", "kept"),
+    [(0.3, {0}), (0.5, {0, 1}), (0.8, {0, 1, 2}), (0.9, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3, 4})],
+)
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p(top_p, kept):
+    counts = draw(logits_of(FIVE), make_req(top_p=top_p))
+    assert support(counts) == kept
+    # Within the kept set, the draws follow the renormalised probabilities.
+    mass = sum(FIVE[i] for i in kept)
+    for token in kept:
+        assert counts[token] / DRAWS == pytest.approx(FIVE[token] / mass, abs=0.035)
+
+
+@pytest.mark.parametrize(
+    ("top_k", "kept"), [(1, {0}), (2, {0, 1}), (4, {0, 1, 2, 3}), (-1, {0, 1, 2, 3, 4})]
+)
+def test_top_k_keeps_the_k_most_likely(top_k, kept):
+    assert support(draw(logits_of(FIVE), make_req(top_k=top_k))) == kept
+
+
+MIN_P_PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
+
+
+@pytest.mark.parametrize(
+    ("min_p", "kept"), [(0.0, {0, 1, 2, 3, 4}), (0.15, {0, 1, 2, 3}), (0.25, {0, 1, 2}),
+                        (0.35, {0, 1}), (0.9, {0})],
+)
+def test_min_p_removes_tokens_below_min_p_times_the_max(min_p, kept):
+    assert support(draw(logits_of(MIN_P_PROBS), make_req(min_p=min_p))) == kept
+
+
+def test_top_k_and_top_p_combine_as_the_intersection():
+    assert support(draw(logits_of(FIVE), make_req(top_k=2, top_p=0.8))) == {0, 1}
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_sampled_frequencies_follow_softmax_of_logits_over_temperature(temperature):
+    row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -1.5, -2.0, -3.0])
+    counts = draw(row, make_req(temperature=temperature))
+    expected = torch.softmax(row / temperature, dim=-1)
+    torch.testing.assert_close(counts / DRAWS, expected, atol=0.035, rtol=0)
+
+
+def test_lower_temperature_sharpens_the_distribution():
+    row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -1.5, -2.0, -3.0])
+    top_share = [int(draw(row, make_req(temperature=t))[0]) for t in (2.0, 1.0, 0.5, 0.25)]
+    assert top_share == sorted(top_share) and top_share[0] < top_share[-1]
+
+
+def naive_penalised(logits, input_ids, output_ids, repetition, frequency, presence):
+    """Repetition over prompt + output (divide positives, multiply negatives), then
+    frequency * count and presence * (count > 0) over the output only."""
+    out = logits.clone()
+    for token in set(input_ids) | set(output_ids):
+        value = float(logits[token])
+        out[token] = value / repetition if value > 0 else value * repetition
+    for token in set(output_ids):
+        out[token] -= frequency * output_ids.count(token) + presence
+    return out
+
+
+PENALTIES = [
+    (2.0, 0.0, 0.0),
+    (0.5, 0.0, 0.0),
+    (1.0, 0.5, 0.0),
+    (1.0, 0.0, 0.75),
+    (1.0, -0.5, -0.25),
+    (1.3, 0.4, 0.2),
+]
+
+
+@pytest.mark.parametrize(("repetition", "frequency", "presence"), PENALTIES)
+def test_penalties_change_exactly_the_expected_logits(repetition, frequency, presence):
+    logits = torch.tensor([[1.5, -0.5, 2.0, -1.0, 0.25, 3.0, -2.0, 0.0]])
+    input_ids, output_ids = [0, 1, 1], [1, 3, 3, 4]
+    req = make_req(input_ids, output_ids, repetition_penalty=repetition,
+                   frequency_penalty=frequency, presence_penalty=presence)
+    got = Sampler(VOCAB, {EOS}, 0).process_logits(logits.clone(), [req])[0]
+    expected = naive_penalised(logits[0], input_ids, output_ids, repetition, frequency, presence)
+    torch.testing.assert_close(got, expected)
+
+
+def test_frequency_and_presence_penalties_ignore_the_prompt_before_any_output():
+    logits = torch.tensor([[1.5, -0.5, 2.0, -1.0, 0.25, 3.0, -2.0, 0.0]])
+    req = make_req([0, 1, 2], [], frequency_penalty=1.0, presence_penalty=1.0)
+    got = Sampler(VOCAB, {EOS}, 0).process_logits(logits.clone(), [req])
+    torch.testing.assert_close(got, logits)
+
+
+@pytest.mark.parametrize("bias", [{"2": 5.0, "5": -3.0}, {2: 5.0, 5: -3.0}])
+def test_logit_bias_adds_to_the_named_tokens_only(bias):
+    logits = torch.zeros(2, VOCAB)
+    reqs = [make_req(logit_bias=bias), make_req()]
+    got = Sampler(VOCAB, {EOS}, 0).process_logits(logits.clone(), reqs)
+    expected = torch.zeros(2, VOCAB)
+    expected[0, 2], expected[0, 5] = 5.0, -3.0
+    torch.testing.assert_close(got, expected)
+
+
+def test_logit_bias_can_force_a_token_under_greedy():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    req = make_req(temperature=0.0, logit_bias={"6": 10.0})
+    assert Sampler(VOCAB, {EOS}, 0).sample(logits, [req]) == [6]
+
+
+@pytest.mark.parametrize(
+    ("outputs", "ignore_eos", "banned"),
+    [
+        (0, False, {EOS, 4, 5}),
+        (2, False, {EOS, 4, 5}),
+        (2, True, {4, 5}),
+        (3, False, set()),
+        (5, False, set()),
+    ],
+)
+def test_min_new_tokens_bans_eos_and_stop_token_ids_until_reached(outputs, ignore_eos, banned):
+    logits = torch.zeros(1, VOCAB)
+    req = make_req(output_ids=[1] * outputs, min_new_tokens=3, stop_token_ids=[4, 5],
+                   ignore_eos=ignore_eos)
+    got = Sampler(VOCAB, {EOS}, 0).process_logits(logits.clone(), [req])[0]
+    assert {i for i in range(VOCAB) if math.isinf(got[i])} == banned
+    assert all(got[i] == 0 for i in range(VOCAB) if i not in banned)
+
+
+def test_min_new_tokens_makes_a_sampled_eos_impossible():
+    row = logits_of([0.01] * 7 + [0.93])  # EOS (id 7) is by far the most likely
+    counts = draw(row, make_req(min_new_tokens=1), draws=500)
+    assert counts[EOS] == 0 and counts.sum() == 500
+
+
+def test_sampling_seed_gives_the_same_tokens_across_samplers():
+    torch.manual_seed(2)
+    logits = torch.randn(1, VOCAB)
+    tokens = []
+    for global_seed in (0, 1, 2):
+        sampler = Sampler(VOCAB, {EOS}, global_seed)
+        row = []
+        for step in range(20):
+            row += sampler.sample(logits.clone(), [make_req(output_ids=[1] * step,
+                                                            sampling_seed=1234)])
+        tokens.append(row)
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert len(set(tokens[0])) > 1  # the draws vary by position, not one repeated token
+
+
+def test_different_sampling_seeds_give_different_tokens():
+    logits = torch.zeros(1, VOCAB)
+    sampler = Sampler(VOCAB, {EOS}, 0)
+    runs = [
+        [sampler.sample(logits.clone(), [make_req(output_ids=[1] * step, sampling_seed=seed)])[0]
+         for step in range(20)]
+        for seed in (1, 2)
+    ]
+    assert runs[0] != runs[1]
+
+
+def test_sampling_seed_is_independent_of_the_batch_composition():
+    torch.manual_seed(3)
+    logits = torch.randn(5, VOCAB) * 2
+    seeded = make_req(output_ids=[1, 2], sampling_seed=77, temperature=0.8, top_p=0.9)
+    alone = Sampler(VOCAB, {EOS}, 0).sample(logits[2:3].clone(), [seeded])
+    others = [make_req(), make_req(temperature=0.0), make_req(sampling_seed=5), make_req(top_k=2)]
+    for position in range(5):
+        batch = others[:position] + [seeded] + others[position:]
+        rows = torch.cat([logits[:position], logits[2:3], logits[position:4]])
+        got = Sampler(VOCAB, {EOS}, position + 10).sample(rows.clone(), batch)
+        assert got[position] == alone[0]
+
+
+def test_seeded_draws_follow_the_distribution():
+    row = torch.tensor([1.0, 0.0, -1.0, -2.0, -9.0, -9.0, -9.0, -9.0])
+    sampler = Sampler(VOCAB, {EOS}, 0)
+    tokens = [
+        sampler.sample(row[None].clone(), [make_req(output_ids=[1] * step, sampling_seed=seed)])[0]
+        for seed in range(40) for step in range(25)
+    ]
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB) / len(tokens)
+    torch.testing.assert_close(counts, torch.softmax(row, -1), atol=0.04, rtol=0)
+
+
+def test_sample_ignores_logit_columns_past_the_vocabulary():
+    logits = torch.zeros(1, VOCAB + 4)
+    logits[0, VOCAB + 1] = 100.0  # padding column of a padded LM head
+    logits[0, 3] = 5.0
+    assert Sampler(VOCAB, {EOS}, 0).sample(logits, [make_req(temperature=0.0)]) == [3]
