@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from radixlm.runtime.server_args import ServerArgs
+
 LogprobEntry = list[Any]  # [logprob | None, token_id, text | None]
 
 
@@ -93,6 +95,23 @@ class TextOut(msgspec.Struct):
 
 class TextBatch(msgspec.Struct, tag=True):
     outputs: list[TextOut]
+
+
+class SocketPaths(msgspec.Struct):
+    """The ``ipc://`` endpoints of the three processes' input sockets."""
+
+    scheduler: str
+    detokenizer: str
+    tokenizer_manager: str
+
+
+class ChildConfig(msgspec.Struct):
+    """What a child process is started with (msgpack on its stdin)."""
+
+    server_args: ServerArgs
+    model_path: str
+    tokenizer_path: str
+    paths: SocketPaths
 
 
 class ProcessFailed(msgspec.Struct, tag=True):

@@ -9,7 +9,6 @@ reports readiness, as msgpack, through a pipe of its own. The processes talk ove
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import select
@@ -34,24 +33,8 @@ ROLES = ("scheduler", "detokenizer")
 
 
 @dataclass
-class SocketPaths:
-    """The ``ipc://`` endpoints of the three processes' input sockets."""
-
-    scheduler: str
-    detokenizer: str
-    tokenizer_manager: str
-
-
-class ChildConfig(msgspec.Struct):
-    server_args: dict[str, Any]
-    model_path: str
-    tokenizer_path: str
-    paths: dict[str, str]
-
-
-@dataclass
 class RuntimeProcesses:
-    paths: SocketPaths
+    paths: io.SocketPaths
     processes: dict[str, subprocess.Popen]
     socket_dir: str
     scheduler_info: dict[str, Any]
@@ -82,11 +65,9 @@ def start_runtime_processes(
         logger.warning(warning)
     socket_dir = tempfile.mkdtemp(prefix="radixlm-")
     os.chmod(socket_dir, 0o700)
-    paths = SocketPaths(*(f"ipc://{socket_dir}/{name}" for name in
-                          ("scheduler", "detokenizer", "tokenizer_manager")))
-    config = msgspec.msgpack.encode(ChildConfig(
-        dataclasses.asdict(args), model_path, tokenizer_path, dataclasses.asdict(paths)
-    ))
+    paths = io.SocketPaths(*(f"ipc://{socket_dir}/{name}" for name in
+                             ("scheduler", "detokenizer", "tokenizer_manager")))
+    config = msgspec.msgpack.encode(io.ChildConfig(args, model_path, tokenizer_path, paths))
     runtime = RuntimeProcesses(paths, {}, socket_dir, {})
     ready_fds = {}
     try:
@@ -156,9 +137,8 @@ _CHILD_COMMAND = f"import sys; from {__name__} import child_main; child_main(*sy
 
 def child_main(role: str, ready_fd: str) -> None:
     """A child process's entry point (``radixlm`` sets ``OMP_WAIT_POLICY`` on import)."""
-    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ChildConfig)
-    args = ServerArgs(**config.server_args)
-    paths = SocketPaths(**config.paths)
+    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=io.ChildConfig)
+    args, paths = config.server_args, config.paths
     ready = _ReadyPipe(int(ready_fd))
     if role == "scheduler":
         from radixlm.runtime.scheduler.scheduler_process import run_scheduler_process

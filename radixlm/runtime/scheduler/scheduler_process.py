@@ -19,7 +19,6 @@ from radixlm.runtime.detokenizer.incremental_detokenizer import (
     CONTEXT_TOKENS,
     IncrementalDetokenizer,
 )
-from radixlm.runtime.engine.runtime_processes import SocketPaths
 from radixlm.runtime.grammar.grammar_backend import make_grammar_backend
 from radixlm.runtime.grammar.jump_forward import JumpForward
 from radixlm.runtime.model_executor.model_runner import ModelRunner
@@ -109,7 +108,8 @@ def token_out(req: Req) -> io.TokenOut:
 class SchedulerLoop:
     """Receives requests, steps the scheduler, reports every change of every request."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, context: zmq.Context, paths: SocketPaths):
+    def __init__(self, scheduler: Scheduler, tokenizer, context: zmq.Context,
+                 paths: io.SocketPaths):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.inbox = context.socket(zmq.PULL)
@@ -195,7 +195,7 @@ class SchedulerLoop:
             self.to_detokenizer.send(io.encode(io.TokenBatch(outputs)))
 
 
-def run_scheduler_process(args: ServerArgs, model_path: str, paths: SocketPaths, ready) -> None:
+def run_scheduler_process(args: ServerArgs, model_path: str, paths: io.SocketPaths, ready) -> None:
     """Process entry point. ``ready.send_bytes`` gets the scheduler's facts or an error."""
     context = zmq.Context()
     try:
