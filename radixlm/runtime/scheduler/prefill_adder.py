@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixlm.kv_cache.allocator import pages_for
+from radixlm.kv_cache.radix_tree import MatchResult
 from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler.request_memory import RequestMemory
 
@@ -54,12 +55,13 @@ class PrefillAdder:
         self._take(req, size, remaining)
         return True
 
-    def add_new(self, req: Req) -> bool:
-        """Admits ``req`` if it fits; False ends the round."""
+    def add_new(self, req: Req, match: MatchResult | None = None) -> bool:
+        """Admits ``req`` if it fits; False ends the round. ``match``: its cached prefix,
+        if the policy already matched it this round (else it is matched here)."""
         if self.chunked_req is not None or self.rows == 0:
             return False
         memory = self.memory
-        memory.match_and_lock(req)
+        memory.match_and_lock(req, match)
         remaining = req.seq_len - len(req.prefix_indices)
         size = self._size(remaining)
         reserve = decode_reserve(req, self.new_token_ratio)

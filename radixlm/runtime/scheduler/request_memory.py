@@ -12,6 +12,7 @@ import torch
 from radixlm.kv_cache.allocator import OutOfKVSlots, TokenToKVPoolAllocator, pages_for
 from radixlm.kv_cache.base import PrefixCache
 from radixlm.kv_cache.memory_pool import ReqToTokenPool
+from radixlm.kv_cache.radix_tree import MatchResult
 from radixlm.runtime.request import Req
 
 
@@ -37,9 +38,11 @@ class RequestMemory:
         """KV slots that can be had now: free ones plus what the cache could evict."""
         return self.allocator.available_size() + self.tree_cache.evictable_size()
 
-    def match_and_lock(self, req: Req) -> None:
-        """Finds the request's cached prefix (``req.match_key()``) and locks it."""
-        match = self.tree_cache.match_prefix(req.match_key(), req.extra_key)
+    def match_and_lock(self, req: Req, match: MatchResult | None = None) -> None:
+        """Locks the request's cached prefix: ``match``, a match of ``req.match_key()`` made
+        since the tree last changed, or else one made here."""
+        if match is None:
+            match = self.tree_cache.match_prefix(req.match_key(), req.extra_key)
         req.prefix_indices = match.indices
         req.last_node = match.last_node
         self.tree_cache.inc_lock_ref(match.last_node)

@@ -23,7 +23,7 @@ import torch
 
 from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
 from radixlm.kv_cache.base import PrefixCache
-from radixlm.kv_cache.radix_tree import RadixCache, TreeNode
+from radixlm.kv_cache.radix_tree import MatchResult, RadixCache, TreeNode
 from radixlm.runtime.request import Req
 from radixlm.runtime.server_args import SCHEDULE_POLICIES
 
@@ -47,27 +47,30 @@ class SchedulePolicy:
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
 
-    def order(self, waiting: list[Req]) -> list[Req]:
-        """The waiting requests to try this round, in order; held-back ones are left out."""
+    def order(self, waiting: list[Req]) -> list[tuple[Req, MatchResult | None]]:
+        """The waiting requests to try this round, in order, each with the cached prefix the
+        policy matched for it (None where the policy matched nothing), which admission
+        locks instead of matching again; held-back requests are left out."""
         policy = self.policy
         if policy in ("lpm", "dfs-weight") and (
             len(waiting) > LPM_QUEUE_LIMIT or not self.tree_cache.keeps_inserted
         ):
             policy = "fcfs"
         if policy == "fcfs":
-            return list(waiting)
-        if policy == "lof":
-            return sorted(waiting, key=lambda r: -r.sampling.max_new_tokens)
-        if policy == "random":
-            shuffled = list(waiting)
-            self.rng.shuffle(shuffled)
-            return shuffled
+            ordered = list(waiting)
+        elif policy == "lof":
+            ordered = sorted(waiting, key=lambda r: -r.sampling.max_new_tokens)
+        elif policy == "random":
+            ordered = list(waiting)
+            self.rng.shuffle(ordered)
+        if policy in ("fcfs", "lof", "random"):
+            return [(req, None) for req in ordered]
         matches = {id(r): self.tree_cache.match_prefix(r.match_key(), r.extra_key) for r in waiting}
         if policy == "lpm":
             ordered = sorted(waiting, key=lambda r: -len(matches[id(r)].indices))
         else:
             ordered = _depth_first_by_weight(waiting, {k: m.last_node for k, m in matches.items()})
-        return _hold_back_in_batch_duplicates(ordered, matches)
+        return [(req, matches[id(req)]) for req in _hold_back_in_batch_duplicates(ordered, matches)]
 
 
 def _depth_first_by_weight(waiting: list[Req], nodes: dict[int, TreeNode]) -> list[Req]:

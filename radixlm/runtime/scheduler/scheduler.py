@@ -190,11 +190,11 @@ class Scheduler:
             return adder  # it goes first: nothing overtakes a chunked prompt
         static_batch_busy = args.batching == "static" and (self.running or self.chunked)
         if self.waiting and adder.rows and adder.chunked_req is None and not static_batch_busy:
-            for req in self.policy.order(self.waiting):
+            for req, match in self.policy.order(self.waiting):
                 leader = req.prefill_leader
                 if leader is not None and not (leader.output_ids or leader.finished):
                     continue  # reuse the leader's prompt once it is cached
-                if not adder.add_new(req):
+                if not adder.add_new(req, match):
                     break
         admitted = {id(r) for r in adder.new_reqs}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
