@@ -18,7 +18,6 @@ and the share of it spent inside the stand-ins, which should be near zero).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import sys
 import tempfile
@@ -85,9 +84,9 @@ def measure(scheduler: Scheduler, model: NoOpModel, batch_size: int, steps: int,
     rng = random.Random(seed)
     tokenizer = scheduler.output_processor.tokenizer
     vocab = len(tokenizer)
-    sampling = dataclasses.asdict(SamplingParams.from_dict(
+    sampling = SamplingParams.from_dict(
         {"max_new_tokens": steps + 2, "temperature": 0.0, "ignore_eos": True}
-    ))
+    )
     reqs = []
     for i in range(batch_size):
         prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)]

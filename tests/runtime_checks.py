@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 
 import radixlm
@@ -30,7 +29,7 @@ def assert_pool_idle(info: dict) -> None:
 def scheduler_req(scheduler: Scheduler, input_ids: list[int], sampling: dict | None = None,
                   rid: str | None = None, **fields) -> Req:
     """A request for ``scheduler`` as the Engine would send it."""
-    params = dataclasses.asdict(SamplingParams.from_dict(sampling))
+    params = SamplingParams.from_dict(sampling)
     message = io.GenerateReq(rid or uuid.uuid4().hex, list(input_ids), params, **fields)
     return make_req(message, scheduler.output_processor.tokenizer, {})
 

@@ -15,17 +15,18 @@ from typing import Any
 
 import msgspec
 
+from radixlm.runtime.sampling.sampling_params import SamplingParams
 from radixlm.runtime.server_args import ServerArgs
 
 LogprobEntry = list[Any]  # [logprob | None, token_id, text | None]
 
 
 class GenerateReq(msgspec.Struct, tag=True):
-    """A tokenized, validated request. ``sampling`` holds SamplingParams' fields."""
+    """A tokenized, validated request."""
 
     rid: str
     input_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     logprob_start: int | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0

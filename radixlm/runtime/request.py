@@ -12,7 +12,8 @@ from radixlm.runtime.detokenizer.incremental_detokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
 )
-from radixlm.runtime.grammar.grammar_backend import GrammarKey, GrammarMatcher
+from radixlm.runtime.grammar.constraints import GrammarKey
+from radixlm.runtime.grammar.grammar_backend import GrammarMatcher
 from radixlm.runtime.sampling.sampling_params import SamplingParams
 
 
@@ -93,9 +94,8 @@ class Req:
         params = self.sampling
         if self.detokenizer is not None and (params.stop or params.stop_regex):
             self.stop_matcher = StopStringMatcher(params.stop or [], params.stop_regex or [])
-        constraint = params.constraint()
-        if constraint is not None:
-            self.grammar_key = GrammarKey(*constraint)
+        if self.grammar_key is None:
+            self.grammar_key = params.constraint()
 
     @property
     def finished(self) -> bool:

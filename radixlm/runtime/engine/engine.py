@@ -28,12 +28,13 @@ from radixlm.models.model_config import ModelConfig
 from radixlm.models.registry import model_class
 from radixlm.runtime import messages as io
 from radixlm.runtime.engine.request_inputs import (
+    GenerateInput,
     RequestLimits,
     build_generate_reqs,
-    normalize_inputs,
 )
 from radixlm.runtime.engine.runtime_processes import start_runtime_processes
 from radixlm.runtime.engine.tokenizer_manager import RuntimeUnavailable, TokenizerManager
+from radixlm.runtime.grammar.factory import constraint_checker
 from radixlm.runtime.server_args import ServerArgs
 
 _END = object()
@@ -62,6 +63,7 @@ class Engine:
         self._limits = RequestLimits(
             info["context_length"], self.model_config.vocab_size, info["max_total_tokens"],
             info["page_size"], self.model_config.generation_defaults,
+            constraint_checker(self.server_args.grammar_backend),
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -77,26 +79,20 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        return_text_in_logprobs: bool = False,
-        stream: bool = False,
-        rid: str | list[str] | None = None,
-        extra_key: str | None = None,
+        **options: Any,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generates for one prompt (a dict back) or a list of prompts (a list back).
 
-        With ``stream=True`` returns an iterator of chunks whose ``text`` is cumulative; for a
-        list of prompts each chunk carries its prompt's ``index``. Closing the iterator early
-        aborts what is unfinished. ``extra_key`` is a prefix-cache namespace (a tenant, a
-        LoRA): requests under different keys never share cached KV.
+        ``options`` are the other fields of ``GenerateInput`` (``return_logprob``,
+        ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``,
+        ``stream``, ``rid``, ``extra_key``). With ``stream=True`` returns an iterator of
+        chunks whose ``text`` is cumulative; for a list of prompts each chunk carries its
+        prompt's ``index``. Closing the iterator early aborts what is unfinished.
         """
-        reqs, batched = self._build(
-            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-            top_logprobs_num, return_text_in_logprobs, rid, extra_key,
-        )
-        if stream:
+        request = GenerateInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params,
+                                **options)
+        reqs, batched = self._build(request)
+        if request.stream:
             return self._stream_sync(reqs, batched)
         outputs = self._call(self._tm.collect(reqs))
         return outputs if batched else outputs[0]
@@ -106,21 +102,19 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        return_text_in_logprobs: bool = False,
-        stream: bool = False,
-        rid: str | list[str] | None = None,
-        extra_key: str | None = None,
+        **options: Any,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """``generate`` for callers on an event loop: awaits the result, or with
         ``stream=True`` returns an async iterator of chunks."""
-        reqs, batched = self._build(
-            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-            top_logprobs_num, return_text_in_logprobs, rid, extra_key,
-        )
-        if stream:
+        return await self.generate_request(GenerateInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, **options))
+
+    async def generate_request(
+        self, request: GenerateInput
+    ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+        """``async_generate`` for a request already in its one shape (the HTTP body)."""
+        reqs, batched = self._build(request)
+        if request.stream:
             return self._stream_async(reqs, batched)
         future = asyncio.run_coroutine_threadsafe(self._tm.collect(reqs), self._loop)
         outputs = await asyncio.wrap_future(future)
@@ -196,20 +190,10 @@ class Engine:
             raise RuntimeUnavailable("this Engine has been shut down")
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def _build(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-               top_logprobs_num, return_text_in_logprobs, rid, extra_key):
+    def _build(self, request: GenerateInput) -> tuple[list[io.GenerateReq], bool]:
         if self._shut_down:
             raise RuntimeUnavailable("this Engine has been shut down")
-        inputs = normalize_inputs(
-            prompt, input_ids, sampling_params, rid, self.tokenizer, self.context_length,
-            self.model_config.vocab_size,
-        )
-        reqs = build_generate_reqs(
-            inputs, self._limits, return_logprob, logprob_start_len, top_logprobs_num,
-            return_text_in_logprobs, extra_key,
-        )
-        batched = inputs.batched or len(reqs) > len(inputs.items)
-        return reqs, batched
+        return build_generate_reqs(request, self.tokenizer, self._limits)
 
     def _stream_sync(self, reqs: list[io.GenerateReq], batched: bool) -> Iterator[dict]:
         chunks: queue.Queue = queue.Queue()

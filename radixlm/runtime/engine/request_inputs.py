@@ -1,12 +1,19 @@
-"""The prompt forms ``generate`` accepts, checked and brought to one shape: a list of items."""
+"""A generation request as callers give it, and its validation into the scheduler's messages.
+
+``GenerateInput`` is the one shape of a request at the entry: the body of ``POST /generate``
+(FastAPI validates the JSON into it) and the arguments of ``Engine.generate`` /
+``async_generate`` (which build it from their keywords). ``build_generate_reqs`` checks
+every value and turns it into one ``GenerateReq`` per sample, so a bad value queues nothing.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from radixlm.kv_cache.allocator import pages_for
@@ -15,88 +22,29 @@ from radixlm.runtime.sampling.sampling_params import SamplingParams
 
 
 @dataclass
-class RequestInput:
-    input_ids: list[int]
-    sampling_params: dict[str, Any] | None
-    rid: str
+class GenerateInput:
+    """One call of the SGLang native API: a prompt (or a list of them) and how to run it.
 
-
-@dataclass
-class RequestInputs:
-    items: list[RequestInput]
-    batched: bool
-    """True when the caller passed a list of prompts (and so gets a list back)."""
-
-    def __iter__(self):
-        return iter(self.items)
-
-
-def normalize_inputs(
-    prompt: str | list[str] | None,
-    input_ids: list[int] | list[list[int]] | None,
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
-    rid: str | list[str] | None,
-    tokenizer: PreTrainedTokenizerBase,
-    context_length: int,
-    vocab_size: int,
-) -> RequestInputs:
-    """Tokenizes text prompts and checks every prompt against the context and vocabulary.
-
-    Raises ``ValueError`` naming the argument for: both or neither of ``prompt`` and
-    ``input_ids``, empty prompts, ids outside the vocabulary, prompts that fill the
-    context, and list lengths that do not match.
+    Exactly one of ``text`` and ``input_ids``; ``sampling_params`` and ``rid`` are one value
+    for every prompt or a list with one per prompt.
     """
-    if (prompt is None) == (input_ids is None):
-        raise ValueError("pass exactly one of prompt and input_ids")
-    if prompt is not None:
-        batched = isinstance(prompt, list)
-        texts = prompt if batched else [prompt]
-        if not all(isinstance(t, str) for t in texts):
-            raise ValueError("prompt must be a string or a list of strings")
-        id_lists = [tokenizer.encode(t) for t in texts]
-        name = "prompt"
-    else:
-        batched = bool(input_ids) and isinstance(input_ids[0], list)
-        id_lists = input_ids if batched else [input_ids]
-        for ids in id_lists:
-            if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids
-            ):
-                raise ValueError("input_ids must be a list of ints or a list of lists of ints")
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(
-                    f"input_ids {bad[:5]} are outside the vocabulary (size {vocab_size})"
-                )
-        name = "input_ids"
-    if batched and not id_lists:
-        raise ValueError(f"{name} is an empty list")
-    for ids in id_lists:
-        if not ids:
-            raise ValueError(f"{name} is empty: a request needs at least one prompt token")
-        if len(ids) >= context_length:
-            raise ValueError(
-                f"{name} has {len(ids)} tokens; the context length is {context_length}, "
-                "so a prompt may have at most context_length - 1 tokens"
-            )
-    params_list = _per_item("sampling_params", sampling_params, len(id_lists), dict)
-    rids = _per_item("rid", rid, len(id_lists), str)
-    items = [
-        RequestInput(list(ids), params, r or uuid.uuid4().hex)
-        for ids, params, r in zip(id_lists, params_list, rids)
-    ]
-    return RequestInputs(items, batched)
 
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid"}
+    """As an HTTP body, unknown fields are refused (400 naming them)."""
 
-def _per_item(name: str, value: Any, count: int, item_type: type) -> list[Any]:
-    """One value for all items, or a list with one per item."""
-    if isinstance(value, list):
-        if len(value) != count:
-            raise ValueError(f"{name} is a list of {len(value)}, but there are {count} prompts")
-        return value
-    if value is not None and not isinstance(value, item_type):
-        raise ValueError(f"{name} must be a {item_type.__name__} or a list of them")
-    return [value] * count
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    """First prompt position whose logprob is returned; None or -1: output only."""
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+    extra_key: str | None = None
+    """A prefix-cache namespace (a tenant, a LoRA): requests under different keys never
+    share cached KV."""
 
 
 @dataclass
@@ -108,64 +56,131 @@ class RequestLimits:
     max_total_tokens: int
     page_size: int
     generation_defaults: dict[str, Any]
+    check_constraint: Callable[[str, str], None]
+    """The grammar backend's parser: raises ``ValueError`` for a constraint it refuses."""
 
 
 def build_generate_reqs(
-    inputs: RequestInputs, limits: RequestLimits, return_logprob: bool,
-    logprob_start_len: int | None, top_logprobs_num: int | None,
-    return_text_in_logprobs: bool, extra_key: str | None,
-) -> list[io.GenerateReq]:
-    """The scheduler's messages for ``inputs``: one per sample (``n`` per prompt).
+    request: GenerateInput, tokenizer: PreTrainedTokenizerBase, limits: RequestLimits,
+) -> tuple[list[io.GenerateReq], bool]:
+    """The scheduler's messages for ``request`` (one per sample: ``n`` per prompt), and
+    whether the caller gets a list back.
 
-    Every value is checked here, before anything is queued, so a bad one queues nothing.
-    The model's generation-config defaults fill in what the request leaves out. A
+    Raises ``ValueError`` naming the argument for: both or neither of ``text`` and
+    ``input_ids``, empty prompts, ids outside the vocabulary, prompts that fill the context,
+    list lengths that do not match, and any bad sampling parameter or constraint. The
+    model's generation-config defaults fill in what the request leaves out. A
     ``max_new_tokens`` given beyond the context is refused (as SGLang does); the default
     budget is clamped to the context.
     """
+    id_lists, batched = _prompt_ids(request, tokenizer, limits)
+    top_logprobs_num = request.top_logprobs_num
     if top_logprobs_num is not None and (
         not isinstance(top_logprobs_num, int) or top_logprobs_num < 0
     ):
         raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
-    if extra_key is not None and not isinstance(extra_key, str):
-        raise ValueError(f"extra_key must be a string, got {type(extra_key).__name__}")
+    if request.extra_key is not None and not isinstance(request.extra_key, str):
+        raise ValueError(f"extra_key must be a string, got {type(request.extra_key).__name__}")
+    params_list = _per_item("sampling_params", request.sampling_params, len(id_lists), dict)
+    rids = [r or uuid.uuid4().hex for r in _per_item("rid", request.rid, len(id_lists), str)]
     messages = []
-    for item in inputs:
-        params = SamplingParams.from_dict(
-            {**limits.generation_defaults, **(item.sampling_params or {})}
-        )
-        params.check_vocab(limits.vocab_size)
-        prompt_len = len(item.input_ids)
-        room = limits.context_length - prompt_len
-        if "max_new_tokens" in (item.sampling_params or {}) and params.max_new_tokens > room:
-            raise ValueError(
-                f"max_new_tokens ({params.max_new_tokens}) plus the prompt ({prompt_len} "
-                f"tokens) exceeds the context length ({limits.context_length})"
-            )
-        params.max_new_tokens = min(params.max_new_tokens, room)  # a default budget is clamped
-        need = pages_for(prompt_len + params.max_new_tokens, limits.page_size)
-        if need > limits.max_total_tokens:
-            raise ValueError(
-                f"the prompt ({prompt_len} tokens) plus max_new_tokens ({params.max_new_tokens}) "
-                f"needs {need} KV slots; the pool holds {limits.max_total_tokens} "
-                "(raise max_total_tokens or lower max_new_tokens)"
-            )
-        start = _logprob_start(logprob_start_len, prompt_len) if return_logprob else None
+    for ids, given, rid in zip(id_lists, params_list, rids):
+        params = _sampling_params(given or {}, len(ids), limits)
+        start = _logprob_start(request.logprob_start_len, len(ids)) \
+            if request.return_logprob else None
         for sample in range(params.n):
-            fields = dataclasses.asdict(params)
-            if params.sampling_seed is not None:
-                fields["sampling_seed"] = params.sampling_seed + sample
+            sampling = params
+            if params.sampling_seed is not None and sample > 0:
+                sampling = msgspec.structs.replace(params,
+                                                   sampling_seed=params.sampling_seed + sample)
             messages.append(io.GenerateReq(
-                rid=item.rid if params.n == 1 else f"{item.rid}-{sample}",
-                input_ids=item.input_ids,
-                sampling=fields,
+                rid=rid if params.n == 1 else f"{rid}-{sample}",
+                input_ids=ids,
+                sampling=sampling,
                 logprob_start=start,
-                return_logprob=return_logprob,
+                return_logprob=bool(request.return_logprob),
                 top_logprobs_num=top_logprobs_num or 0,
-                return_text_in_logprobs=return_text_in_logprobs,
-                extra_key=extra_key,
-                prefill_leader=f"{item.rid}-0" if sample > 0 else None,
+                return_text_in_logprobs=bool(request.return_text_in_logprobs),
+                extra_key=request.extra_key,
+                prefill_leader=f"{rid}-0" if sample > 0 else None,
             ))
-    return messages
+    return messages, batched or len(messages) > len(id_lists)
+
+
+def _prompt_ids(request: GenerateInput, tokenizer: PreTrainedTokenizerBase,
+                limits: RequestLimits) -> tuple[list[list[int]], bool]:
+    """Every prompt as token ids, checked against the vocabulary and the context."""
+    if (request.text is None) == (request.input_ids is None):
+        raise ValueError("pass exactly one of prompt and input_ids (text and input_ids over HTTP)")
+    if request.text is not None:
+        batched = isinstance(request.text, list)
+        texts = request.text if batched else [request.text]
+        if not all(isinstance(t, str) for t in texts):
+            raise ValueError("prompt must be a string or a list of strings")
+        id_lists = [tokenizer.encode(t) for t in texts]
+        name = "prompt"
+    else:
+        input_ids = request.input_ids
+        batched = bool(input_ids) and isinstance(input_ids[0], list)
+        id_lists = input_ids if batched else [input_ids]
+        for ids in id_lists:
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+            bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"input_ids {bad[:5]} are outside the vocabulary (size {limits.vocab_size})"
+                )
+        name = "input_ids"
+    if batched and not id_lists:
+        raise ValueError(f"{name} is an empty list")
+    for ids in id_lists:
+        if not ids:
+            raise ValueError(f"{name} is empty: a request needs at least one prompt token")
+        if len(ids) >= limits.context_length:
+            raise ValueError(
+                f"{name} has {len(ids)} tokens; the context length is {limits.context_length}, "
+                "so a prompt may have at most context_length - 1 tokens"
+            )
+    return [list(ids) for ids in id_lists], batched
+
+
+def _sampling_params(given: dict[str, Any], prompt_len: int,
+                     limits: RequestLimits) -> SamplingParams:
+    """The validated params of one prompt, defaults filled in and the budget fitted."""
+    params = SamplingParams.from_dict({**limits.generation_defaults, **given})
+    params.check_vocab(limits.vocab_size)
+    constraint = params.constraint()
+    if constraint is not None:
+        limits.check_constraint(constraint.kind, constraint.text)
+    room = limits.context_length - prompt_len
+    if "max_new_tokens" in given and params.max_new_tokens > room:
+        raise ValueError(
+            f"max_new_tokens ({params.max_new_tokens}) plus the prompt ({prompt_len} "
+            f"tokens) exceeds the context length ({limits.context_length})"
+        )
+    params.max_new_tokens = min(params.max_new_tokens, room)  # a default budget is clamped
+    need = pages_for(prompt_len + params.max_new_tokens, limits.page_size)
+    if need > limits.max_total_tokens:
+        raise ValueError(
+            f"the prompt ({prompt_len} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+            f"needs {need} KV slots; the pool holds {limits.max_total_tokens} "
+            "(raise max_total_tokens or lower max_new_tokens)"
+        )
+    return params
+
+
+def _per_item(name: str, value: Any, count: int, item_type: type) -> list[Any]:
+    """One value for all items, or a list with one per item."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ValueError(f"{name} is a list of {len(value)}, but there are {count} prompts")
+        return value
+    if value is not None and not isinstance(value, item_type):
+        raise ValueError(f"{name} must be a {item_type.__name__} or a list of them")
+    return [value] * count
 
 
 def _logprob_start(logprob_start_len: int | None, prompt_len: int) -> int | None:

@@ -1,14 +1,15 @@
 """The grammar backend's contract: compile constraints once, off the scheduler's loop, and
 give each constrained request a matcher that masks its next token.
 
-A constraint is a ``GrammarKey`` (kind, text): a regex, a JSON schema or an EBNF grammar.
+A constraint is a ``GrammarKey`` (kind, text, see ``constraints.py``): a regex, a JSON
+schema or an EBNF grammar.
 ``GrammarBackend.compile`` returns a future; compiling runs in a small thread pool, so the
 scheduler keeps stepping other requests while a grammar compiles, and every request with
 the same key shares one compilation (the cache holds the future itself, so a second request
 arriving mid-compilation waits on the same one).
 
 ``xgrammar_backend.py`` implements it on xgrammar; another backend (outlines, llguidance)
-would implement the same two classes.
+would implement the same two classes, and ``factory.py`` would name it.
 """
 
 from __future__ import annotations
@@ -17,29 +18,15 @@ import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from radixlm.runtime.sampling.sampling_params import CONSTRAINT_KINDS as GRAMMAR_KINDS
-from radixlm.runtime.server_args import GRAMMAR_BACKENDS
+from radixlm.runtime.grammar.constraints import GrammarKey
 
 CACHE_ENTRIES = 1024
 """Compiled grammars kept (least recently used ones are dropped beyond this)."""
 COMPILE_THREADS = 2
-
-
-@dataclass(frozen=True)
-class GrammarKey:
-    """One constraint: ``kind`` is one of ``GRAMMAR_KINDS``; ``text`` its source."""
-
-    kind: str
-    text: str
-
-    def __post_init__(self) -> None:
-        if self.kind not in GRAMMAR_KINDS:
-            raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
 
 
 class GrammarMatcher(ABC):
@@ -140,13 +127,3 @@ class GrammarBackend(ABC):
     @abstractmethod
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Masks ``logits[rows]`` (N, vocab_size) by ``bitmask[rows]`` in place."""
-
-
-def make_grammar_backend(name: str, tokenizer, vocab_size: int,
-                         stop_token_ids: set[int]) -> GrammarBackend:
-    """The backend called ``name`` (one of ``GRAMMAR_BACKENDS``) for this tokenizer."""
-    if name == "xgrammar":
-        from radixlm.runtime.grammar.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
-    raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {name!r}")

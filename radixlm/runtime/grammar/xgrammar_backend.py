@@ -30,12 +30,8 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.grammar.grammar_backend import (
-    GRAMMAR_KINDS,
-    GrammarBackend,
-    GrammarKey,
-    GrammarMatcher,
-)
+from radixlm.runtime.grammar.constraints import CONSTRAINT_KINDS, GrammarKey
+from radixlm.runtime.grammar.grammar_backend import GrammarBackend, GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +87,8 @@ def check_constraint(kind: str, text: str) -> None:
     ``kind`` (regex, json_schema or ebnf); a valid one passes (and is remembered)."""
     import xgrammar as xgr
 
-    if kind not in GRAMMAR_KINDS:
-        raise ValueError(f"constraint kind must be one of {GRAMMAR_KINDS}, got {kind!r}")
+    if kind not in CONSTRAINT_KINDS:
+        raise ValueError(f"constraint kind must be one of {CONSTRAINT_KINDS}, got {kind!r}")
     try:
         if kind == "regex":
             xgr.Grammar.from_regex(text)

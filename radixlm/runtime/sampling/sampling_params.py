@@ -1,32 +1,41 @@
-"""Sampling parameters of one request, as the SGLang native API names them."""
+"""Sampling parameters of one request, as the SGLang native API names them.
+
+A msgspec Struct: validated once, where a request enters (``from_dict``), it then crosses
+the process boundary as itself (msgpack) and reaches the scheduler's ``Req`` unchanged.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-from dataclasses import InitVar, dataclass, fields
 from typing import Any
+
+import msgspec
+
+from radixlm.runtime.grammar.constraints import CONSTRAINT_KINDS, GrammarKey
 
 GREEDY_TEMPERATURE = 1e-6
 """A temperature below this means greedy decoding."""
-CONSTRAINT_KINDS = ("regex", "json_schema", "ebnf")
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick the next tokens and when to stop.
 
-    Built with ``from_dict``, which rejects unknown keys; ``__post_init__`` validates ranges
-    and raises ``ValueError`` naming the field and what is allowed.
+    Build from user input with ``from_dict``, which rejects unknown keys, validates ranges
+    (raising ``ValueError`` naming the field and what is allowed) and normalises (a lone
+    stop string becomes a list, a JSON schema given as a dict becomes its text). Whether a
+    constraint parses is the grammar backend's to say (``grammar.factory``): this value
+    object calls no backend. Direct construction does not validate: it is for values
+    already checked.
     """
 
     max_new_tokens: int = 128
     min_new_tokens: int = 0
     n: int = 1
-    stop: str | list[str] | None = None
+    stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
-    stop_regex: str | list[str] | None = None
+    stop_regex: list[str] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -42,25 +51,25 @@ class SamplingParams:
     sampling_seed: int | None = None
     regex: str | None = None
     json_schema: str | None = None
-    """A JSON schema as a JSON string (a dict is turned into one)."""
+    """A JSON schema as a JSON string (``from_dict`` turns a dict into one)."""
     ebnf: str | None = None
-    check_grammar: InitVar[bool] = True
-    """Parse the constraint (where a request enters); the scheduler, rebuilding checked
-    params, skips it: its compile pool reports a bad grammar anyway, off its loop."""
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
+        """Validated params from the API's dict (None: the defaults)."""
         if params is None:
             return cls()
         if not isinstance(params, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
+        unknown = sorted(set(params) - set(cls.__struct_fields__))
         if unknown:
-            raise ValueError(f"unknown sampling parameters {unknown}; known: {sorted(known)}")
-        return cls(**params)
+            raise ValueError(f"unknown sampling parameters {unknown}; "
+                             f"known: {sorted(cls.__struct_fields__)}")
+        built = cls(**params)
+        built._validate()
+        return built
 
-    def __post_init__(self, check_grammar: bool) -> None:
+    def _validate(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=0)
         _check_int("min_new_tokens", self.min_new_tokens, minimum=0)
         _check_int("n", self.n, minimum=1)
@@ -95,7 +104,7 @@ class SamplingParams:
             _check_int("sampling_seed", self.sampling_seed, minimum=0)
         if self.logit_bias is not None:
             self._check_logit_bias()
-        self._check_constraint(check_grammar)
+        self._check_constraint()
 
     @property
     def is_greedy(self) -> bool:
@@ -107,12 +116,12 @@ class SamplingParams:
             self.repetition_penalty != 1.0
         )
 
-    def constraint(self) -> tuple[str, str] | None:
-        """(kind, text) of the constraint on the output, if any."""
+    def constraint(self) -> GrammarKey | None:
+        """The constraint on the output, if any."""
         for kind in CONSTRAINT_KINDS:
             text = getattr(self, kind)
             if text is not None:
-                return kind, text
+                return GrammarKey(kind, text)
         return None
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -124,8 +133,8 @@ class SamplingParams:
             raise ValueError(f"token ids {bad} in stop_token_ids/logit_bias are outside the "
                              f"vocabulary (size {vocab_size})")
 
-    def _check_constraint(self, check_grammar: bool) -> None:
-        """At most one of regex, json_schema and ebnf, and one the grammar parser accepts."""
+    def _check_constraint(self) -> None:
+        """At most one of regex, json_schema and ebnf, given as a non-empty string."""
         if isinstance(self.json_schema, dict):
             self.json_schema = json.dumps(self.json_schema)
         given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
@@ -137,20 +146,21 @@ class SamplingParams:
         text = getattr(self, kind)
         if not isinstance(text, str) or not text:
             raise ValueError(f"{kind} must be a non-empty string, got {text!r}")
-        if check_grammar:
-            from radixlm.runtime.grammar.xgrammar_backend import check_constraint
-
-            check_constraint(kind, text)
 
     def _check_logit_bias(self) -> None:
+        """Token ids (as JSON gives them: strings, or ints from Python) to biases in
+        [-100, 100]; the keys are normalised to decimal strings."""
         if not isinstance(self.logit_bias, dict):
             raise ValueError("logit_bias must map token ids to biases")
+        normalised = {}
         for token, bias in self.logit_bias.items():
             try:
-                int(token)
+                token_id = int(token)
             except (TypeError, ValueError):
                 raise ValueError(f"logit_bias key {token!r} is not a token id") from None
             _check_number(f"logit_bias[{token!r}]", bias, low=-100.0, high=100.0)
+            normalised[str(token_id)] = bias
+        self.logit_bias = normalised
 
 
 def _string_list(name: str, value: Any) -> list[str] | None:

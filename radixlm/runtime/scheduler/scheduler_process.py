@@ -19,12 +19,11 @@ from radixlm.runtime.detokenizer.incremental_detokenizer import (
     CONTEXT_TOKENS,
     IncrementalDetokenizer,
 )
-from radixlm.runtime.grammar.grammar_backend import make_grammar_backend
+from radixlm.runtime.grammar.factory import make_grammar_backend
 from radixlm.runtime.grammar.jump_forward import JumpForward
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.request import LogprobRequest, Req, finish_abort
 from radixlm.runtime.sampling.sampler import Sampler
-from radixlm.runtime.sampling.sampling_params import SamplingParams
 from radixlm.runtime.scheduler.output_processor import OutputProcessor
 from radixlm.runtime.scheduler.request_memory import RequestMemory
 from radixlm.runtime.scheduler.scheduler import Scheduler
@@ -57,7 +56,7 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
 
 
 def make_req(msg: io.GenerateReq, tokenizer, leaders: dict[str, Req]) -> Req:
-    params = SamplingParams(**msg.sampling, check_grammar=False)  # checked where it entered
+    params = msg.sampling  # validated where the request entered
     detokenizer = None
     if params.stop or params.stop_regex:  # stop strings are matched on text
         detokenizer = IncrementalDetokenizer(

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 
 from radixlm.runtime.engine.engine import Engine
+from radixlm.runtime.engine.request_inputs import GenerateInput
 from radixlm.runtime.engine.tokenizer_manager import QueueFull, RuntimeUnavailable
 from radixlm.runtime.server.metrics import ServerMetrics
 from radixlm.runtime.server.openai_api import add_openai_routes
@@ -30,23 +31,6 @@ logger = logging.getLogger(__name__)
 
 OPEN_ROUTES = {"/health"}
 MAX_BODY_BYTES = 32 * 2**20
-
-
-class GenerateRequest(BaseModel):
-    """The body of ``POST /generate``; unknown fields are refused."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool = False
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    rid: str | list[str] | None = None
-    extra_key: str | None = None
 
 
 class AbortRequest(BaseModel):
@@ -147,14 +131,8 @@ def create_app(
         return Response(status_code=200)
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest):
-        result = await engine.async_generate(
-            prompt=body.text, input_ids=body.input_ids, sampling_params=body.sampling_params,
-            return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
-            top_logprobs_num=body.top_logprobs_num,
-            return_text_in_logprobs=body.return_text_in_logprobs, stream=body.stream,
-            rid=body.rid, extra_key=body.extra_key,
-        )
+    async def generate(body: GenerateInput):
+        result = await engine.generate_request(body)
         if not body.stream:
             return result
         sse = server_sent_events(

@@ -10,7 +10,7 @@ import json
 import pytest
 from tiny_models import tiny_tokenizer
 
-from radixlm.runtime.grammar.grammar_backend import GrammarKey
+from radixlm.runtime.grammar.constraints import GrammarKey
 from radixlm.runtime.grammar.jump_forward import JumpForward
 from radixlm.runtime.grammar.xgrammar_backend import XGrammarBackend
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from tiny_models import tiny_tokenizer
 
-from radixlm.runtime.grammar.grammar_backend import GrammarKey, make_grammar_backend
+from radixlm.runtime.grammar.constraints import GrammarKey
+from radixlm.runtime.grammar.factory import make_grammar_backend
 from radixlm.runtime.grammar.xgrammar_backend import XGrammarBackend
 
 EOS = 0

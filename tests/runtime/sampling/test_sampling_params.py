@@ -1,4 +1,5 @@
-"""SamplingParams.from_dict: every bad value is refused by name; good values pass through."""
+"""SamplingParams.from_dict and the entry's checks: every bad value is refused by name where
+a request enters; good values pass through."""
 
 from __future__ import annotations
 
@@ -7,7 +8,25 @@ import re
 
 import pytest
 
+from radixlm.runtime.engine.request_inputs import (
+    GenerateInput,
+    RequestLimits,
+    build_generate_reqs,
+)
+from radixlm.runtime.grammar.constraints import GrammarKey
+from radixlm.runtime.grammar.factory import constraint_checker
 from radixlm.runtime.sampling.sampling_params import SamplingParams
+
+LIMITS = RequestLimits(context_length=4096, vocab_size=1000, max_total_tokens=8192,
+                       page_size=1, generation_defaults={},
+                       check_constraint=constraint_checker("xgrammar"))
+
+
+def entry_params(params: dict) -> SamplingParams:
+    """The params a request with ``params`` is queued with, checked as the entry checks it."""
+    request = GenerateInput(input_ids=[1, 2, 3], sampling_params=params)
+    reqs, _ = build_generate_reqs(request, tokenizer=None, limits=LIMITS)
+    return reqs[0].sampling
 
 BAD_PARAMS = [
     ({"max_new_tokens": -1}, "max_new_tokens"),
@@ -55,7 +74,7 @@ BAD_PARAMS = [
 def test_bad_value_raises_value_error_naming_the_field(params, field):
     # The field as a whole word: "n" must not be satisfied by the "n" in "integer".
     with pytest.raises(ValueError, match=rf"(^|\W){re.escape(field)}(\W|$)"):
-        SamplingParams.from_dict(params)
+        entry_params(params)
 
 
 def test_non_dict_sampling_params_is_refused():
@@ -82,9 +101,11 @@ GOOD_PARAMS = [
 
 @pytest.mark.parametrize("params", GOOD_PARAMS, ids=[str(p) for p in GOOD_PARAMS])
 def test_good_values_are_kept(params):
-    built = SamplingParams.from_dict(params)
+    built = entry_params(params)
     for key, value in params.items():
-        if key not in ("stop", "stop_regex"):
+        if key == "logit_bias":  # keys as decimal strings, as JSON gives them
+            assert built.logit_bias == {str(token): bias for token, bias in value.items()}
+        elif key not in ("stop", "stop_regex"):
             assert getattr(built, key) == value
 
 
@@ -132,12 +153,20 @@ def test_a_json_schema_dict_becomes_a_json_string():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     built = SamplingParams.from_dict({"json_schema": schema})
     assert json.loads(built.json_schema) == schema
-    assert built.constraint() == ("json_schema", built.json_schema)
+    assert built.constraint() == GrammarKey("json_schema", built.json_schema)
 
 
 def test_constraint_names_the_one_given():
     assert SamplingParams.from_dict({}).constraint() is None
-    assert SamplingParams.from_dict({"regex": "a|b"}).constraint() == ("regex", "a|b")
+    assert SamplingParams.from_dict({"regex": "a|b"}).constraint() == GrammarKey("regex", "a|b")
+
+
+def test_the_value_object_checks_shape_and_leaves_parsing_to_the_grammar_backend():
+    """A constraint that only the grammar backend can judge passes ``from_dict`` (it calls no
+    backend) and is refused where the request enters."""
+    assert SamplingParams.from_dict({"regex": "foo**"}).regex == "foo**"
+    with pytest.raises(ValueError, match="regex"):
+        entry_params({"regex": "foo**"})
 
 
 @pytest.mark.parametrize(("params", "problem"), [
@@ -148,5 +177,5 @@ def test_constraint_names_the_one_given():
 ])
 def test_a_bad_constraint_names_the_problem_without_a_source_location(params, problem):
     with pytest.raises(ValueError, match=problem) as caught:
-        SamplingParams.from_dict(params)
+        entry_params(params)
     assert ".cc:" not in str(caught.value)

@@ -13,7 +13,7 @@ import pytest
 from runtime_checks import run_to_completion, scheduler_req
 from workloads import random_ids
 
-from radixlm.runtime.grammar.grammar_backend import GrammarKey
+from radixlm.runtime.grammar.constraints import GrammarKey
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.sampling_params import SamplingParams
 
