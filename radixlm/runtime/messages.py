@@ -5,8 +5,14 @@ Typed msgspec structs, serialized as msgpack: a peer can only ever send data, ne
 socket carrying several kinds decodes into the right one.
 
     TokenizerManager --GenerateReq/AbortReq/ControlReq--> Scheduler
-    Scheduler --TokenBatch--> Detokenizer --TextBatch--> TokenizerManager
-    Scheduler --ControlReply--> TokenizerManager
+    Scheduler --DetokenizeBatch--> Detokenizer --TextBatch--> TokenizerManager
+    Scheduler --TokenBatch/ControlReply--> TokenizerManager
+
+Outputs travel as deltas: each step the Scheduler sends every request's new tokens (with
+their logprobs and the request's state) to the TokenizerManager, and the same new tokens
+(without logprobs) to the Detokenizer, which sends back only the text they add. So a
+stream of N tokens moves O(N) bytes. The TokenizerManager pairs the two: a ``TokenOut``
+that carries tokens or a finish has exactly one ``TextOut``, in the same order.
 """
 
 from __future__ import annotations
@@ -79,19 +85,41 @@ class TokenOut(msgspec.Struct):
     input_top_logprobs: list[Any] = []
     output_token_logprobs: list[LogprobEntry] = []
     output_top_logprobs: list[Any] = []
-    spec: DetokenizeSpec | None = None
+
+    @property
+    def has_text(self) -> bool:
+        """True when the Detokenizer was sent this output too (and answers it with a
+        ``TextOut``): it brings tokens or ends the request."""
+        return bool(self.new_ids) or self.finish_reason is not None
 
 
 class TokenBatch(msgspec.Struct, tag=True):
     outputs: list[TokenOut]
 
 
-class TextOut(msgspec.Struct):
-    """A TokenOut with its text: ``text`` is cumulative, safe to show (complete
-    characters, no partial stop string; trimmed at the stop once finished)."""
+class DetokenizeOut(msgspec.Struct):
+    """A request's new tokens for the Detokenizer (the ``has_text`` part of a TokenOut)."""
 
+    rid: str
+    new_ids: list[int]
+    finish_reason: dict[str, Any] | None
+    spec: DetokenizeSpec | None = None
+    """Sent with the request's first output only."""
+
+
+class DetokenizeBatch(msgspec.Struct, tag=True):
+    outputs: list[DetokenizeOut]
+
+
+class TextOut(msgspec.Struct):
+    """The text one ``DetokenizeOut`` adds: safe to show (complete characters, no partial
+    stop string). On the last one, the text so far is first cut by ``trim`` characters
+    (text already shown past the stop the Scheduler matched, e.g. a stop regex), then
+    ``text`` is appended."""
+
+    rid: str
     text: str
-    tokens: TokenOut
+    trim: int = 0
 
 
 class TextBatch(msgspec.Struct, tag=True):
@@ -123,7 +151,8 @@ class ProcessFailed(msgspec.Struct, tag=True):
 
 
 Message = (
-    GenerateReq | AbortReq | ControlReq | ControlReply | TokenBatch | TextBatch | ProcessFailed
+    GenerateReq | AbortReq | ControlReq | ControlReply | TokenBatch | DetokenizeBatch
+    | TextBatch | ProcessFailed
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -85,10 +85,11 @@ class Req:
     grammar: GrammarMatcher | None = None
     jump_forward_tokens: int = 0
     """Output tokens appended by jump-forward decoding rather than sampled."""
-    # How much of the output (tokens and their logprobs; prompt logprobs) has been reported.
+    # How much of the output (tokens and their logprobs; prompt logprobs) has been reported,
+    # and whether the Detokenizer has had the request's first message (its spec).
     reported_ids: int = 0
     reported_input_logprobs: int = 0
-    reported_anything: bool = False
+    reported_text: bool = False
 
     def __post_init__(self) -> None:
         params = self.sampling

@@ -1,10 +1,12 @@
-"""The Detokenizer's process: token ids in, text out, incrementally, per request.
+"""The Detokenizer's process: token ids in, text deltas out, incrementally, per request.
 
-A stream never shows a broken multi-byte character (held back until complete) nor the
-start of a stop string (held back until it is known not to be one). When a request ends,
-its text is trimmed at the stop the Scheduler matched: before a stop string (found anywhere
-in the text, so also across chunk boundaries), or before a stop token's own text, unless
-``no_stop_trim``.
+For each ``DetokenizeOut`` it answers one ``TextOut`` carrying only the text the new tokens
+add. That text never holds a broken multi-byte character (held back until complete) nor
+the start of a stop string (held back until it is known not to be one). When a request
+ends, its text is cut at the stop the Scheduler matched: before a stop string (found
+anywhere in the text, so also across chunk boundaries), or before a stop token's own text,
+unless ``no_stop_trim``; text already sent past that point (only a stop regex can leave
+some) is taken back with ``trim``.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class DecodeState:
-    """One request's text so far."""
+    """One request's text: decoded so far, and how much of it has been sent."""
 
     detokenizer: IncrementalDetokenizer
     spec: io.DetokenizeSpec
     matcher: StopStringMatcher | None
+    sent: int = 0
+    """Characters of ``detokenizer.text`` already sent (a prefix of it)."""
 
-    def update(self, out: io.TokenOut) -> str:
-        """Feeds the new tokens; returns the text to show (cumulative)."""
+    def update(self, out: io.DetokenizeOut) -> io.TextOut:
+        """Feeds the new tokens; returns the text they add that is safe to show."""
         detok = self.detokenizer
         if out.new_ids[:-1]:
             detok.feed(out.new_ids[:-1])
@@ -43,23 +47,27 @@ class DecodeState:
             detok.feed(out.new_ids[-1:])
         if out.finish_reason is None:
             text = detok.text
-            held = self.matcher.held_back(text) if self.matcher else 0
-            return text[: len(text) - held]
+            shown = len(text) - (self.matcher.held_back(text) if self.matcher else 0)
+            delta = text[self.sent:shown]  # what is held back never shrinks what was shown
+            self.sent = max(shown, self.sent)
+            return io.TextOut(out.rid, delta)
         detok.finish()
-        return self._final_text(out.finish_reason, before_last)
+        final = self._final_length(out.finish_reason, before_last)
+        trim = max(self.sent - final, 0)
+        return io.TextOut(out.rid, detok.text[self.sent:final], trim)
 
-    def _final_text(self, reason: dict, before_last: int) -> str:
-        """The text cut at the stop: before it, or (``no_stop_trim``) right after it."""
+    def _final_length(self, reason: dict, before_last: int) -> int:
+        """Where the text ends: before the stop, or (``no_stop_trim``) right after it."""
         text = self.detokenizer.text
         matched = reason.get("matched")
         if reason.get("type") != "stop" or matched is None:
-            return text
+            return len(text)
         if isinstance(matched, int):  # a stop token: drop its own text unless kept
-            return text if self.spec.no_stop_trim else text[:before_last]
+            return len(text) if self.spec.no_stop_trim else before_last
         position = text.find(matched)
         if position < 0:  # a special token's text, never shown
-            return text
-        return text[: position + len(matched)] if self.spec.no_stop_trim else text[:position]
+            return len(text)
+        return position + len(matched) if self.spec.no_stop_trim else position
 
 
 class Detokenizer:
@@ -69,7 +77,7 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
 
-    def handle(self, batch: io.TokenBatch) -> io.TextBatch:
+    def handle(self, batch: io.DetokenizeBatch) -> io.TextBatch:
         outputs = []
         for out in batch.outputs:
             state = self.states.get(out.rid)
@@ -84,7 +92,7 @@ class Detokenizer:
                     StopStringMatcher(spec.stop, []) if spec.stop else None,
                 )
                 self.states[out.rid] = state
-            outputs.append(io.TextOut(state.update(out), out))
+            outputs.append(state.update(out))
             if out.finish_reason is not None:
                 del self.states[out.rid]
         return io.TextBatch(outputs)
@@ -112,7 +120,7 @@ def run_detokenizer_process(tokenizer_path: str, paths, ready) -> None:
             msg = io.decode(inbox.recv())
             if isinstance(msg, io.ControlReq) and msg.kind == "shutdown":
                 return
-            if isinstance(msg, io.TokenBatch):
+            if isinstance(msg, io.DetokenizeBatch):
                 outbox.send(io.encode(detokenizer.handle(msg)))
     except Exception as err:
         logger.exception("the detokenizer failed")

@@ -7,18 +7,23 @@
     engine.shutdown()
 
 Behind it run three processes: this one (validation, tokenization and the
-TokenizerManager, on an event loop in a background thread, so the Engine works the same
-in a script, in Jupyter and inside a running event loop), the Scheduler (the model and its
-KV memory) and the Detokenizer. All requests of one ``generate`` call run together in one
-continuous batch, with whatever other calls are in flight.
+TokenizerManager), the Scheduler (the model and its KV memory) and the Detokenizer. All
+requests of one ``generate`` call run together in one continuous batch, with whatever
+other calls are in flight.
+
+The TokenizerManager runs on one event loop: by default the Engine's own, in a background
+thread, so the Engine works the same in a script, in Jupyter and inside a running event
+loop (calls from other threads hop onto it). An HTTP server hosts it on its own loop instead
+(``serving_on_running_loop``), so a request handled there makes no thread hop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
+import contextlib
 import threading
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -27,17 +32,22 @@ from radixlm.models.default_model import resolve_model_path
 from radixlm.models.model_config import ModelConfig
 from radixlm.models.registry import model_class
 from radixlm.runtime import messages as io
+from radixlm.runtime.engine.errors import RuntimeUnavailable
+from radixlm.runtime.engine.loop_bridge import (
+    iterate_on_loop,
+    run_on_loop,
+    run_on_loop_blocking,
+)
 from radixlm.runtime.engine.request_inputs import (
     GenerateInput,
     RequestLimits,
     build_generate_reqs,
 )
+from radixlm.runtime.engine.request_state import NativeOutput, OutputDelta
 from radixlm.runtime.engine.runtime_processes import start_runtime_processes
-from radixlm.runtime.engine.tokenizer_manager import RuntimeUnavailable, TokenizerManager
+from radixlm.runtime.engine.tokenizer_manager import TokenizerManager
 from radixlm.runtime.grammar.factory import constraint_checker
 from radixlm.runtime.server_args import ServerArgs
-
-_END = object()
 
 
 class Engine:
@@ -65,14 +75,17 @@ class Engine:
             info["page_size"], self.model_config.generation_defaults,
             constraint_checker(self.server_args.grammar_backend),
         )
-        self._loop = asyncio.new_event_loop()
+        self._metrics = None
+        self._own_loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name="radixlm-engine-loop", daemon=True
+            target=self._own_loop.run_forever, name="radixlm-engine-loop", daemon=True
         )
         self._thread.start()
+        self._loop = self._own_loop  # where the TokenizerManager runs
+        self._host_loop: asyncio.AbstractEventLoop | None = None
         self._tm: TokenizerManager = self._call(self._make_tokenizer_manager())
 
-    # The public API -----------------------------------------------------------------
+    # Generation -------------------------------------------------------------------------
 
     def generate(
         self,
@@ -89,11 +102,12 @@ class Engine:
         chunks whose ``text`` is cumulative; for a list of prompts each chunk carries its
         prompt's ``index``. Closing the iterator early aborts what is unfinished.
         """
-        request = GenerateInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params,
-                                **options)
+        request = GenerateInput(text=prompt, input_ids=input_ids,
+                                sampling_params=sampling_params, **options)
         reqs, batched = self._build(request)
         if request.stream:
-            return self._stream_sync(reqs, batched)
+            deltas = iterate_on_loop(self._tm.stream(reqs), self._loop)
+            return _native_chunks(deltas, reqs, batched)
         outputs = self._call(self._tm.collect(reqs))
         return outputs if batched else outputs[0]
 
@@ -115,28 +129,56 @@ class Engine:
         """``async_generate`` for a request already in its one shape (the HTTP body)."""
         reqs, batched = self._build(request)
         if request.stream:
-            return self._stream_async(reqs, batched)
-        future = asyncio.run_coroutine_threadsafe(self._tm.collect(reqs), self._loop)
-        outputs = await asyncio.wrap_future(future)
+            deltas = await self.stream_reqs(reqs)
+            return _async_native_chunks(deltas, reqs, batched)
+        outputs = await run_on_loop(self._tm.collect(reqs), self._loop)
         return outputs if batched else outputs[0]
+
+    async def stream_deltas(
+        self, request: GenerateInput
+    ) -> AsyncIterator[tuple[int, OutputDelta]]:
+        """The request's outputs as ``(index, delta)`` pairs (``index``: the sample's
+        position, prompt-major), for callers that stream deltas themselves (the OpenAI
+        API); ``request.stream`` is ignored."""
+        reqs, _ = self._build(request)
+        return await self.stream_reqs(reqs)
+
+    async def stream_reqs(self, reqs: list[io.GenerateReq]) -> AsyncIterator:
+        """The TokenizerManager's delta stream of ``reqs``, iterable from the caller's loop."""
+        if self._shut_down:
+            raise RuntimeUnavailable("this Engine has been shut down")
+        stream = self._tm.stream(reqs)
+        if asyncio.get_running_loop() is self._loop:
+            return stream
+        return iterate_on_loop(stream, self._loop, async_consumer=True)
+
+    # Control ----------------------------------------------------------------------------
 
     def abort(self, rid: str | None = None) -> None:
         """Aborts the unfinished request ``rid`` (all of them when None), freeing its KV at
         once; it ends with ``finish_reason`` type ``abort``."""
         self._call(self._tm.abort(rid))
 
+    async def async_abort(self, rid: str | None = None) -> None:
+        await run_on_loop(self._tm.abort(rid), self._loop)
+
     def flush_cache(self) -> bool:
         """Empties the prefix cache. Refused (returns False) while requests are in flight."""
         return self._call(self._tm.control("flush_cache")).ok
 
+    async def async_flush_cache(self) -> bool:
+        return (await run_on_loop(self._tm.control("flush_cache"), self._loop)).ok
+
     def get_server_info(self) -> dict[str, Any]:
         """The model, the options, and the live state of the KV pool, cache and queues."""
-        info = dict(self._call(self._tm.control("server_info")).info)
-        info["model_path"] = str(self.model_config.path)
-        return info
+        return self._server_info(self._call(self._tm.control("server_info")))
+
+    async def async_get_server_info(self) -> dict[str, Any]:
+        return self._server_info(await run_on_loop(self._tm.control("server_info"), self._loop))
 
     def attach_metrics(self, metrics) -> None:
         """Reports every finished request to ``metrics`` (a ``ServerMetrics``)."""
+        self._metrics = metrics
         self._tm.metrics = metrics
 
     def is_healthy(self) -> bool:
@@ -149,6 +191,25 @@ class Engine:
             messages, tokenize=False, add_generation_prompt=True
         )
 
+    @contextlib.asynccontextmanager
+    async def serving_on_running_loop(self) -> AsyncIterator[None]:
+        """Runs the TokenizerManager on the calling (server's) event loop while the context
+        is open, then back on the Engine's own. Nothing may be in flight when it moves.
+        From inside the context, call the ``async_`` methods: a blocking call from that
+        loop's thread would wait on itself and raises instead."""
+        loop = asyncio.get_running_loop()
+        if self._host_loop is not None:  # another server hosts it: calls hop there
+            yield
+            return
+        await self._move_tokenizer_manager(loop)
+        self._host_loop = loop
+        try:
+            yield
+        finally:
+            self._host_loop = None
+            if not self._shut_down:
+                await self._move_tokenizer_manager(self._own_loop)
+
     def shutdown(self) -> None:
         """Stops the runtime processes (none is left behind) and the event loop."""
         if self._shut_down or not hasattr(self, "_tm"):
@@ -156,14 +217,17 @@ class Engine:
         self._shut_down = True
         asked = False
         try:
-            asyncio.run_coroutine_threadsafe(self._tm.shutdown(), self._loop).result(2)
-            asked = True
+            if self._loop.is_running():
+                run_on_loop_blocking(self._tm.shutdown(), self._loop, timeout=2)
+                asked = True
         except Exception:  # the loop may be gone (interpreter exit): stop the processes anyway
             pass
         finally:
             self._runtime.stop(graceful=asked)
-            self._loop.call_soon_threadsafe(self._tm.close)
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            tm, loop = self._tm, self._loop
+            if loop.is_running():
+                loop.call_soon_threadsafe(tm.close)
+            self._own_loop.call_soon_threadsafe(self._own_loop.stop)
             self._thread.join(5)
 
     def __enter__(self) -> Engine:
@@ -181,59 +245,71 @@ class Engine:
     async def _make_tokenizer_manager(self) -> TokenizerManager:
         queued = self.server_args.max_queued_requests
         limit = None if queued is None else self.server_args.max_running_requests + queued
-        return TokenizerManager(self._runtime.paths, self._runtime.processes, limit)
+        return TokenizerManager(self._runtime.paths, self._runtime.processes, limit,
+                                self._metrics)
 
-    def _call(self, coroutine):
-        """Runs ``coroutine`` on the engine's loop and waits for its result."""
+    async def _move_tokenizer_manager(self, target: asyncio.AbstractEventLoop) -> None:
+        """Replaces the TokenizerManager by a new one on ``target`` (same sockets)."""
+        old, old_loop = self._tm, self._loop
+        if old_loop is target:
+            return
+        if old.states:
+            raise RuntimeError("the Engine's TokenizerManager cannot move while requests run")
+        await run_on_loop(_close(old), old_loop)
+        self._tm = await run_on_loop(self._make_tokenizer_manager(), target)
+        self._loop = target
+
+    def _server_info(self, reply: io.ControlReply) -> dict[str, Any]:
+        info = dict(reply.info)
+        info["model_path"] = str(self.model_config.path)
+        return info
+
+    def _call(self, coroutine: Coroutine):
+        """Runs ``coroutine`` on the TokenizerManager's loop and waits for its result."""
         if self._shut_down:
             coroutine.close()
             raise RuntimeUnavailable("this Engine has been shut down")
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        return run_on_loop_blocking(coroutine, self._loop)
 
     def _build(self, request: GenerateInput) -> tuple[list[io.GenerateReq], bool]:
         if self._shut_down:
             raise RuntimeUnavailable("this Engine has been shut down")
         return build_generate_reqs(request, self.tokenizer, self._limits)
 
-    def _stream_sync(self, reqs: list[io.GenerateReq], batched: bool) -> Iterator[dict]:
-        chunks: queue.Queue = queue.Queue()
 
-        async def pump() -> None:
-            try:
-                async for chunk in self._tm.stream(reqs, batched):
-                    chunks.put(chunk)
-                chunks.put(_END)
-            except BaseException as err:  # handed to the consumer's thread
-                chunks.put(err)
+async def _close(tm: TokenizerManager) -> None:
+    tm.close("the runtime's TokenizerManager moved to another event loop")
 
-        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
-        try:
-            while (item := chunks.get()) is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            if not future.done():
-                future.cancel()  # the stream's own cleanup aborts what is unfinished
 
-    async def _stream_async(self, reqs: list[io.GenerateReq], batched: bool) -> AsyncIterator:
-        caller = asyncio.get_running_loop()
-        chunks: asyncio.Queue = asyncio.Queue()
+def _native_outputs(reqs: list[io.GenerateReq]) -> list[NativeOutput]:
+    return [NativeOutput(r.rid, len(r.input_ids), r.return_logprob, r.top_logprobs_num > 0,
+                         time.perf_counter()) for r in reqs]
 
-        async def pump() -> None:
-            try:
-                async for chunk in self._tm.stream(reqs, batched):
-                    caller.call_soon_threadsafe(chunks.put_nowait, chunk)
-                caller.call_soon_threadsafe(chunks.put_nowait, _END)
-            except BaseException as err:
-                caller.call_soon_threadsafe(chunks.put_nowait, err)
 
-        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
-        try:
-            while (item := await chunks.get()) is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            if not future.done():
-                future.cancel()
+def _native_chunk(outputs: list[NativeOutput], index: int, delta: OutputDelta,
+                  batched: bool) -> dict[str, Any]:
+    """The native stream's chunk for ``delta``: the request's whole output so far."""
+    outputs[index].add(delta)
+    chunk = outputs[index].render()
+    if batched:
+        chunk["index"] = index
+    return chunk
+
+
+def _native_chunks(deltas: Iterator[tuple[int, OutputDelta]], reqs: list[io.GenerateReq],
+                   batched: bool) -> Iterator[dict[str, Any]]:
+    """Cumulative chunks (the native API's stream) built from a delta stream."""
+    outputs = _native_outputs(reqs)
+    with contextlib.closing(deltas):
+        for index, delta in deltas:
+            yield _native_chunk(outputs, index, delta, batched)
+
+
+async def _async_native_chunks(deltas: AsyncIterator[tuple[int, OutputDelta]],
+                               reqs: list[io.GenerateReq], batched: bool) -> AsyncIterator:
+    outputs = _native_outputs(reqs)
+    try:
+        async for index, delta in deltas:
+            yield _native_chunk(outputs, index, delta, batched)
+    finally:
+        await deltas.aclose()

@@ -1,9 +1,11 @@
 """The TokenizerManager: the front process's side of the runtime, on an asyncio loop.
 
-It sends validated, tokenized requests to the Scheduler, receives their text from the
-Detokenizer, keeps each request's state (text, tokens, logprobs, meta) and wakes whoever
-waits for it. It watches the child processes: if one dies, every pending call fails at once
-with the reason, and every later call is refused.
+It sends validated, tokenized requests to the Scheduler, receives each request's output as
+deltas (tokens and logprobs from the Scheduler, their text from the Detokenizer), pairs
+them (``request_state.py``), and hands them on: to a streaming caller as they come, or
+folded into the whole result for a caller that waits for it. It watches the child
+processes: if one dies, every pending call fails at once with the reason, and every later
+call is refused.
 """
 
 from __future__ import annotations
@@ -11,100 +13,27 @@ from __future__ import annotations
 import asyncio
 import itertools
 import subprocess
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from radixlm.runtime import messages as io
+from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
+from radixlm.runtime.engine.request_state import OutputDelta, ReqState
 
 CHILD_CHECK_INTERVAL_S = 0.2
 CONTROL_TIMEOUT_S = 30.0
 
 
-class RuntimeUnavailable(RuntimeError):
-    """A runtime process died or the runtime was shut down."""
-
-
-class QueueFull(RuntimeError):
-    """More requests are in flight than the runtime accepts (``max_queued_requests``)."""
-
-
-@dataclass
-class ReqState:
-    """What the client has of one request so far."""
-
-    rid: str
-    prompt_tokens: int
-    return_logprob: bool
-    top_logprobs: bool
-    created: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
-    cached_tokens: int = 0
-    retractions: int = 0
-    jump_forward_tokens: int = 0
-    input_token_logprobs: list = field(default_factory=list)
-    input_top_logprobs: list = field(default_factory=list)
-    output_token_logprobs: list = field(default_factory=list)
-    output_top_logprobs: list = field(default_factory=list)
-    error: str | None = None
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-    def apply(self, out: io.TextOut) -> None:
-        tokens = out.tokens
-        if tokens.new_ids and self.first_token is None:
-            self.first_token = time.perf_counter()
-        self.text = out.text
-        self.output_ids += tokens.new_ids
-        self.finish_reason = tokens.finish_reason
-        self.cached_tokens = tokens.cached_tokens
-        self.retractions = tokens.retractions
-        self.jump_forward_tokens = tokens.jump_forward_tokens
-        self.input_token_logprobs += tokens.input_token_logprobs
-        self.input_top_logprobs += tokens.input_top_logprobs
-        self.output_token_logprobs += tokens.output_token_logprobs
-        self.output_top_logprobs += tokens.output_top_logprobs
-        self.changed.set()
-
-    def output(self) -> dict[str, Any]:
-        """The native API's ``{"text", "output_ids", "meta_info"}``."""
-        if self.error is not None:
-            raise RuntimeUnavailable(self.error)
-        meta: dict[str, Any] = {
-            "id": self.rid,
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": self.cached_tokens,
-            "total_retractions": self.retractions,
-            "jump_forward_tokens": self.jump_forward_tokens,
-            "e2e_latency": time.perf_counter() - self.created,
-        }
-        if self.return_logprob:
-            meta["input_token_logprobs"] = list(self.input_token_logprobs)
-            meta["output_token_logprobs"] = list(self.output_token_logprobs)
-            if self.top_logprobs:
-                meta["input_top_logprobs"] = list(self.input_top_logprobs)
-                meta["output_top_logprobs"] = list(self.output_top_logprobs)
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
-
-
 class TokenizerManager:
     """Runs on one event loop; every method must be called from that loop."""
 
-    def __init__(self, paths, processes: dict[str, subprocess.Popen],
-                 max_in_flight: int | None = None):
-        """``max_in_flight``: unfinished requests accepted at once (None: no limit)."""
+    def __init__(self, paths: io.SocketPaths, processes: dict[str, subprocess.Popen],
+                 max_in_flight: int | None = None, metrics=None):
+        """``max_in_flight``: unfinished requests accepted at once (None: no limit);
+        ``metrics``: a ``ServerMetrics`` told of every finished request (or None)."""
         self.context = zmq.asyncio.Context()
         self.to_scheduler = self.context.socket(zmq.PUSH)
         self.to_scheduler.connect(paths.scheduler)
@@ -118,8 +47,9 @@ class TokenizerManager:
         self._control_ids = itertools.count(1)
         self.failure: str | None = None
         self.max_in_flight = max_in_flight
-        self.metrics = None
-        """A ``ServerMetrics`` told of every finished request, when set."""
+        self.metrics = metrics
+        self.received_bytes = 0
+        """Bytes of every message received (a stream of N tokens costs O(N) of them)."""
         self._tasks = [
             asyncio.ensure_future(self._receive_loop()),
             asyncio.ensure_future(self._watch_children()),
@@ -127,7 +57,7 @@ class TokenizerManager:
 
     # Requests --------------------------------------------------------------------------
 
-    async def submit(self, reqs: list[io.GenerateReq]) -> list[ReqState]:
+    async def submit(self, reqs: list[io.GenerateReq], streamed: bool) -> list[ReqState]:
         self._check_alive()
         duplicate = [r.rid for r in reqs if r.rid in self.states]
         if duplicate:
@@ -140,7 +70,7 @@ class TokenizerManager:
         states = []
         for req in reqs:
             state = ReqState(req.rid, len(req.input_ids), req.return_logprob,
-                             req.top_logprobs_num > 0)
+                             req.top_logprobs_num > 0, streamed)
             self.states[req.rid] = state
             states.append(state)
         for req in reqs:
@@ -148,37 +78,30 @@ class TokenizerManager:
         return states
 
     async def collect(self, reqs: list[io.GenerateReq]) -> list[dict[str, Any]]:
-        """Runs the requests to the end; their final outputs, in order."""
-        states = await self.submit(reqs)
+        """Runs the requests to the end; their whole outputs (native shape), in order."""
+        states = await self.submit(reqs, streamed=False)
         for state in states:
             while not state.finished:
                 await state.changed.wait()
                 state.changed.clear()
-        return [state.output() for state in states]
+        return [state.result() for state in states]
 
-    async def stream(self, reqs: list[io.GenerateReq], batched: bool) -> AsyncIterator[dict]:
-        """A chunk whenever a request gained tokens, and one when it ends (``index`` tags
-        the request's position when ``batched``). Unfinished requests are aborted if the
-        consumer stops early."""
-        states = await self.submit(reqs)
-        sent = [0] * len(states)
-        done: set[int] = set()
+    async def stream(self, reqs: list[io.GenerateReq]) -> AsyncIterator[tuple[int, OutputDelta]]:
+        """``(index, delta)`` for the output of each request (``index``: its position in
+        ``reqs``) as it arrives: one delta per step, or one for all the steps that arrived
+        since the consumer last looked; a request's last delta has its finish reason.
+        Unfinished requests are aborted if the consumer stops early."""
+        states = await self.submit(reqs, streamed=True)
         try:
-            while len(done) < len(states):
+            while True:
                 for index, state in enumerate(states):
-                    if index in done or (
-                        not state.finished and len(state.output_ids) == sent[index]
-                    ):
-                        continue
-                    sent[index] = len(state.output_ids)
-                    if state.finished:
-                        done.add(index)
-                    chunk = state.output()
-                    if batched:
-                        chunk["index"] = index
-                    yield chunk
-                if len(done) < len(states):
-                    await self._any_changed(states)
+                    if (delta := state.take_deltas()) is not None:
+                        yield index, delta
+                    if state.error is not None:
+                        raise RuntimeUnavailable(state.error)
+                if all(state.finished and not state.deltas for state in states):
+                    return
+                await self._any_changed(states)
         finally:
             for state in states:
                 if not state.finished and self.failure is None:
@@ -206,7 +129,13 @@ class TokenizerManager:
         for task in self._tasks:
             task.cancel()
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
+        """Stops receiving and closes the sockets, so another TokenizerManager can take this
+        one's place; requests still in flight fail with ``reason`` (when given)."""
+        if reason is not None:
+            self._fail(reason)
+        for task in self._tasks:
+            task.cancel()
         self.context.destroy(linger=0)
 
     # Internals -------------------------------------------------------------------------
@@ -229,24 +158,37 @@ class TokenizerManager:
 
     async def _receive_loop(self) -> None:
         while True:
-            msg = io.decode(await self.inbox.recv())
-            if isinstance(msg, io.TextBatch):
+            data = await self.inbox.recv()
+            self.received_bytes += len(data)
+            msg = io.decode(data)
+            if isinstance(msg, io.TokenBatch):
                 for out in msg.outputs:
-                    state = self.states.get(out.tokens.rid)
-                    if state is not None:
-                        state.apply(out)
-                        if state.finished:
-                            del self.states[state.rid]
-                            if self.metrics is not None:
-                                meta = state.output()["meta_info"]
-                                self.metrics.observe_finished(state.created, state.first_token,
-                                                              meta)
+                    if (state := self.states.get(out.rid)) is not None:
+                        state.add_tokens(out)
+                        self._retire_if_finished(state)
+            elif isinstance(msg, io.TextBatch):
+                for text in msg.outputs:
+                    if (state := self.states.get(text.rid)) is not None:
+                        state.add_text(text)
+                        self._retire_if_finished(state)
             elif isinstance(msg, io.ControlReply):
                 future = self.control_waiters.get(msg.request_id)
                 if future is not None and not future.done():
                     future.set_result(msg)
             elif isinstance(msg, io.ProcessFailed):
                 self._fail(f"the {msg.process} process failed: {msg.message}")
+
+    def _retire_if_finished(self, state: ReqState) -> None:
+        if not state.finished:
+            return
+        del self.states[state.rid]
+        if self.metrics is not None:
+            self.metrics.observe_finished(state.created, state.first_token, {
+                "prompt_tokens": state.prompt_tokens,
+                "completion_tokens": state.completion_tokens,
+                "cached_tokens": state.cached_tokens,
+                "finish_reason": state.finish_reason,
+            })
 
     async def _watch_children(self) -> None:
         while self.failure is None:
@@ -262,8 +204,7 @@ class TokenizerManager:
             return
         self.failure = reason
         for state in self.states.values():
-            state.error = reason
-            state.changed.set()
+            state.fail(reason)
         self.states.clear()
         for future in self.control_waiters.values():
             if not future.done():

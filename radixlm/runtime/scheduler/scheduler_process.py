@@ -8,6 +8,7 @@ import os
 import traceback
 from typing import Any
 
+import msgspec
 import zmq
 from transformers import AutoTokenizer
 
@@ -74,8 +75,10 @@ def make_req(msg: io.GenerateReq, tokenizer, leaders: dict[str, Req]) -> Req:
     )
 
 
-def token_out(req: Req) -> io.TokenOut:
-    """What ``req`` produced since its last report (and marks it reported)."""
+def token_out(req: Req) -> tuple[io.TokenOut, io.DetokenizeOut | None]:
+    """What ``req`` produced since its last report (and marks it reported): the message for
+    the TokenizerManager and, when it brings tokens or ends the request, the one for the
+    Detokenizer."""
     out = io.TokenOut(
         rid=req.rid,
         new_ids=req.output_ids[req.reported_ids:],
@@ -89,19 +92,22 @@ def token_out(req: Req) -> io.TokenOut:
         output_token_logprobs=req.output_token_logprobs[req.reported_ids:],
         output_top_logprobs=req.output_top_logprobs[req.reported_ids:],
     )
-    if not req.reported_anything:
-        params = req.sampling
-        out.spec = io.DetokenizeSpec(
-            prompt_tail=req.input_ids[-CONTEXT_TOKENS:],
-            skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
-            stop=params.stop or [],
-            no_stop_trim=params.no_stop_trim,
-        )
+    detokenize = None
+    if out.has_text:
+        detokenize = io.DetokenizeOut(req.rid, out.new_ids, out.finish_reason)
+        if not req.reported_text:
+            params = req.sampling
+            detokenize.spec = io.DetokenizeSpec(
+                prompt_tail=req.input_ids[-CONTEXT_TOKENS:],
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=params.stop or [],
+                no_stop_trim=params.no_stop_trim,
+            )
+            req.reported_text = True
     req.reported_ids = len(req.output_ids)
     req.reported_input_logprobs = len(req.input_token_logprobs)
-    req.reported_anything = True
-    return out
+    return out, detokenize
 
 
 class SchedulerLoop:
@@ -140,7 +146,7 @@ class SchedulerLoop:
         timeout = IDLE_POLL_MS if block else 0
         while self.inbox.poll(timeout):
             timeout = 0
-            msg = io.decode(self.inbox.recv())
+            msg = self._decode(self.inbox.recv())
             if isinstance(msg, io.GenerateReq):
                 self._add(msg)
             elif isinstance(msg, io.AbortReq):
@@ -155,12 +161,34 @@ class SchedulerLoop:
         try:
             req = make_req(msg, self.tokenizer, self.by_rid)
         except (ValueError, TypeError) as err:  # the Engine validates; this is a last guard
-            reason = finish_abort(f"invalid request: {err}")
-            out = io.TokenOut(msg.rid, [], reason, len(msg.input_ids), 0, 0)
-            self.to_detokenizer.send(io.encode(io.TokenBatch([out])))
+            self._refuse(msg.rid, len(msg.input_ids), f"invalid request: {err}")
             return
         self.by_rid[req.rid] = req
         self.scheduler.add_request(req)
+
+    def _refuse(self, rid: str, prompt_tokens: int, message: str) -> None:
+        """Ends a request that never ran, with ``message`` as its abort reason."""
+        reason = finish_abort(message)
+        self.to_tokenizer_manager.send(io.encode(io.TokenBatch(
+            [io.TokenOut(rid, [], reason, prompt_tokens, 0, 0)])))
+        self.to_detokenizer.send(io.encode(io.DetokenizeBatch(
+            [io.DetokenizeOut(rid, [], reason)])))
+
+    def _decode(self, data: bytes) -> io.Message | None:
+        """The message, or None for one that does not decode (a request among them is
+        refused by its rid, so its caller does not wait forever)."""
+        try:
+            return io.decode(data)
+        except msgspec.ValidationError as err:
+            raw = msgspec.msgpack.decode(data)
+            if isinstance(raw, dict) and raw.get("type") == "GenerateReq" and isinstance(
+                    raw.get("rid"), str):
+                prompt = raw.get("input_ids")
+                self._refuse(raw["rid"], len(prompt) if isinstance(prompt, list) else 0,
+                             f"invalid request: {err}")
+            else:
+                logger.error("dropped a message that does not decode: %s", err)
+            return None
 
     def _abort(self, rid: str | None) -> None:
         victims = [r for r in self.scheduler.requests() if rid is None or r.rid == rid]
@@ -182,16 +210,22 @@ class SchedulerLoop:
         self.to_tokenizer_manager.send(io.encode(io.ControlReply(msg.request_id, ok, info)))
 
     def _report(self, reqs: list[Req]) -> None:
-        outputs = [
-            token_out(r) for r in reqs
-            if r.finished or len(r.output_ids) > r.reported_ids
-            or len(r.input_token_logprobs) > r.reported_input_logprobs
-        ]
+        """Sends what ``reqs`` produced: tokens, logprobs and states to the TokenizerManager,
+        tokens to the Detokenizer."""
+        outputs, texts = [], []
         for req in reqs:
+            if (req.finished or len(req.output_ids) > req.reported_ids
+                    or len(req.input_token_logprobs) > req.reported_input_logprobs):
+                out, detokenize = token_out(req)
+                outputs.append(out)
+                if detokenize is not None:
+                    texts.append(detokenize)
             if req.finished:
                 self.by_rid.pop(req.rid, None)
+        if texts:
+            self.to_detokenizer.send(io.encode(io.DetokenizeBatch(texts)))
         if outputs:
-            self.to_detokenizer.send(io.encode(io.TokenBatch(outputs)))
+            self.to_tokenizer_manager.send(io.encode(io.TokenBatch(outputs)))
 
 
 def run_scheduler_process(args: ServerArgs, model_path: str, paths: io.SocketPaths, ready) -> None:

@@ -9,6 +9,7 @@ requires ``Authorization: Bearer <key>``.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -21,8 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 
 from radixlm.runtime.engine.engine import Engine
+from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
 from radixlm.runtime.engine.request_inputs import GenerateInput
-from radixlm.runtime.engine.tokenizer_manager import QueueFull, RuntimeUnavailable
 from radixlm.runtime.server.metrics import ServerMetrics
 from radixlm.runtime.server.openai_api import add_openai_routes
 from radixlm.runtime.server.server_sent_events import server_sent_events
@@ -49,7 +50,13 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app serving ``engine``: the native API, and the OpenAI API under /v1 with
     the model named ``served_model_name`` (default: the model directory's name)."""
-    app = FastAPI(title="radixlm", description="SGLang's native API and the OpenAI API")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async with engine.serving_on_running_loop():  # no thread hop per request
+            yield
+
+    app = FastAPI(title="radixlm", description="SGLang's native API and the OpenAI API",
+                  lifespan=lifespan)
     add_openai_routes(app, engine, served_model_name or engine.model_config.path.name)
 
     @app.middleware("http")
@@ -81,12 +88,13 @@ def create_app(
     async def queue_full(_: Request, err: QueueFull) -> JSONResponse:
         return error_response(503, str(err))
 
-    metrics = ServerMetrics(engine.get_server_info)
+    metrics = ServerMetrics()
     engine.attach_metrics(metrics)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        info = await engine.async_get_server_info()
+        return Response(metrics.render(info), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:
@@ -115,11 +123,11 @@ def create_app(
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        return engine.get_server_info()
+        return await engine.async_get_server_info()
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
-        if engine.flush_cache():
+        if await engine.async_flush_cache():
             return Response("cache flushed", status_code=200)
         return error_response(400, "the cache can only be flushed while no request runs")
 
@@ -127,7 +135,7 @@ def create_app(
     async def abort_request(body: AbortRequest) -> Response:
         if not body.abort_all and body.rid is None:
             return error_response(400, "give a rid, or abort_all: true")
-        engine.abort(None if body.abort_all else body.rid)
+        await engine.async_abort(None if body.abort_all else body.rid)
         return Response(status_code=200)
 
     @app.post("/generate")

@@ -8,7 +8,7 @@ mean inter-token latency, and end-to-end latency.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -21,7 +21,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class ServerMetrics:
     """Metrics in a registry of their own (so several servers in one process never clash)."""
 
-    def __init__(self, server_info: Callable[[], dict[str, Any]]):
+    def __init__(self):
         self.registry = CollectorRegistry()
         self.prompt_tokens = Counter(
             "radixlm_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
@@ -49,7 +49,8 @@ class ServerMetrics:
             "radixlm_e2e_request_latency_seconds", "End-to-end request latency",
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
-        self.registry.register(_RuntimeStateCollector(server_info))
+        self._state = _RuntimeStateCollector()
+        self.registry.register(self._state)
 
     def observe_finished(self, created: float, first_token: float | None, meta: dict) -> None:
         """Records one finished request (``meta``: its native ``meta_info``)."""
@@ -64,18 +65,23 @@ class ServerMetrics:
         self.inter_token_latency.observe((now - first) / (completion - 1) if completion > 1 else 0)
         self.e2e_latency.observe(now - created)
 
-    def render(self) -> bytes:
+    def render(self, server_info: dict[str, Any]) -> bytes:
+        """The metrics in Prometheus' text format, with the runtime's live state read from
+        ``server_info`` (``Engine.get_server_info``, fetched by the caller)."""
+        self._state.server_info = server_info
         return generate_latest(self.registry)
 
 
 class _RuntimeStateCollector(Collector):
     """Gauges read from the runtime at scrape time."""
 
-    def __init__(self, server_info: Callable[[], dict[str, Any]]):
-        self.server_info = server_info
+    server_info: dict[str, Any] | None = None
+    """The state to report at the next scrape."""
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        info = self.server_info()
+        info = self.server_info
+        if info is None:
+            return
         stats = info.get("stats", {})
         used = info["max_total_tokens"] - info["free_kv_tokens"]
         hit_rate = stats.get("cached_tokens", 0) / max(stats.get("prompt_tokens", 0), 1)

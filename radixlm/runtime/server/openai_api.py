@@ -31,7 +31,9 @@ from jinja2 import TemplateError
 from pydantic import BaseModel
 
 from radixlm.runtime.engine.engine import Engine
-from radixlm.runtime.engine.tokenizer_manager import QueueFull, RuntimeUnavailable
+from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
+from radixlm.runtime.engine.request_inputs import GenerateInput
+from radixlm.runtime.engine.request_state import OutputDelta
 from radixlm.runtime.server.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -131,18 +133,20 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
             raise OpenAIError(400, "prompt is empty", param="prompt")
         if isinstance(prompt, str) or isinstance(prompt[0], str):
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
-            inputs: dict[str, Any] = {"prompt": texts}
+            id_lists = None
         else:
             id_lists = [prompt] if isinstance(prompt[0], int) else list(prompt)
             texts = None
-            inputs = {"input_ids": id_lists}
         want_logprobs = body.logprobs is not None
-        result = await engine.async_generate(
-            **inputs, sampling_params=_sampling_params(body, body.max_tokens),
+        request = GenerateInput(
+            text=texts, input_ids=id_lists,
+            sampling_params=_sampling_params(body, body.max_tokens),
             return_logprob=want_logprobs, top_logprobs_num=body.logprobs,
             logprob_start_len=0 if want_logprobs and body.echo else None,
-            return_text_in_logprobs=True, stream=body.stream,
+            return_text_in_logprobs=True,
         )
+        result = await (engine.stream_deltas(request) if body.stream
+                        else engine.generate_request(request))
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": served_model_name}
         if texts is None:  # decoded once the Engine has checked the ids
@@ -154,8 +158,12 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
         choices = []
         for index, out in enumerate(result):
             echo = echoes[index // body.n]
-            logprobs = _completion_logprobs(out["meta_info"], 0, body.echo, 0) \
-                if want_logprobs else None
+            logprobs = None
+            if want_logprobs:
+                meta = out["meta_info"]
+                logprobs = _completion_logprobs(
+                    *_meta_logprobs(meta, "output"), 0,
+                    prompt=_meta_logprobs(meta, "input") if body.echo else None)
             choices.append(CompletionChoice(
                 index=index, text=echo + out["text"], logprobs=logprobs,
                 finish_reason=_finish_reason(out["meta_info"]),
@@ -182,11 +190,13 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
         params = _sampling_params(body, body.max_completion_tokens or body.max_tokens)
         params.update(_response_format_params(body))
-        result = await engine.async_generate(
+        request = GenerateInput(
             input_ids=[ids], sampling_params=params, return_logprob=body.logprobs,
-            top_logprobs_num=body.top_logprobs if body.logprobs else None, stream=body.stream,
+            top_logprobs_num=body.top_logprobs if body.logprobs else None,
             return_text_in_logprobs=True,
         )
+        result = await (engine.stream_deltas(request) if body.stream
+                        else engine.generate_request(request))
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": served_model_name}
         if body.stream:
@@ -195,7 +205,8 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
         choices = [
             ChatChoice(
                 index=index, message=AssistantMessage(content=out["text"]),
-                logprobs=_chat_logprobs(out["meta_info"], 0) if body.logprobs else None,
+                logprobs=_chat_logprobs(*_meta_logprobs(out["meta_info"], "output"))
+                if body.logprobs else None,
                 finish_reason=_finish_reason(out["meta_info"]),
             )
             for index, out in enumerate(result)
@@ -260,30 +271,53 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
 
 
 def _finish_reason(meta: dict[str, Any]) -> str | None:
-    reason = meta.get("finish_reason")
+    return _finish_type(meta.get("finish_reason"))
+
+
+def _finish_type(reason: dict[str, Any] | None) -> str | None:
     return None if reason is None else reason["type"]
 
 
 def _usage(outputs: list[dict[str, Any]], n: int) -> Usage:
-    """Prompt tokens count once per prompt (its ``n`` samples share one prefill)."""
-    firsts = [out["meta_info"] for out in outputs[::n]]
-    prompt = sum(meta["prompt_tokens"] for meta in firsts)
-    completion = sum(out["meta_info"]["completion_tokens"] for out in outputs)
-    cached = sum(meta["cached_tokens"] for meta in firsts)
+    """Usage of whole outputs (native shape), ``n`` samples per prompt."""
+    return _usage_of([(out["meta_info"]["prompt_tokens"], out["meta_info"]["completion_tokens"],
+                       out["meta_info"]["cached_tokens"]) for out in outputs], n)
+
+
+def _usage_of(counts: list[tuple[int, int, int]], n: int) -> Usage:
+    """Usage from each choice's (prompt, completion, cached) tokens. Prompt tokens count
+    once per prompt (its ``n`` samples share one prefill)."""
+    firsts = counts[::n]
+    prompt = sum(prompt_tokens for prompt_tokens, _, _ in firsts)
+    completion = sum(completion_tokens for _, completion_tokens, _ in counts)
+    cached = sum(cached_tokens for _, _, cached_tokens in firsts)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def _completion_logprobs(meta: dict[str, Any], start: int, with_prompt: bool,
-                         offset: int) -> CompletionLogprobs:
-    """Output tokens from ``start`` on (and the prompt's, when ``with_prompt``), their
+Logprobs = tuple[list[list[Any]], list[list[list[Any]] | None]]
+"""Entries ``[logprob, token_id, text]`` and, per entry, its top alternatives (or None)."""
+
+
+def _meta_logprobs(meta: dict[str, Any], part: str) -> Logprobs:
+    """The ``input`` or ``output`` logprobs of a native ``meta_info``."""
+    entries = meta[f"{part}_token_logprobs"]
+    return entries, meta.get(f"{part}_top_logprobs") or [None] * len(entries)
+
+
+def _delta_logprobs(tokens) -> Logprobs:
+    """The output logprobs a delta's ``TokenOut`` brings."""
+    entries = tokens.output_token_logprobs
+    return entries, tokens.output_top_logprobs or [None] * len(entries)
+
+
+def _completion_logprobs(entries: list, tops: list, offset: int,
+                         prompt: Logprobs | None = None) -> CompletionLogprobs:
+    """Completion logprobs of ``entries`` (after the ``prompt``'s, for ``echo``), their
     ``text_offset``s counting from ``offset``."""
-    entries = meta["output_token_logprobs"][start:]
-    tops = meta.get("output_top_logprobs", [None] * len(entries))[start:]
-    if with_prompt:
-        entries = meta["input_token_logprobs"] + entries
-        tops = meta.get("input_top_logprobs", [None] * len(meta["input_token_logprobs"])) + tops
+    if prompt is not None:
+        entries, tops = prompt[0] + entries, prompt[1] + tops
     result = CompletionLogprobs()
     for (logprob, _, text), top in zip(entries, tops):
         result.tokens.append(text)
@@ -295,9 +329,7 @@ def _completion_logprobs(meta: dict[str, Any], start: int, with_prompt: bool,
     return result
 
 
-def _chat_logprobs(meta: dict[str, Any], start: int) -> ChatLogprobs:
-    entries = meta["output_token_logprobs"][start:]
-    tops = meta.get("output_top_logprobs", [None] * len(entries))[start:]
+def _chat_logprobs(entries: list, tops: list) -> ChatLogprobs:
     return ChatLogprobs(content=[
         TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()), top_logprobs=[
             TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for lp, _, t in top or []
@@ -310,79 +342,76 @@ def _chat_logprobs(meta: dict[str, Any], start: int) -> ChatLogprobs:
 
 
 class _ChoiceProgress:
-    """What one choice's stream has sent: characters of text and output tokens."""
+    """What one choice's stream has sent, and the counts its usage needs."""
 
     def __init__(self) -> None:
-        self.chars = 0
-        self.tokens = 0
         self.started = False
         self.logprob_chars = 0  # the next ``text_offset``: the texts of the tokens sent
-        self.last: dict[str, Any] | None = None
+        self.counts = (0, 0, 0)  # prompt, completion and cached tokens
 
-    def advance(self, chunk: dict[str, Any]) -> tuple[str, int]:
-        """The new text of ``chunk`` (the Engine's text is cumulative) and where its tokens
-        start."""
-        delta, start = chunk["text"][self.chars:], self.tokens
-        self.chars = len(chunk["text"])
-        self.tokens = chunk["meta_info"]["completion_tokens"]
-        self.last = chunk
-        return delta, start
+    def advance(self, delta: OutputDelta) -> None:
+        tokens = delta.tokens
+        self.counts = (tokens.prompt_tokens, self.counts[1] + len(tokens.new_ids),
+                       tokens.cached_tokens)
 
 
 def _final_usage(progress: dict[int, _ChoiceProgress], n: int) -> Usage:
-    return _usage([progress[i].last for i in sorted(progress)], n)
+    return _usage_of([progress[i].counts for i in sorted(progress)], n)
 
 
 async def _completion_events(
-    chunks: AsyncIterator[dict], head: dict[str, Any], echoes: list[str],
+    deltas: AsyncIterator[tuple[int, OutputDelta]], head: dict[str, Any], echoes: list[str],
     body: CompletionRequest,
 ) -> AsyncIterator[BaseModel]:
     progress: dict[int, _ChoiceProgress] = {}
-    async for chunk in chunks:
-        index = chunk["index"]
+    async for index, delta in deltas:
         state = progress.setdefault(index, _ChoiceProgress())
         echo = "" if state.started else echoes[index // body.n]
         with_prompt = body.echo and not state.started
         state.started = True
-        delta, start = state.advance(chunk)
+        state.advance(delta)
+        tokens = delta.tokens
         logprobs = None
         if body.logprobs is not None:
-            logprobs = _completion_logprobs(chunk["meta_info"], start, with_prompt,
-                                            state.logprob_chars)
+            prompt = None
+            if with_prompt:
+                entries = tokens.input_token_logprobs
+                prompt = (entries, tokens.input_top_logprobs or [None] * len(entries))
+            logprobs = _completion_logprobs(*_delta_logprobs(tokens), state.logprob_chars,
+                                            prompt=prompt)
             state.logprob_chars += sum(len(token) for token in logprobs.tokens)
-        choice = CompletionChoice(index=index, text=echo + delta, logprobs=logprobs,
-                                  finish_reason=_finish_reason(chunk["meta_info"]))
+        choice = CompletionChoice(index=index, text=echo + delta.text, logprobs=logprobs,
+                                  finish_reason=_finish_type(delta.finish_reason))
         yield CompletionResponse(**head, choices=[choice])
     if body.stream_options is not None and body.stream_options.include_usage:
         yield CompletionResponse(**head, choices=[], usage=_final_usage(progress, body.n))
 
 
-async def _chat_events(chunks: AsyncIterator[dict], head: dict[str, Any],
+async def _chat_events(deltas: AsyncIterator[tuple[int, OutputDelta]], head: dict[str, Any],
                        body: ChatCompletionRequest) -> AsyncIterator[BaseModel]:
     progress: dict[int, _ChoiceProgress] = {}
-    async for chunk in chunks:
-        index = chunk["index"]
+    async for index, delta in deltas:
         state = progress.setdefault(index, _ChoiceProgress())
         if not state.started:
             state.started = True
             opening = ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))
             yield ChatCompletionChunk(**head, choices=[opening])
-        delta, start = state.advance(chunk)
-        finish = _finish_reason(chunk["meta_info"])
-        if not delta and finish is None:
+        state.advance(delta)
+        finish = _finish_type(delta.finish_reason)
+        if not delta.text and finish is None:
             continue
         choice = ChatChunkChoice(
-            index=index, delta=Delta(content=delta or None), finish_reason=finish,
-            logprobs=_chat_logprobs(chunk["meta_info"], start) if body.logprobs else None,
+            index=index, delta=Delta(content=delta.text or None), finish_reason=finish,
+            logprobs=_chat_logprobs(*_delta_logprobs(delta.tokens)) if body.logprobs else None,
         )
         yield ChatCompletionChunk(**head, choices=[choice])
     if body.stream_options is not None and body.stream_options.include_usage:
         yield ChatCompletionChunk(**head, choices=[], usage=_final_usage(progress, body.n))
 
 
-def _sse(chunks: AsyncIterator[dict], events: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
+def _sse(deltas: AsyncIterator, events: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
     """The events as server-sent events, errors in OpenAI's body."""
     return server_sent_events(
-        events, chunks, lambda event: event.model_dump_json(),
+        events, deltas, lambda event: event.model_dump_json(),
         lambda err: openai_error_body(_as_openai_error(err)),
     )

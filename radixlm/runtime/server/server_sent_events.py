@@ -6,7 +6,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from radixlm.runtime.engine.tokenizer_manager import QueueFull, RuntimeUnavailable
+from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
 
 
 async def server_sent_events(

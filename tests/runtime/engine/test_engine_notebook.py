@@ -8,7 +8,7 @@ import nbclient
 import nbformat
 import pytest
 
-NOTEBOOK = Path(__file__).parents[2] / "docs" / "engine_quickstart.ipynb"
+NOTEBOOK = Path(__file__).parents[3] / "docs" / "engine_quickstart.ipynb"
 
 
 @pytest.mark.default_model

@@ -15,7 +15,7 @@ from workloads import PROMPTS, greedy
 import radixlm
 from radixlm.runtime import messages as io
 from radixlm.runtime.detokenizer.detokenizer_process import Detokenizer
-from radixlm.runtime.engine.tokenizer_manager import RuntimeUnavailable
+from radixlm.runtime.engine.errors import RuntimeUnavailable
 
 
 def test_async_generate_runs_inside_a_running_event_loop(engine_for):
@@ -93,9 +93,16 @@ def test_a_model_that_fails_to_load_raises_naming_the_file(tmp_path, tiny_model_
         radixlm.Engine(str(broken), dtype="float32", max_total_tokens=1024)
 
 
-def _token_out(rid, new_ids, finish=None, stop=(), no_stop_trim=False, first=False):
+def _detokenize_out(rid, new_ids, finish=None, stop=(), no_stop_trim=False, first=False):
     spec = io.DetokenizeSpec([], True, True, list(stop), no_stop_trim) if first else None
-    return io.TokenOut(rid, new_ids, finish, 1, 0, 0, spec=spec)
+    return io.DetokenizeOut(rid, new_ids, finish, spec)
+
+
+def _shown_text(detokenizer: Detokenizer, out: io.DetokenizeOut, before: str) -> str:
+    """The text a client shows after ``out``: ``before``, cut by the delta's trim, plus it."""
+    delta = detokenizer.handle(io.DetokenizeBatch([out])).outputs[0]
+    assert delta.rid == out.rid
+    return before[: len(before) - delta.trim] + delta.text
 
 
 def test_detokenizer_finds_a_stop_string_split_across_chunks_and_holds_it_back():
@@ -108,9 +115,9 @@ def test_detokenizer_finds_a_stop_string_split_across_chunks_and_holds_it_back()
     for i, token in enumerate(ids):
         # As the Scheduler does: the request ends with the token that completes the stop.
         done = stop in tokenizer.decode(ids[: i + 1])
-        out = _token_out("r", [token], {"type": "stop", "matched": stop} if done else None,
-                         stop=[stop], first=i == 0)
-        shown.append(detokenizer.handle(io.TokenBatch([out])).outputs[0].text)
+        out = _detokenize_out("r", [token], {"type": "stop", "matched": stop} if done else None,
+                              stop=[stop], first=i == 0)
+        shown.append(_shown_text(detokenizer, out, shown[-1] if shown else ""))
         if done:
             break
     kept = text[: text.index(stop)]
@@ -128,16 +135,18 @@ def test_detokenizer_never_shows_a_broken_character():
     shown = []
     for i, token in enumerate(ids):
         finish = {"type": "length", "length": len(ids)} if i == len(ids) - 1 else None
-        out = _token_out("u", [token], finish, first=i == 0)
-        shown.append(detokenizer.handle(io.TokenBatch([out])).outputs[0].text)
+        out = _detokenize_out("u", [token], finish, first=i == 0)
+        shown.append(_shown_text(detokenizer, out, shown[-1] if shown else ""))
     assert all("\ufffd" not in piece for piece in shown)
     assert shown[-1] == text
     assert all(text.startswith(piece) for piece in shown)
 
 
 def test_the_scheduler_survives_an_invalid_message(engine_for):
+    """Requests are validated where they enter; one that reaches the scheduler with a value
+    of the wrong type is refused by its rid, and the scheduler keeps serving."""
     engine = engine_for()
-    bad = io.GenerateReq("bad-request", [5, 6, 7], {"temperature": -1.0})
+    bad = io.GenerateReq("bad-request", [5, 6, 7], {"temperature": "hot"})
     out = engine._call(engine._tm.collect([bad]))[0]
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert "temperature" in out["meta_info"]["finish_reason"]["message"]
