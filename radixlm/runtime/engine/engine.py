@@ -181,6 +181,13 @@ class Engine:
         self._metrics = metrics
         self._tm.metrics = metrics
 
+    @property
+    def received_bytes(self) -> int:
+        """Bytes of the messages the TokenizerManager has received from the runtime's
+        processes since it started on its current loop (outputs arrive as deltas: a
+        stream of N tokens costs O(N) of them)."""
+        return self._tm.received_bytes
+
     def is_healthy(self) -> bool:
         """False once a runtime process has died (every call then raises)."""
         return not self._shut_down and self._tm.failure is None

@@ -1,0 +1,115 @@
+"""Long streams cost linear bytes inside the runtime: outputs travel as deltas from the
+scheduler to the tokenizer manager, and the OpenAI stream sends deltas on the wire, while
+the native stream keeps SGLang's cumulative text (built at the edge)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+from live_server import LiveServer
+
+import radixlm
+from radixlm.runtime.server.http_server import create_app
+
+SHORT, LONG = 512, 4096
+LINEAR_BOUND = 1.5 * LONG / SHORT
+"""Bytes may grow at most this much from the short stream to the long one (a quadratic
+cost would grow about (LONG / SHORT) ** 2 = 64 times)."""
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    """A server over the tiny model, given a chat template for /v1/chat/completions."""
+    model = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(tiny_model_dir(), model)
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    engine = radixlm.Engine(str(model), dtype="float32", context_length=LONG + 64,
+                            max_total_tokens=LONG + 128)
+    live = LiveServer(create_app(engine))
+    yield engine, live
+    live.close()
+    engine.shutdown()
+
+
+def sse_events(response: httpx.Response) -> tuple[list[dict], int]:
+    """The JSON events of a server-sent-event stream, and the bytes it took."""
+    events, size = [], 0
+    for line in response.iter_lines():
+        size += len(line) + 1
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[len("data: "):]))
+    return events, size
+
+
+def native_stream(url: str, tokens: int) -> list[dict]:
+    body = {"text": "Once upon a time", "stream": True,
+            "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=600) as response:
+        return sse_events(response)[0]
+
+
+def chat_stream(url: str, tokens: int) -> tuple[list[dict], int]:
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "stream": True, "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "messages": [{"role": "user", "content": "Once upon a time"}]}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        assert response.status_code == 200
+        return sse_events(response)
+
+
+def received_during(engine: radixlm.Engine, run) -> tuple[int, object]:
+    before = engine.received_bytes
+    result = run()
+    return engine.received_bytes - before, result
+
+
+def test_a_native_stream_moves_linear_bytes_and_keeps_cumulative_text(server):
+    engine, live = server
+    sizes = {}
+    for tokens in (SHORT, LONG):
+        sizes[tokens], chunks = received_during(
+            engine, lambda tokens=tokens: native_stream(live.url, tokens))
+        assert chunks[-1]["meta_info"]["completion_tokens"] == tokens
+        assert len(chunks[-1]["output_ids"]) == tokens
+        # SGLang's native stream: every chunk's text extends the one before.
+        for before, after in zip(chunks, chunks[1:]):
+            assert after["text"].startswith(before["text"])
+    assert sizes[LONG] < LINEAR_BOUND * sizes[SHORT], sizes
+
+
+def test_an_openai_stream_moves_linear_bytes_inside_and_on_the_wire(server):
+    engine, live = server
+    inside, wire = {}, {}
+    for tokens in (SHORT, LONG):
+        inside[tokens], (events, wire[tokens]) = received_during(
+            engine, lambda tokens=tokens: chat_stream(live.url, tokens))
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert inside[LONG] < LINEAR_BOUND * inside[SHORT], inside
+    assert wire[LONG] < LINEAR_BOUND * wire[SHORT], wire
+
+
+def test_a_server_hosts_the_tokenizer_manager_on_its_loop_while_it_runs(engine_for):
+    """No thread hop per request: while a server runs, the Engine's TokenizerManager lives
+    on the server's event loop; the Engine's own blocking API still works (it hops there),
+    and when the server stops the TokenizerManager returns to the Engine's loop."""
+    engine = engine_for()
+    assert engine._loop is engine._own_loop
+    live = LiveServer(create_app(engine))
+    try:
+        assert engine._loop is not engine._own_loop and engine._loop.is_running()
+        body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4}}
+        assert httpx.post(f"{live.url}/generate", json=body, timeout=60).status_code == 200
+        assert engine.generate("Once upon a time", {"max_new_tokens": 4})["output_ids"]
+    finally:
+        live.close()
+    assert engine._loop is engine._own_loop
+    assert engine.generate("Once upon a time", {"max_new_tokens": 4})["output_ids"]
