@@ -3,18 +3,20 @@
 Models, attention backends and the model runner all read it; nothing in it is per layer.
 Tokens of all requests are packed one after another (ragged, no padding): request ``b``
 owns ``extend_seq_lens[b]`` consecutive rows of ``input_ids``.
+
+The batch carries its attention backend typed as ``BatchAttention``, the one call a model
+makes on it, so that this module does not import the backend contract (which imports it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from radixlm.kernels.attention.attention_backend import AttentionBackend
+from radixlm.kernels.attention.attention_layer import AttentionLayer
 
 
 class ForwardMode(Enum):
@@ -22,6 +24,20 @@ class ForwardMode(Enum):
     """New tokens of each request (a whole prompt, a chunk, or the part after a cache hit)."""
     DECODE = auto()
     """Exactly one new token per request."""
+
+
+class BatchAttention(Protocol):
+    """The attention a batch carries, as a model's attention layer calls it.
+
+    Every ``AttentionBackend`` (kernels/attention/attention_backend.py) is one; its contract
+    says what ``forward`` does: store ``k`` / ``v`` into layer ``layer.layer_id`` of
+    ``forward_batch.kv_pool`` and return the attention output (T, H, D_v) for q (T, H, D).
+    """
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        layer: AttentionLayer, forward_batch: ForwardBatch,
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -47,7 +63,7 @@ class ForwardBatch:
     extend_seq_lens: torch.Tensor
     req_to_token: torch.Tensor
     kv_pool: Any
-    attn_backend: AttentionBackend
+    attn_backend: BatchAttention
     # Host copies, so backends plan without device syncs.
     seq_lens_list: list[int] = field(default_factory=list)
     extend_seq_lens_list: list[int] = field(default_factory=list)

@@ -1,19 +1,35 @@
 """The prefix-cache interface the scheduler programs against.
 
 Two implementations: ``RadixCache`` (radix_tree.py), which shares KV across requests, and
-``NoPrefixCache`` (no_cache.py), the baseline that shares nothing.
+``NoPrefixCache`` (no_cache.py), the baseline that shares nothing. This module owns the
+types both speak (``MatchResult`` and the node handle ``CacheNode``), so neither
+implementation imports the other.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
-if TYPE_CHECKING:
-    from radixlm.kv_cache.radix_tree import MatchResult, TreeNode
+
+class CacheNode:
+    """An opaque handle on the end of a cached prefix, as returned by ``match_prefix``.
+
+    A caller only hands it back to the cache that returned it (``inc_lock_ref`` /
+    ``dec_lock_ref``) and may compare it by identity; each cache subclasses it with what it
+    needs (``RadixCache``: a ``TreeNode``).
+    """
+
+    __slots__ = ()
+
+
+@dataclass
+class MatchResult:
+    indices: torch.Tensor  # int64 KV slots of the longest cached prefix, one per matched token
+    last_node: CacheNode  # where the match ends; the cache's root when nothing matched
 
 
 class PrefixCache(ABC):
@@ -48,10 +64,10 @@ class PrefixCache(ABC):
     ) -> int: ...
 
     @abstractmethod
-    def inc_lock_ref(self, node: TreeNode) -> None: ...
+    def inc_lock_ref(self, node: CacheNode) -> None: ...
 
     @abstractmethod
-    def dec_lock_ref(self, node: TreeNode) -> None: ...
+    def dec_lock_ref(self, node: CacheNode) -> None: ...
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int: ...

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
-from radixlm.kv_cache.base import PrefixCache
-from radixlm.kv_cache.radix_tree import MatchResult, TreeNode
+from radixlm.kv_cache.base import CacheNode, MatchResult, PrefixCache
 
 
 class NoPrefixCache(PrefixCache):
@@ -30,10 +29,11 @@ class NoPrefixCache(PrefixCache):
         self.allocator = allocator
         self.page_size = page_size
         device = getattr(allocator, "device", "cpu")
-        self.root = TreeNode(0, (), torch.empty(0, dtype=torch.int64, device=device), None, None, 0)
+        self.root = CacheNode()  # every match ends here: the empty prefix
+        self._no_slots = torch.empty(0, dtype=torch.int64, device=device)
 
     def match_prefix(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult:
-        return MatchResult(indices=self.root.value, last_node=self.root)
+        return MatchResult(indices=self._no_slots, last_node=self.root)
 
     def insert(
         self, key: Sequence[int], indices: torch.Tensor, extra_key: str | None = None
@@ -43,10 +43,10 @@ class NoPrefixCache(PrefixCache):
             raise ValueError(f"key has {len(key)} tokens but indices has {len(indices)}")
         return 0
 
-    def inc_lock_ref(self, node: TreeNode) -> None:
+    def inc_lock_ref(self, node: CacheNode) -> None:
         pass
 
-    def dec_lock_ref(self, node: TreeNode) -> None:
+    def dec_lock_ref(self, node: CacheNode) -> None:
         pass
 
     def evict(self, num_tokens: int) -> int:

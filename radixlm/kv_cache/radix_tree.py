@@ -25,16 +25,15 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 import torch
 from sortedcontainers import SortedKeyList
 
 from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
-from radixlm.kv_cache.base import PrefixCache
+from radixlm.kv_cache.base import CacheNode, MatchResult, PrefixCache
 
 
-class TreeNode:
+class TreeNode(CacheNode):
     """One edge of the tree: the tokens ``key`` and their KV slots ``value``."""
 
     __slots__ = (
@@ -72,14 +71,11 @@ class TreeNode:
         return f"TreeNode(id={self.node_id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
-@dataclass
-class MatchResult:
-    indices: torch.Tensor  # int64 KV slots of the longest cached prefix, one per matched token
-    last_node: TreeNode  # deepest node of the match; the root when nothing matched
-
-
 class RadixCache(PrefixCache):
     """A prefix cache of KV slots indexed by a radix tree over token ids.
+
+    ``match_prefix`` returns a ``MatchResult`` whose ``last_node`` is a ``TreeNode``: the
+    deepest node of the match, the root when nothing matched.
 
     Request life cycle: ``match_prefix`` then ``inc_lock_ref(last_node)`` so the prefix
     cannot be evicted while the request runs (its slot row starts with ``indices``, which

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from radixlm.kv_cache.base import CacheNode
 from radixlm.runtime.detokenizer.incremental_detokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
@@ -70,7 +71,7 @@ class Req:
     last_slot: int = -1
     # The cached prefix this request runs on (tree-owned slots) and the node locked for it.
     prefix_indices: torch.Tensor | None = None
-    last_node: Any = None
+    last_node: CacheNode | None = None
     cached_tokens: int = 0
     retractions: int = 0
     # For the 2nd..nth sample of an n > 1 request: the sample whose prefill the others

@@ -22,13 +22,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from radixlm.kernels import (  # noqa: E402
-    fused_moe,
-    triton_decode_attention,
-    triton_extend_attention,
-    triton_kv_store,
-    triton_mla_decode,
-)
+from radixlm.kernels.triton_ops import decode_attention as triton_decode_attention  # noqa: E402
+from radixlm.kernels.triton_ops import extend_attention as triton_extend_attention  # noqa: E402
+from radixlm.kernels.triton_ops import fused_moe  # noqa: E402
+from radixlm.kernels.triton_ops import kv_store as triton_kv_store  # noqa: E402
+from radixlm.kernels.triton_ops import mla_decode as triton_mla_decode  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED_BYTES = 227 * 1024  # what one Hopper block may use

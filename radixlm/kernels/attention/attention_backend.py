@@ -5,19 +5,42 @@ It writes the new tokens' K and V into the pool at ``forward_batch.out_cache_loc
 attends each new query token to its request's cached prefix and to the new tokens up to
 and including itself (causal). It reads a request's keys only through the index table
 ``req_to_token``, so a request's KV may be scattered anywhere in the pool.
+
+Capabilities are declared on the backend, so callers ask it instead of testing its class
+or name: ``supports_cuda_graph`` (with the two graph hooks) and ``uses_custom_kernels``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from radixlm.kernels.attention.attention_layer import AttentionLayer
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 
-if TYPE_CHECKING:
-    from radixlm.models.layers.attention import PagedAttention
+
+@dataclass(frozen=True)
+class DecodeGraphSpec:
+    """What a backend is told once before decode steps are captured as CUDA graphs over it.
+
+    ``batch_sizes``: every batch size that will be captured, ascending (a batch of B
+    requests is padded to the smallest one >= B); ``max_context_len``: the most tokens a
+    request may hold; ``layer``: the head layout all layers share; ``kv_pool``: the pool
+    the graphs attend over; ``device``: the CUDA device they run on.
+    """
+
+    batch_sizes: tuple[int, ...]
+    max_context_len: int
+    layer: AttentionLayer
+    kv_pool: Any
+    device: torch.device
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
 
 
 class AttentionBackend(ABC):
@@ -36,7 +59,23 @@ class AttentionBackend(ABC):
       arrive already absorbed into the latent space, so MLA is plain multi-query attention
       with D_v < D.
     - Neither call changes the index tables or any other layer's KV.
+
+    CUDA graphs (only where ``supports_cuda_graph``): the caller calls
+    ``prepare_decode_graphs`` once, then captures the model's decode step once per batch
+    size and replays it; before each capture and each replay it calls
+    ``init_decode_graph_metadata`` (outside the graph) instead of ``init_forward_metadata``,
+    with a DECODE batch whose tensors are views of the same static buffers every time.
     """
+
+    supports_cuda_graph: bool = False
+    """True when decode steps over this backend may be captured as CUDA graphs and replayed:
+    its decode kernels launch without host syncs or host-dependent shapes once the two graph
+    hooks below have run, and it implements them."""
+
+    uses_custom_kernels: bool = False
+    """True when the backend runs hand-written GPU kernels (Triton, FlashInfer) rather than
+    torch ops; the model runner then also runs the model's layers that have a Triton kernel
+    (fused MoE experts) on it, where Triton can run."""
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None: ...
@@ -44,19 +83,41 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        layer: PagedAttention, forward_batch: ForwardBatch,
+        layer: AttentionLayer, forward_batch: ForwardBatch,
     ) -> torch.Tensor: ...
 
     @abstractmethod
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        layer: PagedAttention, forward_batch: ForwardBatch,
+        layer: AttentionLayer, forward_batch: ForwardBatch,
     ) -> torch.Tensor: ...
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        layer: PagedAttention, forward_batch: ForwardBatch,
+        layer: AttentionLayer, forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         if forward_batch.mode is ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, forward_batch)
         return self.forward_extend(q, k, v, layer, forward_batch)
+
+    # CUDA graphs ----------------------------------------------------------------------------
+
+    def prepare_decode_graphs(self, spec: DecodeGraphSpec) -> None:
+        """Allocates, once and before any capture, whatever the captured decode kernels must
+        find at a fixed address for each size in ``spec.batch_sizes`` (index buffers of a
+        plan, split-KV scratch), sized so no later replay reallocates it.
+
+        Only called on backends with ``supports_cuda_graph``; the others raise.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_decode_graph_metadata(self, forward_batch: ForwardBatch) -> None:
+        """``init_forward_metadata`` for a captured decode step: called outside the graph,
+        before capturing and before every replay, with the static DECODE batch of one size
+        in ``batch_sizes`` (padding rows included; ``seq_lens_list`` is the host copy of
+        this step's lengths). It may rewrite the contents of what the graph reads but never
+        reallocates it, so the replayed kernels read this step's metadata.
+
+        Only called after ``prepare_decode_graphs``; backends without graphs raise.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -14,7 +14,8 @@ end of the sequence (query i of an extend of length e over n keys sees keys < n 
 which is exactly "prefix plus the new tokens up to itself".
 
 For CUDA graphs, ``DecodeGraphState`` owns a decode wrapper with fixed index buffers per
-captured batch size; ``plan`` is re-run on it (outside the graph) before each replay.
+captured batch size (made in ``prepare_decode_graphs``); ``plan`` is re-run on the one of
+the batch's size (outside the graph, ``init_decode_graph_metadata``) before each replay.
 
 FlashInfer is imported lazily: this module loads everywhere; constructing the backend
 without CUDA or the package raises (``backend_selection`` says why before that).
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from radixlm.kernels.attention.attention_backend import AttentionBackend
+from radixlm.kernels.attention.attention_backend import AttentionBackend, DecodeGraphSpec
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 128 * 2**20
@@ -71,6 +72,9 @@ def paged_kv_table(
 
 
 class FlashInferAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+    uses_custom_kernels = True
+
     def __init__(self, shape: AttentionShape, device: torch.device):
         import flashinfer  # the `gpu` extra; selection checks it is importable
 
@@ -83,6 +87,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self._decode_uses_tensor_cores(),
         )
         self._active: Any = None
+        self._graph_states: dict[int, DecodeGraphState] = {}  # per captured batch size
 
     def _decode_uses_tensor_cores(self) -> bool:
         """Large GQA groups are a small matmul per KV head: tensor cores pay off from 4 up."""
@@ -137,6 +142,28 @@ class FlashInferAttentionBackend(AttentionBackend):
         return self._active.run(q.contiguous(), paged)
 
     # CUDA graphs --------------------------------------------------------------------------
+
+    def prepare_decode_graphs(self, spec: DecodeGraphSpec) -> None:
+        """One graph decode wrapper per captured batch size, each with room for the pages of
+        the largest batch at the longest context."""
+        max_pages_per_req = -(-spec.max_context_len // self.shape.page_size)
+        max_pages = max_pages_per_req * spec.max_batch_size
+        self._graph_states = {
+            size: self.make_graph_state(size, max_pages) for size in spec.batch_sizes
+        }
+
+    def init_decode_graph_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Plans the wrapper captured for this batch's size (its buffers are rewritten in
+        place) and makes it the one the captured ``run`` calls use."""
+        state = self._graph_states.get(forward_batch.batch_size)
+        if state is None:
+            raise ValueError(
+                f"no decode graph state for batch size {forward_batch.batch_size}; "
+                f"prepared sizes: {sorted(self._graph_states)}"
+            )
+        self.plan_graph_decode(
+            state, forward_batch, forward_batch.seq_lens, forward_batch.req_pool_indices
+        )
 
     def make_graph_state(self, batch_size: int, max_pages: int) -> DecodeGraphState:
         """A decode wrapper with fixed buffers for one captured batch size."""

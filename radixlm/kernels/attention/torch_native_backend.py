@@ -33,6 +33,9 @@ class _PaddedLayout:
 
 
 class TorchNativeAttentionBackend(AttentionBackend):
+    supports_cuda_graph = False  # its layout and mask are built per batch, sized by the host
+    uses_custom_kernels = False
+
     def __init__(self) -> None:
         self._layout: _PaddedLayout | None = None
 

@@ -15,7 +15,8 @@ decode runs the MLA variant, which loads each latent row once for keys and value
 
 Decode scratch (per-split partial outputs) is allocated once per batch and shared by all
 layers; ``reserve_decode_scratch`` pins a buffer for the largest batch, so that CUDA graphs
-captured over it replay on the same memory.
+captured over it replay on the same memory (``prepare_decode_graphs`` does so). Decode
+needs no other per-batch metadata, so a graph replay only resets the per-batch scratch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.kernels.attention.attention_backend import AttentionBackend
+from radixlm.kernels.attention.attention_backend import AttentionBackend, DecodeGraphSpec
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kernels.triton_ops.decode_attention import decode_attention, decode_scratch
 from radixlm.kernels.triton_ops.extend_attention import extend_attention
@@ -64,6 +65,9 @@ class TritonBackendConfig:
 
 
 class TritonAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+    uses_custom_kernels = True
+
     def __init__(self, config: TritonBackendConfig | None = None, device: str = "cpu"):
         self.config = config or TritonBackendConfig.for_device(torch.device(device))
         self._extend_starts: torch.Tensor | None = None
@@ -86,6 +90,17 @@ class TritonAttentionBackend(AttentionBackend):
         self._reserved_scratch = decode_scratch(
             max_batch_size, num_heads, head_dim_v, self.config.num_kv_splits, device
         )
+
+    def prepare_decode_graphs(self, spec: DecodeGraphSpec) -> None:
+        """Pins decode scratch for the largest captured batch, in the pool's value width."""
+        _, v_buffer = spec.kv_pool.get_kv(0)
+        self.reserve_decode_scratch(
+            spec.max_batch_size, spec.layer.num_heads, v_buffer.shape[-1], spec.device
+        )
+
+    def init_decode_graph_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Decode kernels read only the batch's tensors and the pinned scratch."""
+        self.init_forward_metadata(forward_batch)
 
     def forward_extend(self, q, k, v, layer, forward_batch):
         fb = forward_batch

@@ -10,7 +10,7 @@ A program covers a block of query heads (all heads share the one KV head, so the
 a real matmul tile), one request and one KV split; it loads each key block once as its
 latent part (N, D_l) and its RoPE part (D_r, N), scores
 ``q_lat . c_kv + q_rope . k_rope``, and reuses the loaded latents as the values, so the
-pool is read once per head block. Splits are merged as in ``triton_decode_attention``.
+pool is read once per head block. Splits are merged as in ``decode_attention``.
 
 Invariants: as for the split-KV decode kernel (new token already stored, n >= 1, empty
 splits skipped by both stages); the kernel writes only ``out`` and the scratch buffers.

@@ -12,7 +12,8 @@ class PagedAttention(nn.Module):
     """softmax(q k^T * scaling) v over the request's cached and new tokens, read from the pool.
 
     Has no weights: it names the layer (``layer_id``, the pool layer its KV lives in) and
-    the head layout, and delegates to ``forward_batch.attn_backend``.
+    the head layout, and delegates to ``forward_batch.attn_backend``. It is the
+    ``AttentionLayer`` (kernels/attention/attention_layer.py) the backend reads.
     """
 
     def __init__(

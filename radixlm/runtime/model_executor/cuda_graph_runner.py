@@ -13,20 +13,25 @@ the allocator's reserved padding page; their outputs are dropped.
 Invariants: a graph is replayed only for DECODE batches no larger than the largest captured
 size; attention metadata that lives outside the graph (FlashInfer's plan) is refreshed
 before every replay; the backend's decode scratch is pinned across capture and replay.
+What a backend does for each of these is its own business, behind the graph hooks of the
+``AttentionBackend`` contract (``prepare_decode_graphs``, ``init_decode_graph_metadata``).
+
+The runner is handed the pieces it captures over (model, pools, backend, device, sizes),
+not the ``ModelRunner`` that owns them.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from radixlm.kernels.attention.attention_backend import AttentionBackend, DecodeGraphSpec
+from radixlm.kernels.attention.attention_layer import AttentionLayer
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
-
-if TYPE_CHECKING:
-    from radixlm.runtime.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +54,34 @@ def padded_batch_size(batch_size: int, sizes: list[int]) -> int:
 
 
 class CudaGraphDecodeRunner:
-    """Captured decode graphs of one ModelRunner (triton or flashinfer backend, CUDA only)."""
+    """Captured decode graphs of one model over one KV pool (CUDA only, on an attention
+    backend with ``supports_cuda_graph``).
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int):
-        if runner.device.type != "cuda":
+    ``model(input_ids, positions, forward_batch)`` is the decode forward to capture;
+    ``attention_layer`` the head layout all its layers share; ``req_to_token`` the
+    request-to-slot table; ``max_context_len`` the most tokens a request may hold.
+    """
+
+    def __init__(
+        self, model: Callable[..., torch.Tensor], attn_backend: AttentionBackend, kv_pool: Any,
+        req_to_token: torch.Tensor, attention_layer: AttentionLayer, *,
+        device: torch.device, max_batch_size: int, max_context_len: int,
+    ):
+        if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        self.runner = runner
+        if not attn_backend.supports_cuda_graph:
+            raise ValueError(
+                f"CUDA graphs need an attention backend that supports them (triton or "
+                f"flashinfer), not {type(attn_backend).__name__}"
+            )
+        self.model = model
+        self.attn_backend = attn_backend
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.device = device
         self.batch_sizes = capture_batch_sizes(max_batch_size)
         self.max_batch_size = self.batch_sizes[-1]
-        device, n = runner.device, self.max_batch_size
+        n = self.max_batch_size
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
@@ -67,8 +91,9 @@ class CudaGraphDecodeRunner:
         self.zeros = torch.zeros(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._flashinfer_states: dict[int, object] = {}
-        self._prepare_backend()
+        attn_backend.prepare_decode_graphs(DecodeGraphSpec(
+            tuple(self.batch_sizes), max_context_len, attention_layer, kv_pool, device
+        ))
         self._capture_all()
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
@@ -93,35 +118,13 @@ class CudaGraphDecodeRunner:
                 buffer[b:size].zero_()
             self.seq_lens[b:size].fill_(1)
         static = self._static_batch(size, fb.seq_lens_list + [1] * (size - b))
-        self._refresh_metadata(size, static)
+        self.attn_backend.init_decode_graph_metadata(static)
         self.graphs[size].replay()
         return self.outputs[size][:b].clone()
 
     # Capture ------------------------------------------------------------------------------
 
-    def _prepare_backend(self) -> None:
-        from radixlm.kernels.attention.flashinfer_backend import FlashInferAttentionBackend
-        from radixlm.kernels.attention.triton_backend import TritonAttentionBackend
-
-        backend, runner = self.runner.attn_backend, self.runner
-        if isinstance(backend, TritonAttentionBackend):
-            _, v_buffer = runner.kv_pool.get_kv(0)
-            heads = runner.attention_layer.num_heads
-            backend.reserve_decode_scratch(
-                self.max_batch_size, heads, v_buffer.shape[-1], runner.device
-            )
-        elif isinstance(backend, FlashInferAttentionBackend):
-            page = runner.args.page_size
-            max_pages = -(-runner.context_length // page) * self.max_batch_size
-            for size in self.batch_sizes:
-                self._flashinfer_states[size] = backend.make_graph_state(size, max_pages)
-        else:
-            raise ValueError(
-                f"CUDA graphs need the triton or flashinfer backend, not {type(backend).__name__}"
-            )
-
     def _static_batch(self, size: int, seq_lens_list: list[int]) -> ForwardBatch:
-        runner = self.runner
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=self.input_ids[:size],
@@ -133,37 +136,27 @@ class CudaGraphDecodeRunner:
             # computing (or a captured kernel from reading) a tensor made outside the graph.
             prefix_lens=self.zeros[:size],
             extend_seq_lens=self.ones[:size],
-            req_to_token=runner.req_to_token_pool.req_to_token,
-            kv_pool=runner.kv_pool,
-            attn_backend=runner.attn_backend,
+            req_to_token=self.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
             seq_lens_list=seq_lens_list,
             extend_seq_lens_list=[1] * size,
         )
 
-    def _refresh_metadata(self, size: int, static: ForwardBatch) -> None:
-        """Metadata outside the graph: FlashInfer's plan; the Triton backend's reset."""
-        if size in self._flashinfer_states:
-            self.runner.attn_backend.plan_graph_decode(
-                self._flashinfer_states[size], static, static.seq_lens,
-                static.req_pool_indices,
-            )
-        else:
-            self.runner.attn_backend.init_forward_metadata(static)
-
     def _capture_all(self) -> None:
         pool = None
-        model = self.runner.model
+        model = self.model
         with torch.inference_mode():
             for size in reversed(self.batch_sizes):  # largest first: later ones reuse its pool
                 static = self._static_batch(size, [1] * size)
-                self._refresh_metadata(size, static)
+                self.attn_backend.init_decode_graph_metadata(static)
                 for _ in range(2):  # warm-up: kernels compile and autotune outside capture
                     model(static.input_ids, static.positions, static)
-                torch.cuda.synchronize(self.runner.device)
+                torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs[size] = model(static.input_ids, static.positions, static)
                 pool = graph.pool()
                 self.graphs[size] = graph
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)

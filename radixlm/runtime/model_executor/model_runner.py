@@ -25,6 +25,7 @@ from radixlm.models.layers.attention import PagedAttention
 from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.loader import load_model
 from radixlm.models.model_config import ModelConfig
+from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -160,8 +161,9 @@ class ModelRunner:
         )
 
     def _use_fused_moe(self) -> bool:
-        """With a kernel backend, MoE experts run on the fused Triton kernel."""
-        if self.attention_backend_name not in ("triton", "flashinfer"):
+        """With a kernel backend (``uses_custom_kernels``), MoE experts run on the fused
+        Triton kernel where Triton can run."""
+        if not self.attn_backend.uses_custom_kernels:
             return False
         if triton_unavailable_reason(self.device) is not None:
             return False
@@ -177,23 +179,25 @@ class ModelRunner:
         """The model's first attention layer (every layer shares its head layout)."""
         return next(m for m in self.model.modules() if isinstance(m, PagedAttention))
 
-    def _make_cuda_graph_runner(self):
-        """Captured decode graphs on CUDA with a kernel backend, unless disabled."""
+    def _make_cuda_graph_runner(self) -> CudaGraphDecodeRunner | None:
+        """Captured decode graphs on CUDA with a backend that supports them, unless disabled."""
         if (
             self.device.type != "cuda"
             or self.args.disable_cuda_graph
-            or self.attention_backend_name not in ("triton", "flashinfer")
+            or not self.attn_backend.supports_cuda_graph
         ):
             return None
-        from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
-
         if not self.fused_moe and any(
                 isinstance(m, StackedExperts) for m in self.model.modules()):
             logger.warning("CUDA graphs are off: MoE experts without the fused kernel (no "
                            "Triton here) sync with the host, which a graph cannot capture")
             return None
         max_batch_size = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
-        return CudaGraphDecodeRunner(self, max_batch_size)
+        return CudaGraphDecodeRunner(
+            self.model, self.attn_backend, self.kv_pool, self.req_to_token_pool.req_to_token,
+            self.attention_layer, device=self.device, max_batch_size=max_batch_size,
+            max_context_len=self.context_length,
+        )
 
 
 def _available_memory(device: torch.device) -> int:

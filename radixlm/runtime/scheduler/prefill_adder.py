@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixlm.kv_cache.allocator import pages_for
-from radixlm.kv_cache.radix_tree import MatchResult
+from radixlm.kv_cache.base import MatchResult
 from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler.request_memory import RequestMemory
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 
 from radixlm.kv_cache.allocator import OutOfKVSlots, TokenToKVPoolAllocator, pages_for
-from radixlm.kv_cache.base import PrefixCache
+from radixlm.kv_cache.base import MatchResult, PrefixCache
 from radixlm.kv_cache.memory_pool import ReqToTokenPool
-from radixlm.kv_cache.radix_tree import MatchResult
 from radixlm.runtime.request import Req
 
 

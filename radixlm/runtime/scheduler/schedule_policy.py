@@ -22,8 +22,8 @@ from collections import defaultdict
 import torch
 
 from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
-from radixlm.kv_cache.base import PrefixCache
-from radixlm.kv_cache.radix_tree import MatchResult, RadixCache, TreeNode
+from radixlm.kv_cache.base import MatchResult, PrefixCache
+from radixlm.kv_cache.radix_tree import RadixCache, TreeNode
 from radixlm.runtime.request import Req
 from radixlm.runtime.server_args import SCHEDULE_POLICIES
 
