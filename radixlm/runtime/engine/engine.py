@@ -129,7 +129,7 @@ class Engine:
         """``async_generate`` for a request already in its one shape (the HTTP body)."""
         reqs, batched = self._build(request)
         if request.stream:
-            deltas = await self.stream_reqs(reqs)
+            deltas = await self._stream(reqs)
             return _async_native_chunks(deltas, reqs, batched)
         outputs = await run_on_loop(self._tm.collect(reqs), self._loop)
         return outputs if batched else outputs[0]
@@ -141,9 +141,9 @@ class Engine:
         position, prompt-major), for callers that stream deltas themselves (the OpenAI
         API); ``request.stream`` is ignored."""
         reqs, _ = self._build(request)
-        return await self.stream_reqs(reqs)
+        return await self._stream(reqs)
 
-    async def stream_reqs(self, reqs: list[io.GenerateReq]) -> AsyncIterator:
+    async def _stream(self, reqs: list[io.GenerateReq]) -> AsyncIterator:
         """The TokenizerManager's delta stream of ``reqs``, iterable from the caller's loop."""
         if self._shut_down:
             raise RuntimeUnavailable("this Engine has been shut down")
