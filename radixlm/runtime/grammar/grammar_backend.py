@@ -100,7 +100,8 @@ class GrammarBackend(ABC):
 
     def mask_logits(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
         """Sets to -inf, in place, every logit the row's matcher forbids (rows without a
-        matcher are left alone)."""
+        matcher are left alone). Each matcher fills its row of a host bitmask;
+        ``apply_bitmask`` applies the rows on the logits' device."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return

@@ -186,26 +186,70 @@ class XGrammarBackend(GrammarBackend):
         """On the CPU, each byte of the bitmask indexes a table of eight additive penalties
         (0 allowed, -inf banned) and the result is added to the logits: about 20 us per
         49k-token row, against about 100 us for a boolean ``masked_fill`` and 160 us for
-        xgrammar's CPU kernel (benchmarks/bench_grammar.py). Elsewhere, xgrammar's kernel
-        on the logits' device."""
-        if logits.device.type != "cpu" or sys.byteorder != "little":
+        xgrammar's CPU kernel (benchmarks/bench_grammar.py).
+
+        Elsewhere the bitmask (host memory, filled by xgrammar) is copied to the logits'
+        device without waiting for it, and applied there: by xgrammar's kernel on CUDA, by
+        unpacking its bits with tensor ops on any other device (``meta`` included)."""
+        if logits.device.type == "cpu":
+            if sys.byteorder == "little":
+                _apply_byte_penalties(logits, bitmask, rows, self.vocab_size)
+            else:
+                import xgrammar as xgr
+
+                xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                                indices=rows)
+            return
+        if logits.device.type == "cuda" and _has_triton():
             import xgrammar as xgr
 
-            if logits.device != bitmask.device:
-                bitmask = bitmask.to(logits.device, non_blocking=True)
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+            words = bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
+            xgr.apply_token_bitmask_inplace(logits, words, vocab_size=self.vocab_size,
                                             indices=rows)
             return
-        vocab = self.vocab_size
-        # Bit j of int32 word i allows token 32 i + j: in little-endian bytes, byte b holds
-        # tokens 8 b .. 8 b + 7, low bit first.
-        leading = rows == list(range(len(rows)))  # rows 0 .. N-1: slices, not copies
-        words = bitmask[: len(rows)] if leading else bitmask[rows]
-        codes = words.view(torch.uint8).reshape(-1).long()  # (N * 4 W,)
-        penalty = _BYTE_PENALTIES.index_select(0, codes).view(len(rows), -1)[:, :vocab]
-        if penalty.dtype != logits.dtype:
-            penalty = penalty.to(logits.dtype)
-        if leading:
-            logits[: len(rows), :vocab].add_(penalty)
-        else:
-            logits[rows, :vocab] += penalty
+        _apply_unpacked_bits(logits, bitmask, rows, self.vocab_size)
+
+
+def _apply_byte_penalties(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                          vocab: int) -> None:
+    """The CPU path of ``apply_bitmask`` (little-endian hosts)."""
+    # Bit j of int32 word i allows token 32 i + j: in little-endian bytes, byte b holds
+    # tokens 8 b .. 8 b + 7, low bit first.
+    leading = rows == list(range(len(rows)))  # rows 0 .. N-1: slices, not copies
+    words = bitmask[: len(rows)] if leading else bitmask[rows]
+    codes = words.view(torch.uint8).reshape(-1).long()  # (N * 4 W,)
+    penalty = _BYTE_PENALTIES.index_select(0, codes).view(len(rows), -1)[:, :vocab]
+    if penalty.dtype != logits.dtype:
+        penalty = penalty.to(logits.dtype)
+    if leading:
+        logits[: len(rows), :vocab].add_(penalty)
+    else:
+        logits[rows, :vocab] += penalty
+
+
+def _apply_unpacked_bits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                         vocab: int) -> None:
+    """``apply_bitmask`` with tensor ops only, on the logits' device: bit j of word i of a
+    row allows token 32 i + j."""
+    device = logits.device
+    leading = rows == list(range(len(rows)))
+    words = (bitmask[: len(rows)] if leading else bitmask[rows]).to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()  # (N, V)
+    if leading:
+        logits[: len(rows), :vocab].masked_fill_(~allowed, float("-inf"))
+        return
+    index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)  # (N,)
+    masked = logits.index_select(0, index)
+    masked[:, :vocab].masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, index, masked)
+
+
+@functools.cache
+def _has_triton() -> bool:
+    """Whether xgrammar's CUDA kernel (written in Triton) can run."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -7,8 +7,10 @@ from transformers import PreTrainedTokenizerBase
 
 from radixlm.runtime.grammar.jump_forward import JumpForward
 from radixlm.runtime.request import Req, finish_abort, finish_length, finish_stop
-from radixlm.runtime.sampling.logprobs import token_logprobs
+from radixlm.runtime.sampling.logprobs import Logprobs
 from radixlm.runtime.sampling.sampler import Sampler
+from radixlm.runtime.sampling.sampling_batch import SamplingBatch
+from radixlm.runtime.sampling.token_rows import to_device
 
 
 class OutputProcessor:
@@ -38,14 +40,20 @@ class OutputProcessor:
 
     def process(
         self, reqs: list[Req], hidden: torch.Tensor, prefix_lens: list[int],
-        extend_lens: list[int], sampler: Sampler,
+        extend_lens: list[int], sampler: Sampler, sampling_batch: SamplingBatch,
     ) -> None:
+        """Samples the next token of each request whose prompt is complete, records what it
+        owes in logprobs, and appends the tokens (ending requests that stop).
+
+        ``sampling_batch`` holds the running requests' rows: a request sampled for the first
+        time since its admission gets its row here, after the others; requests that leave
+        are the scheduler's to remove.
+        """
         rows: list[int] = []
         # Per request: (first logits row, row count, first position), or None when no prompt
         # logprobs are owed.
         input_row_ranges: list[tuple[int, int, int] | None] = []
         last_rows: list[int] = []
-        sample_rows: list[int] = []
         offset = 0
         for req, prefix, extend in zip(reqs, prefix_lens, extend_lens):
             end = prefix + extend  # positions computed: prefix .. end - 1
@@ -65,24 +73,69 @@ class OutputProcessor:
             offset += extend
         if not rows:
             return
-        row_index = torch.tensor(rows, device=hidden.device)
+        row_index = to_device(rows, torch.int64, hidden.device)
         logits = self.compute_logits(hidden.index_select(0, row_index))  # (N, V)
+        owed: list[tuple[Req, int, int, int]] = []  # (request, first row, rows, position)
         to_sample: list[Req] = []
-        for req, owed, last in zip(reqs, input_row_ranges, last_rows):
-            if owed is not None:
-                first, count, position = owed
-                self._add_input_logprobs(req, logits[first : first + count], position)
+        sample_rows: list[int] = []
+        for req, owed_range, last in zip(reqs, input_row_ranges, last_rows):
+            if owed_range is not None:
+                owed.append((req, *owed_range))
             if req.kv_len == req.seq_len and not self._ends_before_sampling(req):
                 to_sample.append(req)
                 sample_rows.append(last)
-        if not to_sample:
+        next_ids = None  # (S,) on the logits' device
+        if to_sample:
+            sample_logits = logits  # (S, V): every row when sample_rows is 0 .. N - 1
+            if len(sample_rows) < logits.shape[0]:
+                sample_logits = logits.index_select(
+                    0, to_device(sample_rows, torch.int64, logits.device))
+            sampling_batch.add(to_sample)
+            rows_sampled = sampling_batch.select(to_sample)
+            next_ids = sampler.sample(sample_logits, rows_sampled)
+            rows_sampled.record_sampled(next_ids)
+        self._add_logprobs(logits, owed, to_sample, sample_rows, next_ids)
+        if next_ids is None:
             return
-        sample_logits = logits[sample_rows]
-        next_ids = sampler.sample(sample_logits, to_sample)
-        for req, token, row_logits in zip(to_sample, next_ids, sample_logits):
-            if req.logprobs is not None:
-                self._add_output_logprob(req, row_logits[None], token)
-            self._append_sampled(req, token)
+        for req, token in zip(to_sample, next_ids.tolist()):
+            self._append_sampled(req, token, sampling_batch)
+
+    def _add_logprobs(self, logits: torch.Tensor, owed: list[tuple[Req, int, int, int]],
+                      sampled: list[Req], sample_rows: list[int],
+                      next_ids: torch.Tensor | None) -> None:
+        """Appends the prompt logprobs ``owed`` and the logprobs of the sampled tokens of
+        requests that want them, computed together on the device and copied once."""
+        wanted = [i for i, req in enumerate(sampled) if req.logprobs is not None]
+        if not owed and not wanted:
+            return
+        rows: list[int] = []
+        targets: list[int] = []
+        for req, first, count, position in owed:
+            rows += range(first, first + count)
+            targets += req.input_ids[position + 1 : position + 1 + count]
+        input_count = len(rows)
+        rows += [sample_rows[i] for i in wanted]
+        device = logits.device
+        token_ids = to_device(targets, torch.int64, device)  # (R,)
+        if wanted:
+            chosen = next_ids.index_select(0, to_device(wanted, torch.int64, device))
+            token_ids = torch.cat([token_ids, chosen])
+        top_k = max([req.logprobs.top_k for req, *_ in owed]
+                    + [sampled[i].logprobs.top_k for i in wanted])
+        found = Logprobs([], [], [], [])  # a prompt whose owed rows are all computed
+        if rows:
+            found = Logprobs.compute(
+                logits.index_select(0, to_device(rows, torch.int64, device)), token_ids, top_k)
+        start = 0
+        for req, _, count, _ in owed:
+            self._add_input_logprobs(req, found, start, count)
+            start += count
+        for row, i in enumerate(wanted, start=input_count):
+            spec = sampled[i].logprobs
+            decode = self._decode_one if spec.with_text else None
+            sampled[i].output_token_logprobs += found.entries(row, row + 1, decode)
+            if spec.top_k:
+                sampled[i].output_top_logprobs += found.tops(row, row + 1, spec.top_k, decode)
 
     def _first_input_logprob_position(self, req: Req, prefix: int) -> int | None:
         """The first prompt position whose logits this extend must produce, if any.
@@ -96,7 +149,8 @@ class OutputProcessor:
             return None
         return max(req.logprobs.start, prefix)
 
-    def _add_input_logprobs(self, req: Req, logits: torch.Tensor, position: int) -> None:
+    def _add_input_logprobs(self, req: Req, found: Logprobs, start: int, count: int) -> None:
+        """Appends the prompt logprobs in rows ``start .. start + count - 1`` of ``found``."""
         spec = req.logprobs
         decode = self._decode_one if spec.with_text else None
         if spec.start == 0 and not req.input_token_logprobs:
@@ -104,19 +158,9 @@ class OutputProcessor:
             req.input_token_logprobs.append([None, first, decode(first) if decode else None])
             if spec.top_k:
                 req.input_top_logprobs.append(None)
-        if logits.shape[0] == 0:
-            return
-        targets = req.input_ids[position + 1 : position + 1 + logits.shape[0]]
-        entries, tops = token_logprobs(logits, targets, spec.top_k, decode)
-        req.input_token_logprobs += entries
-        req.input_top_logprobs += tops
-
-    def _add_output_logprob(self, req: Req, logits: torch.Tensor, token: int) -> None:
-        spec = req.logprobs
-        decode = self._decode_one if spec.with_text else None
-        entries, tops = token_logprobs(logits, [token], spec.top_k, decode)
-        req.output_token_logprobs += entries
-        req.output_top_logprobs += tops
+        req.input_token_logprobs += found.entries(start, start + count, decode)
+        if spec.top_k:
+            req.input_top_logprobs += found.tops(start, start + count, spec.top_k, decode)
 
     def _ends_before_sampling(self, req: Req) -> bool:
         """A request with no output budget (prefill only, or a full context) ends here."""
@@ -125,11 +169,11 @@ class OutputProcessor:
             return True
         return False
 
-    def _append_sampled(self, req: Req, token: int) -> None:
+    def _append_sampled(self, req: Req, token: int, sampling_batch: SamplingBatch) -> None:
         """Appends a sampled token and, for a constrained request where the grammar forces
         what follows, the jump-forward tokens after it (not for requests wanting logprobs:
-        jumped tokens have none). A grammar that has terminated (accepted a stop
-        token) ends the request with that stop."""
+        jumped tokens have none; ``sampling_batch`` records them). A grammar that has
+        terminated (accepted a stop token) ends the request with that stop."""
         grammar = req.grammar
         if grammar is None:
             self._append_token(req, token)
@@ -147,6 +191,7 @@ class OutputProcessor:
             self._append_token(req, tokens[appended])
             appended += 1
         req.jump_forward_tokens += appended - 1  # every token after the first was not sampled
+        sampling_batch.record_appended(req, tokens[1:appended])
         if not req.finished and grammar.is_terminated():
             req.finish_reason = finish_stop(tokens[-1])
 

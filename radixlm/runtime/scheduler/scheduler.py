@@ -64,7 +64,9 @@ class Scheduler:
     hold a row and the KV of all but their last token (all but their last jumped tokens
     and the sampled one before them, after a jump-forward); the ``chunked`` request (if
     any) holds a row and the KV of its first ``kv_len`` prompt tokens; waiting, finished
-    and grammar-queued requests hold neither.
+    and grammar-queued requests hold neither. ``sampling_batch`` holds a row for each
+    ``running`` request, in the same order (the output processor adds a request's row when
+    it first samples it; finishing, aborting and retracting remove it).
     """
 
     def __init__(self, runner: ModelRunner, memory: RequestMemory,
@@ -73,6 +75,7 @@ class Scheduler:
         self.memory = memory
         self.output_processor = output_processor
         self.sampler = sampler
+        self.sampling_batch = sampler.new_batch(runner.device)
         self.args = args
         self.policy = SchedulePolicy(args.schedule_policy, memory.tree_cache, args.random_seed)
         self.waiting: list[Req] = []
@@ -130,6 +133,7 @@ class Scheduler:
                 self.chunked = None
             else:
                 self.running.remove(req)
+                self.sampling_batch.remove([req])
             self.memory.release(req)
         req.finish_reason = finish_abort(message)
 
@@ -254,7 +258,8 @@ class Scheduler:
         )
         hidden = self.runner.forward(batch)
         self.stats.forward_steps += 1
-        self.output_processor.process(reqs, hidden, prefix_lens, extend_lens, self.sampler)
+        self.output_processor.process(reqs, hidden, prefix_lens, extend_lens, self.sampler,
+                                      self.sampling_batch)
         for req, extend in zip(reqs, extend_lens):
             if req.finished:
                 if req is self.chunked:
@@ -264,6 +269,7 @@ class Scheduler:
                 self.memory.release(req)
             elif share_prefixes and extend > 1:
                 self.memory.cache_unfinished(req)
+        self.sampling_batch.remove([req for req in reqs if req.finished])
         return reqs
 
     # Retraction --------------------------------------------------------------------------
@@ -285,6 +291,7 @@ class Scheduler:
             else:
                 return  # one request always fits: the Engine refuses any that cannot
             self.memory.release(victim)
+            self.sampling_batch.remove([victim])
             victim.retractions += 1
             self.stats.retractions += 1
             self.waiting.insert(0, victim)

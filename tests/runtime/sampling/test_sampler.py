@@ -7,6 +7,7 @@ deterministic.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -34,6 +35,21 @@ def make_req(input_ids=(1, 2, 3), output_ids=(), **params) -> Req:
     return req
 
 
+def sample(sampler: Sampler, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+    """``sampler``'s tokens for ``reqs`` (a fresh sampling batch of them) as a list."""
+    batch = sampler.new_batch(logits.device)
+    batch.add(reqs)
+    return sampler.sample(logits, batch).tolist()
+
+
+def process(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    """``logits`` after bias, penalties and the min_new_tokens ban of ``reqs``."""
+    sampler = Sampler(VOCAB, {EOS}, 0)
+    batch = sampler.new_batch(logits.device)
+    batch.add(reqs)
+    return sampler.process_logits(logits, batch)
+
+
 def logits_of(probs: list[float]) -> torch.Tensor:
     """Logits over VOCAB tokens whose softmax is ``probs`` on the first ids and 0 elsewhere."""
     row = torch.full((VOCAB,), float("-inf"))
@@ -44,7 +60,8 @@ def logits_of(probs: list[float]) -> torch.Tensor:
 def draw(row: torch.Tensor, req: Req, draws: int = DRAWS, seed: int = 0) -> torch.Tensor:
     """Token counts (VOCAB,) of ``draws`` samples of ``row`` under ``req``'s settings."""
     sampler = Sampler(VOCAB, {EOS}, seed)
-    tokens = sampler.sample(row[None].expand(draws, -1).clone(), [req] * draws)
+    copies = [copy.copy(req) for _ in range(draws)]  # one row each
+    tokens = sample(sampler, row[None].expand(draws, -1).clone(), copies)
     return torch.bincount(torch.tensor(tokens), minlength=VOCAB)
 
 
@@ -56,14 +73,14 @@ def test_top_k_1_equals_greedy_on_random_logits():
     torch.manual_seed(0)
     logits = torch.randn(64, VOCAB) * 3
     reqs = [make_req(temperature=1.5, top_k=1) for _ in range(64)]
-    assert Sampler(VOCAB, {EOS}, 0).sample(logits.clone(), reqs) == logits.argmax(-1).tolist()
+    assert sample(Sampler(VOCAB, {EOS}, 0), logits.clone(), reqs) == logits.argmax(-1).tolist()
 
 
 def test_greedy_rows_take_the_argmax_even_next_to_sampled_rows():
     torch.manual_seed(1)
     logits = torch.randn(16, VOCAB) * 3
     reqs = [make_req(temperature=0.0 if i % 2 else 1.0) for i in range(16)]
-    tokens = Sampler(VOCAB, {EOS}, 0).sample(logits.clone(), reqs)
+    tokens = sample(Sampler(VOCAB, {EOS}, 0), logits.clone(), reqs)
     assert tokens[1::2] == logits.argmax(-1)[1::2].tolist()
 
 
@@ -147,7 +164,7 @@ def test_penalties_change_exactly_the_expected_logits(repetition, frequency, pre
     input_ids, output_ids = [0, 1, 1], [1, 3, 3, 4]
     req = make_req(input_ids, output_ids, repetition_penalty=repetition,
                    frequency_penalty=frequency, presence_penalty=presence)
-    got = Sampler(VOCAB, {EOS}, 0).process_logits(logits.clone(), [req])[0]
+    got = process(logits.clone(), [req])[0]
     expected = naive_penalised(logits[0], input_ids, output_ids, repetition, frequency, presence)
     torch.testing.assert_close(got, expected)
 
@@ -155,7 +172,7 @@ def test_penalties_change_exactly_the_expected_logits(repetition, frequency, pre
 def test_frequency_and_presence_penalties_ignore_the_prompt_before_any_output():
     logits = torch.tensor([[1.5, -0.5, 2.0, -1.0, 0.25, 3.0, -2.0, 0.0]])
     req = make_req([0, 1, 2], [], frequency_penalty=1.0, presence_penalty=1.0)
-    got = Sampler(VOCAB, {EOS}, 0).process_logits(logits.clone(), [req])
+    got = process(logits.clone(), [req])
     torch.testing.assert_close(got, logits)
 
 
@@ -163,7 +180,7 @@ def test_frequency_and_presence_penalties_ignore_the_prompt_before_any_output():
 def test_logit_bias_adds_to_the_named_tokens_only(bias):
     logits = torch.zeros(2, VOCAB)
     reqs = [make_req(logit_bias=bias), make_req()]
-    got = Sampler(VOCAB, {EOS}, 0).process_logits(logits.clone(), reqs)
+    got = process(logits.clone(), reqs)
     expected = torch.zeros(2, VOCAB)
     expected[0, 2], expected[0, 5] = 5.0, -3.0
     torch.testing.assert_close(got, expected)
@@ -172,7 +189,7 @@ def test_logit_bias_adds_to_the_named_tokens_only(bias):
 def test_logit_bias_can_force_a_token_under_greedy():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
     req = make_req(temperature=0.0, logit_bias={"6": 10.0})
-    assert Sampler(VOCAB, {EOS}, 0).sample(logits, [req]) == [6]
+    assert sample(Sampler(VOCAB, {EOS}, 0), logits, [req]) == [6]
 
 
 @pytest.mark.parametrize(
@@ -189,7 +206,7 @@ def test_min_new_tokens_bans_eos_and_stop_token_ids_until_reached(outputs, ignor
     logits = torch.zeros(1, VOCAB)
     req = make_req(output_ids=[1] * outputs, min_new_tokens=3, stop_token_ids=[4, 5],
                    ignore_eos=ignore_eos)
-    got = Sampler(VOCAB, {EOS}, 0).process_logits(logits.clone(), [req])[0]
+    got = process(logits.clone(), [req])[0]
     assert {i for i in range(VOCAB) if math.isinf(got[i])} == banned
     assert all(got[i] == 0 for i in range(VOCAB) if i not in banned)
 
@@ -208,8 +225,8 @@ def test_sampling_seed_gives_the_same_tokens_across_samplers():
         sampler = Sampler(VOCAB, {EOS}, global_seed)
         row = []
         for step in range(20):
-            row += sampler.sample(logits.clone(), [make_req(output_ids=[1] * step,
-                                                            sampling_seed=1234)])
+            row += sample(sampler, logits.clone(), [make_req(output_ids=[1] * step,
+                                                             sampling_seed=1234)])
         tokens.append(row)
     assert tokens[0] == tokens[1] == tokens[2]
     assert len(set(tokens[0])) > 1  # the draws vary by position, not one repeated token
@@ -219,7 +236,7 @@ def test_different_sampling_seeds_give_different_tokens():
     logits = torch.zeros(1, VOCAB)
     sampler = Sampler(VOCAB, {EOS}, 0)
     runs = [
-        [sampler.sample(logits.clone(), [make_req(output_ids=[1] * step, sampling_seed=seed)])[0]
+        [sample(sampler, logits.clone(), [make_req(output_ids=[1] * step, sampling_seed=seed)])[0]
          for step in range(20)]
         for seed in (1, 2)
     ]
@@ -230,12 +247,12 @@ def test_sampling_seed_is_independent_of_the_batch_composition():
     torch.manual_seed(3)
     logits = torch.randn(5, VOCAB) * 2
     seeded = make_req(output_ids=[1, 2], sampling_seed=77, temperature=0.8, top_p=0.9)
-    alone = Sampler(VOCAB, {EOS}, 0).sample(logits[2:3].clone(), [seeded])
+    alone = sample(Sampler(VOCAB, {EOS}, 0), logits[2:3].clone(), [seeded])
     others = [make_req(), make_req(temperature=0.0), make_req(sampling_seed=5), make_req(top_k=2)]
     for position in range(5):
         batch = others[:position] + [seeded] + others[position:]
         rows = torch.cat([logits[:position], logits[2:3], logits[position:4]])
-        got = Sampler(VOCAB, {EOS}, position + 10).sample(rows.clone(), batch)
+        got = sample(Sampler(VOCAB, {EOS}, position + 10), rows.clone(), batch)
         assert got[position] == alone[0]
 
 
@@ -243,7 +260,7 @@ def test_seeded_draws_follow_the_distribution():
     row = torch.tensor([1.0, 0.0, -1.0, -2.0, -9.0, -9.0, -9.0, -9.0])
     sampler = Sampler(VOCAB, {EOS}, 0)
     tokens = [
-        sampler.sample(row[None].clone(), [make_req(output_ids=[1] * step, sampling_seed=seed)])[0]
+        sample(sampler, row[None].clone(), [make_req(output_ids=[1] * step, sampling_seed=seed)])[0]
         for seed in range(40) for step in range(25)
     ]
     counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB) / len(tokens)
@@ -254,4 +271,18 @@ def test_sample_ignores_logit_columns_past_the_vocabulary():
     logits = torch.zeros(1, VOCAB + 4)
     logits[0, VOCAB + 1] = 100.0  # padding column of a padded LM head
     logits[0, 3] = 5.0
-    assert Sampler(VOCAB, {EOS}, 0).sample(logits, [make_req(temperature=0.0)]) == [3]
+    assert sample(Sampler(VOCAB, {EOS}, 0), logits, [make_req(temperature=0.0)]) == [3]
+
+
+def test_a_row_without_top_k_or_top_p_keeps_its_tail_when_another_row_sorts():
+    """The mass before token 2 rounds to 1.0 in float32; a row that asked for no top-p keeps
+    token 2 anyway, so a seeded row's draws cannot depend on its neighbours' settings."""
+    from radixlm.runtime.sampling.sampler import _filter_probs
+
+    probs = torch.tensor([[0.6, 0.4000001, 1e-7, 0.0, 0.0, 0.0, 0.0, 0.0]] * 2)
+    sampler = Sampler(VOCAB, {EOS}, 0)
+    batch = sampler.new_batch("cpu")
+    batch.add([make_req(temperature=1.0), make_req(temperature=1.0, top_k=2)])
+    filtered = _filter_probs(probs, batch)
+    assert torch.equal(filtered[0], probs[0])
+    assert filtered[1].tolist()[2:] == [0.0] * 6
