@@ -5,8 +5,9 @@ directory), as the scheduler process builds it; then the model's forward pass an
 are replaced by stand-ins that return at once (zero hidden states, logits naming one
 ordinary token), so admission, KV allocation, batch building, sampling, stop checks and
 prefix caching all run for real and the time per step is theirs. The scheduler process also
-packs each step's new tokens into a message for the detokenizer; that is timed too (the
-"+ report" column: ``token_out`` for every request and msgpack encoding, not the socket send).
+packs each step's new tokens into messages for the tokenizer manager and the detokenizer;
+that is timed too (the "+ report" column: ``report_messages`` for the step's requests and
+msgpack encoding, not the socket sends).
 
 For each batch size: the prefill steps that admit the batch (time per admitted request),
 then ``--steps`` decode steps with every request running (time per step, per request-step,
@@ -33,7 +34,11 @@ from tiny_models import write_tiny_model  # noqa: E402
 from radixlm.runtime import messages as io  # noqa: E402
 from radixlm.runtime.sampling.sampling_params import SamplingParams  # noqa: E402
 from radixlm.runtime.scheduler.scheduler import Scheduler  # noqa: E402
-from radixlm.runtime.scheduler.scheduler_process import build_scheduler, make_req, token_out  # noqa: E402
+from radixlm.runtime.scheduler.scheduler_process import (  # noqa: E402
+    build_scheduler,
+    make_req,
+    report_messages,
+)
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 PROMPT_LEN = 64
@@ -74,9 +79,10 @@ def install(scheduler: Scheduler, model: NoOpModel) -> None:
     scheduler.output_processor.compute_logits = model.compute_logits
 
 
-def report(stepped: list) -> bytes:
-    """What the scheduler process sends the detokenizer after a step (without sending it)."""
-    return io.encode(io.TokenBatch([token_out(r) for r in stepped]))
+def report(stepped: list) -> list[bytes]:
+    """What the scheduler process sends the tokenizer manager and the detokenizer after a
+    step (without sending it)."""
+    return [io.encode(message) for message in report_messages(stepped) if message is not None]
 
 
 def measure(scheduler: Scheduler, model: NoOpModel, batch_size: int, steps: int,

@@ -210,22 +210,31 @@ class SchedulerLoop:
         self.to_tokenizer_manager.send(io.encode(io.ControlReply(msg.request_id, ok, info)))
 
     def _report(self, reqs: list[Req]) -> None:
-        """Sends what ``reqs`` produced: tokens, logprobs and states to the TokenizerManager,
-        tokens to the Detokenizer."""
-        outputs, texts = [], []
+        """Sends what ``reqs`` produced (see ``report_messages``)."""
+        to_tokenizer_manager, to_detokenizer = report_messages(reqs)
         for req in reqs:
-            if (req.finished or len(req.output_ids) > req.reported_ids
-                    or len(req.input_token_logprobs) > req.reported_input_logprobs):
-                out, detokenize = token_out(req)
-                outputs.append(out)
-                if detokenize is not None:
-                    texts.append(detokenize)
             if req.finished:
                 self.by_rid.pop(req.rid, None)
-        if texts:
-            self.to_detokenizer.send(io.encode(io.DetokenizeBatch(texts)))
-        if outputs:
-            self.to_tokenizer_manager.send(io.encode(io.TokenBatch(outputs)))
+        if to_detokenizer is not None:
+            self.to_detokenizer.send(io.encode(to_detokenizer))
+        if to_tokenizer_manager is not None:
+            self.to_tokenizer_manager.send(io.encode(to_tokenizer_manager))
+
+
+def report_messages(reqs: list[Req]) -> tuple[io.TokenBatch | None, io.DetokenizeBatch | None]:
+    """What ``reqs`` produced since they were last reported (and marks it reported): tokens,
+    logprobs and states for the TokenizerManager, tokens for the Detokenizer (None where
+    there is nothing to send)."""
+    outputs, texts = [], []
+    for req in reqs:
+        if (req.finished or len(req.output_ids) > req.reported_ids
+                or len(req.input_token_logprobs) > req.reported_input_logprobs):
+            out, detokenize = token_out(req)
+            outputs.append(out)
+            if detokenize is not None:
+                texts.append(detokenize)
+    return (io.TokenBatch(outputs) if outputs else None,
+            io.DetokenizeBatch(texts) if texts else None)
 
 
 def run_scheduler_process(args: ServerArgs, model_path: str, paths: io.SocketPaths, ready) -> None:
