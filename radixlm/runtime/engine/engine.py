@@ -49,6 +49,10 @@ from radixlm.runtime.engine.tokenizer_manager import TokenizerManager
 from radixlm.runtime.grammar.factory import constraint_checker
 from radixlm.runtime.server_args import ServerArgs
 
+MOVE_DRAIN_S = 5.0
+"""How long requests still running when a hosting server stops may take to end (the aborts
+of its cancelled streams) before they fail."""
+
 
 class Engine:
     """Loads a model in a scheduler process and serves ``generate`` calls.
@@ -215,7 +219,7 @@ class Engine:
         finally:
             self._host_loop = None
             if not self._shut_down:
-                await self._move_tokenizer_manager(self._own_loop)
+                await self._move_tokenizer_manager(self._own_loop, drain_s=MOVE_DRAIN_S)
 
     def shutdown(self) -> None:
         """Stops the runtime processes (none is left behind) and the event loop."""
@@ -255,14 +259,15 @@ class Engine:
         return TokenizerManager(self._runtime.paths, self._runtime.processes, limit,
                                 self._metrics)
 
-    async def _move_tokenizer_manager(self, target: asyncio.AbstractEventLoop) -> None:
-        """Replaces the TokenizerManager by a new one on ``target`` (same sockets)."""
+    async def _move_tokenizer_manager(self, target: asyncio.AbstractEventLoop,
+                                      drain_s: float = 0.0) -> None:
+        """Replaces the TokenizerManager by a new one on ``target`` (same sockets). Requests
+        in flight get ``drain_s`` seconds to end; with none given, moving a busy one is an
+        error; those still running after it fail (RuntimeUnavailable)."""
         old, old_loop = self._tm, self._loop
         if old_loop is target:
             return
-        if old.states:
-            raise RuntimeError("the Engine's TokenizerManager cannot move while requests run")
-        await run_on_loop(_close(old), old_loop)
+        await run_on_loop(_retire(old, drain_s), old_loop)
         self._tm = await run_on_loop(self._make_tokenizer_manager(), target)
         self._loop = target
 
@@ -284,8 +289,12 @@ class Engine:
         return build_generate_reqs(request, self.tokenizer, self._limits)
 
 
-async def _close(tm: TokenizerManager) -> None:
-    tm.close("the runtime's TokenizerManager moved to another event loop")
+async def _retire(tm: TokenizerManager, drain_s: float) -> None:
+    """Closes ``tm`` once its requests have ended (see ``_move_tokenizer_manager``)."""
+    if drain_s <= 0 and tm.states:
+        raise RuntimeError("the Engine's TokenizerManager cannot move while requests run")
+    await tm.drain(drain_s)
+    tm.close("the server hosting this Engine stopped while the request ran")
 
 
 def _native_outputs(reqs: list[io.GenerateReq]) -> list[NativeOutput]:

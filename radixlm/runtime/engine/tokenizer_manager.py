@@ -25,6 +25,7 @@ from radixlm.runtime.engine.request_state import OutputDelta, ReqState
 
 CHILD_CHECK_INTERVAL_S = 0.2
 CONTROL_TIMEOUT_S = 30.0
+DRAIN_POLL_S = 0.01
 
 
 class TokenizerManager:
@@ -128,6 +129,14 @@ class TokenizerManager:
         self._fail("the runtime was shut down")
         for task in self._tasks:
             task.cancel()
+
+    async def drain(self, timeout: float) -> None:
+        """Waits until no request or control call is in flight, at most ``timeout`` s."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (self.states or self.control_waiters) and self.failure is None:
+            if asyncio.get_running_loop().time() >= deadline:
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
 
     def close(self, reason: str | None = None) -> None:
         """Stops receiving and closes the sockets, so another TokenizerManager can take this
