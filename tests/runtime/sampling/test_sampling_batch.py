@@ -228,6 +228,17 @@ MIXED = [
 ]
 
 
+def step_and_check(scheduler) -> None:
+    """One scheduler step; then the batch's rows are the running requests, in order, and its
+    state equals a batch built from scratch for them."""
+    scheduler.step()
+    batch = scheduler.sampling_batch
+    assert batch.reqs == scheduler.running
+    fresh = SamplingBatch(batch.vocab_size, batch.eos_token_ids, batch.device)
+    fresh.add(scheduler.running)
+    assert summary(batch) == summary(fresh)
+
+
 def test_the_scheduler_keeps_one_row_per_running_request(scheduler_for):
     """Admission in several extend steps, retraction on a small pool, an abort and finishes:
     after every step the batch's rows are the running requests, and its token state that of
@@ -244,11 +255,7 @@ def test_the_scheduler_keeps_one_row_per_running_request(scheduler_for):
     for _ in range(2000):
         if all(r.finished for r in reqs):
             break
-        scheduler.step()
-        assert batch.reqs == scheduler.running
-        fresh = SamplingBatch(batch.vocab_size, batch.eos_token_ids, batch.device)
-        fresh.add(scheduler.running)
-        assert summary(batch) == summary(fresh)
+        step_and_check(scheduler)
         if not aborted and len(scheduler.running) > 2:
             scheduler.abort(scheduler.running[1])
             aborted = True
@@ -274,14 +281,9 @@ def test_jump_forward_tokens_reach_the_batch(scheduler_for):
             for i in range(6)]
     for req in reqs:
         scheduler.add_request(req)
-    batch = scheduler.sampling_batch
     for _ in range(500):
         if all(r.finished for r in reqs):
             break
-        scheduler.step()
-        assert batch.reqs == scheduler.running
-        fresh = SamplingBatch(batch.vocab_size, batch.eos_token_ids, batch.device)
-        fresh.add(scheduler.running)
-        assert summary(batch) == summary(fresh)
+        step_and_check(scheduler)
     assert all(r.finished for r in reqs)
     assert sum(r.jump_forward_tokens for r in reqs) > 0
