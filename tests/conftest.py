@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,20 +39,35 @@ def tiny_model_dir(tmp_path_factory):
     return make
 
 
-_ENGINES: dict[tuple, radixlm.Engine] = {}
+MAX_LIVE_ENGINES = 3
+"""Cached engines alive at once (each holds two child processes of a few hundred MB): the
+least recently used one that the running test does not use is shut down past this."""
+
+_ENGINES: OrderedDict[tuple, radixlm.Engine] = OrderedDict()
 
 
-@pytest.fixture(scope="session", autouse=True)
+def _shut_down(engines: list[radixlm.Engine]) -> None:
+    """Shuts the engines down side by side (each waits about a second for its children)."""
+    with ThreadPoolExecutor(max(len(engines), 1)) as pool:
+        list(pool.map(lambda engine: engine.shutdown(), engines))
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _shut_down_engines():
-    """Stops every cached engine's processes at the end of the session."""
+    """An engine lives at most for its module: the cached engines (and in-process
+    schedulers) stop when it ends."""
     yield
-    for engine in _ENGINES.values():
-        engine.shutdown()
+    engines = list(_ENGINES.values())
+    _ENGINES.clear()
+    _shut_down(engines)
+    for scheduler in _SCHEDULERS.values():
+        scheduler.sampler.grammar_backend.shutdown()
+    _SCHEDULERS.clear()
 
 
 @pytest.fixture
 def engine_for(tiny_model_dir):
-    """Returns a function building (once) a float32 Engine over a tiny model.
+    """Returns a function building (once per module) a float32 Engine over a tiny model.
 
     After the test, every engine it used must be idle: every KV slot and request row free.
     """
@@ -61,16 +78,18 @@ def engine_for(tiny_model_dir):
         path = tiny_model_dir(architecture, kv, tied)
         key = (str(path), tuple(sorted(options.items())))
         if key not in _ENGINES:
+            idle = [k for k, engine in _ENGINES.items() if engine not in used]
+            _shut_down([_ENGINES.pop(k) for k in idle[: max(len(_ENGINES) + 1
+                                                            - MAX_LIVE_ENGINES, 0)]])
             options = {"dtype": "float32", "max_total_tokens": 8192, **options}
             _ENGINES[key] = radixlm.Engine(str(path), **options)
+        _ENGINES.move_to_end(key)
         used.append(_ENGINES[key])
         return _ENGINES[key]
 
     yield build
     for engine in used:
         assert_engine_idle(engine)
-
-
 
 
 _SCHEDULERS: dict[tuple, Scheduler] = {}

@@ -71,11 +71,14 @@ class Executor:
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
-        """Records a failure from outside the worker (the program function raised)."""
+        """Records a failure from outside the worker (the program function raised), and
+        waits until the expression running now has ended: the ones still queued are
+        skipped, so nothing of the program runs on once its failure is reported."""
         with self._cond:
             self.error = self.error or error
             self.finished = True
             self._cond.notify_all()
+            self._cond.wait_for(lambda: not self._running)
 
     def get_var(self, name: str) -> Any:
         with self._cond:

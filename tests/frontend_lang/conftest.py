@@ -9,14 +9,14 @@ import radixlm
 from radixlm.runtime.server.http_server import create_app
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def default_engine():
     engine = radixlm.Engine()
     yield engine
     engine.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def default_server(default_engine):
     live = LiveServer(create_app(default_engine))
     yield live

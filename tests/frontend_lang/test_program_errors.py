@@ -3,6 +3,8 @@ a failing ``run_batch`` item loses nobody else's results."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from live_server import LiveServer, free_port
 
@@ -23,6 +25,19 @@ def test_a_program_that_raises_raises_from_run(engine):
 
     with pytest.raises(LookupError, match="no such thing"):
         program.run(backend=engine)
+
+
+def test_a_program_that_raises_leaves_nothing_running(engine):
+    @sgl.function
+    def program(s):
+        s += "Start" + sgl.gen("x", max_tokens=200, ignore_eos=True)
+        while engine.get_server_info()["num_running"] == 0:
+            time.sleep(0.001)  # the gen is under way
+        raise LookupError("no such thing")
+
+    with pytest.raises(LookupError):
+        program.run(backend=engine)
+    assert engine.get_server_info()["num_running"] == 0  # the gen in flight has ended
 
 
 def test_a_failing_run_batch_item_keeps_the_others(engine):

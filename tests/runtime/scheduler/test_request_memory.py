@@ -120,15 +120,17 @@ def test_a_running_request_keeps_its_prefix_while_others_evict(engine_for):
 
 
 def test_flush_cache_is_refused_while_a_request_runs(engine_for):
-    engine = engine_for()
+    # A request far too long to end by itself while the flush is on its way, however
+    # contended the machine: it is aborted after.
+    engine = engine_for(context_length=4096, max_total_tokens=8192)
     ids = random_ids(5, 30)
-    # Long enough that it is still running when the flush arrives, even on a fast machine.
-    params = {**GREEDY, "max_new_tokens": 256, "ignore_eos": True}
-    stream = engine.generate(input_ids=ids, sampling_params=params, stream=True)
+    params = {**GREEDY, "max_new_tokens": 4000, "ignore_eos": True}
+    stream = engine.generate(input_ids=ids, sampling_params=params, stream=True, rid="long")
     next(stream)
     assert engine.flush_cache() is False
-    for _ in stream:
-        pass
+    engine.abort("long")
+    *_, last = stream
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
     assert engine.flush_cache() is True
     assert engine.get_server_info()["cache_tokens"] == 0
     out = engine.generate(input_ids=ids, sampling_params=GREEDY)

@@ -216,11 +216,14 @@ def test_n_samples_asking_for_prompt_logprobs_all_get_them(engine_for):
 
 # Abort -------------------------------------------------------------------------------------------
 
-LONG_BUDGET = 400  # hundreds of steps: an abort sent after the first chunk arrives in time
+LONG_BUDGET = 3000
+"""Thousands of steps: an abort sent after the first chunk arrives long before the request
+could end by length, however contended the machine."""
+LONG_CONTEXT = {"context_length": 4096, "max_total_tokens": 16384}
 
 
 def test_abort_all_ends_every_streamed_request_and_frees_its_kv(engine_for):
-    engine = engine_for()
+    engine = engine_for(**LONG_CONTEXT)
     prompts = [random_ids(20 + i, 20 + i) for i in range(4)]
     stream = engine.generate(input_ids=prompts, sampling_params=greedy(LONG_BUDGET),
                              stream=True)
@@ -242,11 +245,11 @@ def test_abort_all_ends_every_streamed_request_and_frees_its_kv(engine_for):
 @pytest.mark.parametrize("max_running_requests", [64, 2])
 def test_abort_by_rid_ends_only_that_request(engine_for, max_running_requests):
     """With two request rows the aborted request is most likely still waiting."""
-    engine = engine_for(max_running_requests=max_running_requests)
+    engine = engine_for(max_running_requests=max_running_requests, **LONG_CONTEXT)
     prompts = [random_ids(30 + i, 20) for i in range(5)]
     params = [greedy(LONG_BUDGET if i == 3 else 12) for i in range(5)]
     rids = [f"req-{i}" for i in range(5)]
-    expected = engine_for().generate(input_ids=prompts, sampling_params=params)
+    expected = engine_for().generate(input_ids=prompts, sampling_params=greedy(12))
     stream = engine.generate(input_ids=prompts, sampling_params=params, rid=rids, stream=True)
     finals = {}
     first = next(stream)

@@ -12,15 +12,29 @@ from workloads import PROMPTS, greedy
 from radixlm.runtime.server.http_server import create_app
 
 API_KEY = "test-key"
+LONG_CONTEXT = {"context_length": 4096, "max_total_tokens": 16384}
+"""The abort tests' engine: requests that run for thousands of steps, so that an abort posted
+after the first streamed chunk reaches the scheduler long before they could end by length,
+however the machine's cores are contended."""
+ABORTED_BUDGET = 3000
 
 
-@pytest.fixture
-def server(engine_for):
-    live = LiveServer(create_app(engine_for(), api_key=API_KEY))
+def serve(engine):
+    live = LiveServer(create_app(engine, api_key=API_KEY))
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=live.url, headers=headers, timeout=60) as client:
         yield client
     live.close()
+
+
+@pytest.fixture
+def server(engine_for):
+    yield from serve(engine_for())
+
+
+@pytest.fixture
+def long_server(engine_for):
+    yield from serve(engine_for(**LONG_CONTEXT))
 
 
 def test_generate_matches_the_engine_single_batch_and_input_ids(server, engine_for):
@@ -118,13 +132,13 @@ def test_info_routes_and_health_generate(server, engine_for):
     assert server.get("/health_generate").status_code == 200
 
 
-def test_flush_cache_and_abort_request(server):
-    assert server.post("/flush_cache").status_code == 200
-    assert server.post("/abort_request", json={"abort_all": True}).status_code == 200
-    assert server.post("/abort_request", json={}).status_code == 400
-    body = {"text": [PROMPTS[0]] * 2, "sampling_params": greedy(400), "stream": True,
-            "rid": ["a", "b"]}
-    finals = finish_reasons_of_a_stream_aborted_midway(server, body, {"rid": "a"})
+def test_flush_cache_and_abort_request(long_server):
+    assert long_server.post("/flush_cache").status_code == 200
+    assert long_server.post("/abort_request", json={"abort_all": True}).status_code == 200
+    assert long_server.post("/abort_request", json={}).status_code == 400
+    body = {"text": [PROMPTS[0]] * 2, "stream": True, "rid": ["a", "b"],
+            "sampling_params": [greedy(ABORTED_BUDGET), greedy(400)]}
+    finals = finish_reasons_of_a_stream_aborted_midway(long_server, body, {"rid": "a"})
     assert finals[0]["type"] == "abort"
     assert finals[1] == {"type": "length", "length": 400}
 
@@ -136,9 +150,9 @@ def test_an_output_budget_beyond_the_context_is_a_400(server):
     assert "max_new_tokens" in response.json()["error"]["message"]
 
 
-def test_abort_all_ends_every_running_request_with_abort(server):
-    body = {"text": PROMPTS[:4], "sampling_params": greedy(400), "stream": True}
-    finals = finish_reasons_of_a_stream_aborted_midway(server, body, {"abort_all": True})
+def test_abort_all_ends_every_running_request_with_abort(long_server):
+    body = {"text": PROMPTS[:4], "sampling_params": greedy(ABORTED_BUDGET), "stream": True}
+    finals = finish_reasons_of_a_stream_aborted_midway(long_server, body, {"abort_all": True})
     assert {index: reason["type"] for index, reason in finals.items()} == {
         0: "abort", 1: "abort", 2: "abort", 3: "abort"
     }
