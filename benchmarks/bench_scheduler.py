@@ -10,10 +10,17 @@ that is timed too (the "+ report" column: ``report_messages`` for the step's req
 msgpack encoding, not the socket sends).
 
 For each batch size: the prefill steps that admit the batch (time per admitted request),
-then ``--steps`` decode steps with every request running (time per step, per request-step,
-and the share of it spent inside the stand-ins, which should be near zero).
+then ``--steps`` decode steps with every request running: time per step, per request-step,
+the share of it spent inside the stand-ins and the share spent in the sampler (over the
+stand-in's logits, mostly one kernel, device work on a GPU). "runtime" is the step without
+either: what the runtime's own code costs.
+
+``--forward-ms`` gives the stand-in forward pass a fixed duration spent outside the GIL
+(``time.sleep``), as a device's forward pass would be: what the step takes beyond it is the
+runtime's own cost, measured as it would add to (or hide behind) a real forward pass.
 
     python benchmarks/bench_scheduler.py [--sizes 1 64 256] [--steps 200] [--vocab 32000]
+                                         [--forward-ms 0 5 20]
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ from radixlm.runtime.sampling.sampling_params import SamplingParams  # noqa: E40
 from radixlm.runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from radixlm.runtime.scheduler.scheduler_process import (  # noqa: E402
     build_scheduler,
+    freeze_startup_objects,
     make_req,
     report_messages,
+    thaw_startup_objects,
 )
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
@@ -45,17 +54,23 @@ PROMPT_LEN = 64
 
 
 class NoOpModel:
-    """Stand-ins for ``ModelRunner.forward`` and ``compute_logits`` that time themselves."""
+    """Stand-ins for ``ModelRunner.forward`` and ``compute_logits`` that time themselves.
+
+    ``forward_seconds``: how long each forward pass lasts, asleep (the GIL released).
+    """
 
     def __init__(self, hidden_size: int, vocab_size: int, token_range: tuple[int, int]):
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.token_range = token_range
+        self.forward_seconds = 0.0
         self.calls = 0
         self.seconds = 0.0
 
     def forward(self, batch) -> torch.Tensor:
         start = time.perf_counter()
+        if self.forward_seconds:
+            time.sleep(self.forward_seconds)
         hidden = torch.zeros(len(batch.input_ids), self.hidden_size)  # (T, hidden)
         self.seconds += time.perf_counter() - start
         return hidden
@@ -72,11 +87,29 @@ class NoOpModel:
         return logits
 
 
-def install(scheduler: Scheduler, model: NoOpModel) -> None:
+class TimedSampler:
+    """Wraps ``Sampler.sample`` to time it: over the stand-in's logits it is mostly one
+    kernel (greedy requests: an argmax over (running, vocab)), device work on a GPU."""
+
+    def __init__(self, sample):
+        self.sample_untimed = sample
+        self.seconds = 0.0
+
+    def __call__(self, logits, batch):
+        start = time.perf_counter()
+        tokens = self.sample_untimed(logits, batch)
+        self.seconds += time.perf_counter() - start
+        return tokens
+
+
+def install(scheduler: Scheduler, model: NoOpModel) -> TimedSampler:
     scheduler.runner.forward = model.forward
     scheduler.runner.compute_logits = model.compute_logits
     # The output processor holds the LM head it was built with.
     scheduler.output_processor.compute_logits = model.compute_logits
+    timed = TimedSampler(scheduler.sampler.sample)
+    scheduler.sampler.sample = timed
+    return timed
 
 
 def report(stepped: list) -> list[bytes]:
@@ -87,6 +120,7 @@ def report(stepped: list) -> list[bytes]:
 
 def measure(scheduler: Scheduler, model: NoOpModel, batch_size: int, steps: int,
             seed: int) -> dict[str, float]:
+    """Admits ``batch_size`` requests, then times ``steps`` decode steps of them all."""
     rng = random.Random(seed)
     tokenizer = scheduler.output_processor.tokenizer
     vocab = len(tokenizer)
@@ -108,7 +142,9 @@ def measure(scheduler: Scheduler, model: NoOpModel, batch_size: int, steps: int,
     admit_steps = stats.extend_steps - extend_before
     assert len(scheduler.running) == batch_size, "the whole batch must be running"
 
+    sampler = scheduler.sampler.sample
     decode_before, model_before = stats.decode_steps, model.seconds
+    sampler_before = sampler.seconds
     report_seconds = 0.0
     start = time.perf_counter()
     for _ in range(steps):
@@ -120,7 +156,8 @@ def measure(scheduler: Scheduler, model: NoOpModel, batch_size: int, steps: int,
     decode_seconds = total_seconds - report_seconds
     assert stats.decode_steps - decode_before == steps, "every timed step must be a decode"
     assert all(len(r.output_ids) == steps + 1 for r in reqs)
-    stand_in = model.seconds - model_before
+    stand_in = model.seconds - model_before - model.forward_seconds * steps
+    sampling = sampler.seconds - sampler_before
 
     while not all(r.finished for r in reqs):
         scheduler.step()
@@ -132,6 +169,10 @@ def measure(scheduler: Scheduler, model: NoOpModel, batch_size: int, steps: int,
         "decode_us_per_req_step": decode_seconds / steps / batch_size * 1e6,
         "with_report_us_per_step": total_seconds / steps * 1e6,
         "stand_in_share": stand_in / decode_seconds,
+        "sampler_share": sampling / decode_seconds,
+        "beyond_forward_us_per_step": (decode_seconds / steps - model.forward_seconds) * 1e6,
+        "runtime_us_per_step": (decode_seconds - model.seconds + model_before - sampling)
+        / steps * 1e6,
     }
 
 
@@ -141,6 +182,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--vocab", type=int, default=32000,
                         help="the stand-in LM head's vocabulary (sampling cost grows with it)")
+    parser.add_argument("--forward-ms", type=float, nargs="+", default=[0.0],
+                        help="durations of the stand-in forward pass (asleep) to measure with")
     args = parser.parse_args()
     torch.set_num_threads(1)
     directory = write_tiny_model(Path(tempfile.mkdtemp()), vocab_size=args.vocab)
@@ -154,17 +197,25 @@ def main() -> None:
     model = NoOpModel(config.hidden_size, config.vocab_size,
                       (3, len(scheduler.output_processor.tokenizer)))
     install(scheduler, model)
+    freeze_startup_objects()  # as the scheduler process does once it is built
     measure(scheduler, model, min(8, largest), 20, seed=0)  # warm-up
-    print(f"scheduler with a no-op model: prompts of {PROMPT_LEN} tokens, vocabulary "
+    print(f"scheduler with a stand-in model: prompts of {PROMPT_LEN} tokens, vocabulary "
           f"{config.vocab_size}, {args.steps} decode steps per size, 1 thread")
-    print(f"{'running':>8} {'prefill steps':>13} {'admit us/req':>13} {'decode us/step':>15} "
-          f"{'us/req/step':>12} {'+ report us/step':>17} {'in stand-in':>12}")
-    for size in args.sizes:
-        row = measure(scheduler, model, size, args.steps, seed=size)
-        print(f"{size:>8} {row['admit_steps']:>13} {row['admit_us_per_req']:>13.1f} "
-              f"{row['decode_us_per_step']:>15.1f} {row['decode_us_per_req_step']:>12.2f} "
-              f"{row['with_report_us_per_step']:>17.1f} {row['stand_in_share']:>11.1%}",
-              flush=True)
+    print(f"{'forward ms':>10} {'running':>8} {'prefill steps':>13} {'admit us/req':>13} "
+          f"{'decode us/step':>15} {'beyond fwd':>11} {'runtime':>8} {'us/req/step':>12} "
+          f"{'+ report us/step':>17} {'in stand-in':>12} {'in sampler':>11}")
+    for forward_ms in args.forward_ms:
+        model.forward_seconds = forward_ms / 1000
+        for size in args.sizes:
+            row = measure(scheduler, model, size, args.steps, seed=size)
+            print(f"{forward_ms:>10g} {size:>8} {row['admit_steps']:>13} "
+                  f"{row['admit_us_per_req']:>13.1f} {row['decode_us_per_step']:>15.1f} "
+                  f"{row['beyond_forward_us_per_step']:>11.1f} "
+                  f"{row['runtime_us_per_step']:>8.1f} "
+                  f"{row['decode_us_per_req_step']:>12.2f} "
+                  f"{row['with_report_us_per_step']:>17.1f} {row['stand_in_share']:>11.1%} "
+                  f"{row['sampler_share']:>10.1%}", flush=True)
+    thaw_startup_objects()
 
 
 if __name__ == "__main__":

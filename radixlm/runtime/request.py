@@ -69,6 +69,8 @@ class Req:
     req_pool_idx: int | None = None
     kv_len: int = 0
     last_slot: int = -1
+    """The KV slot of the last token with KV, where pages hold several tokens (the next
+    token goes into its page if there is room); not kept when pages are single tokens."""
     # The cached prefix this request runs on (tree-owned slots) and the node locked for it.
     prefix_indices: torch.Tensor | None = None
     last_node: CacheNode | None = None
@@ -91,6 +93,9 @@ class Req:
     reported_ids: int = 0
     reported_input_logprobs: int = 0
     reported_text: bool = False
+    stop_token_ids: frozenset[int] | None = None
+    """The tokens that end the request (``stop_token_ids``, plus EOS unless ``ignore_eos``),
+    set by the output processor when it first appends a token."""
 
     def __post_init__(self) -> None:
         params = self.sampling

@@ -107,6 +107,34 @@ class ModelRunner:
             extend_seq_lens_list=extend_lens,
         )
 
+    def decode_inputs(self, input_ids: list[int], kv_lens: list[int],
+                      req_pool_indices: list[int]) -> torch.Tensor:
+        """(3, B) int64 on the device: a decode step's tokens, positions (each request's
+        ``kv_len``) and request rows, in one copy to the device."""
+        return torch.tensor([input_ids, kv_lens, req_pool_indices], dtype=torch.int64,
+                            device=self.device)
+
+    def make_decode_batch(self, inputs: torch.Tensor, out_cache_loc: torch.Tensor,
+                          kv_lens: list[int]) -> ForwardBatch:
+        """A decode step's batch from ``decode_inputs``: one new token per request."""
+        input_ids, positions, req_pool_indices = inputs.unbind(0)
+        batch_size = len(kv_lens)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices,
+            seq_lens=positions + 1,
+            prefix_lens=positions,
+            extend_seq_lens=torch.ones_like(positions),
+            req_to_token=self.req_to_token_pool.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            seq_lens_list=[n + 1 for n in kv_lens],
+            extend_seq_lens_list=[1] * batch_size,
+        )
+
     def _use_threads(self, batch_size: int, num_tokens: int) -> None:
         """CPU threads for this pass: one for small batches, all for large ones.
 

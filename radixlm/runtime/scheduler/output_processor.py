@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -57,12 +59,15 @@ class OutputProcessor:
         offset = 0
         for req, prefix, extend in zip(reqs, prefix_lens, extend_lens):
             end = prefix + extend  # positions computed: prefix .. end - 1
-            complete = end == req.seq_len  # else a chunk: its last row predicts a prompt token
-            logprob_end = end - 1 if complete else end
-            first_position = self._first_input_logprob_position(req, prefix)
+            # Else a chunk: its last row predicts a prompt token.
+            complete = end == len(req.input_ids) + len(req.output_ids)
+            first_position = None
+            if req.logprobs is not None:
+                first_position = self._first_input_logprob_position(req, prefix)
             if first_position is None:
                 input_row_ranges.append(None)
             else:
+                logprob_end = end - 1 if complete else end
                 count = max(logprob_end - first_position, 0)
                 start = offset + first_position - prefix
                 input_row_ranges.append((len(rows), count, first_position))
@@ -81,9 +86,25 @@ class OutputProcessor:
         for req, owed_range, last in zip(reqs, input_row_ranges, last_rows):
             if owed_range is not None:
                 owed.append((req, *owed_range))
-            if req.kv_len == req.seq_len and not self._ends_before_sampling(req):
+            if (req.kv_len == len(req.input_ids) + len(req.output_ids)
+                    and not self._ends_before_sampling(req)):
                 to_sample.append(req)
                 sample_rows.append(last)
+        self._sample(logits, owed, to_sample, sample_rows, sampler, sampling_batch)
+
+    def process_decode(self, reqs: list[Req], hidden: torch.Tensor, sampler: Sampler,
+                       sampling_batch: SamplingBatch) -> None:
+        """``process`` for a decode step, in fewer steps: ``hidden`` has one row per request
+        (its one new token), and every request samples from it (a running request is below
+        its output budget and the context, and owes no prompt logprobs)."""
+        logits = self.compute_logits(hidden)  # (B, V)
+        self._sample(logits, [], reqs, range(len(reqs)), sampler, sampling_batch)
+
+    def _sample(self, logits: torch.Tensor, owed: list[tuple[Req, int, int, int]],
+                to_sample: list[Req], sample_rows: Sequence[int], sampler: Sampler,
+                sampling_batch: SamplingBatch) -> None:
+        """Samples ``to_sample``'s next tokens from ``logits`` rows ``sample_rows``, adds the
+        logprobs owed and wanted, and appends the tokens."""
         next_ids = None  # (S,) on the logits' device
         if to_sample:
             sample_logits = logits  # (S, V): every row when sample_rows is 0 .. N - 1
@@ -101,7 +122,7 @@ class OutputProcessor:
             self._append_sampled(req, token, sampling_batch)
 
     def _add_logprobs(self, logits: torch.Tensor, owed: list[tuple[Req, int, int, int]],
-                      sampled: list[Req], sample_rows: list[int],
+                      sampled: list[Req], sample_rows: Sequence[int],
                       next_ids: torch.Tensor | None) -> None:
         """Appends the prompt logprobs ``owed`` and the logprobs of the sampled tokens of
         requests that want them, computed together on the device and copied once."""
@@ -164,7 +185,7 @@ class OutputProcessor:
 
     def _ends_before_sampling(self, req: Req) -> bool:
         """A request with no output budget (prefill only, or a full context) ends here."""
-        if req.sampling.max_new_tokens == 0 or req.seq_len >= self.context_length:
+        if req.sampling.max_new_tokens == 0 or req.kv_len >= self.context_length:
             req.finish_reason = finish_length(len(req.output_ids))
             return True
         return False
@@ -204,15 +225,17 @@ class OutputProcessor:
         The Detokenizer trims the text at the stop.
         """
         params = req.sampling
-        req.output_ids.append(token)
-        detokenizer = req.detokenizer
-        new_text = detokenizer.feed([token]) if detokenizer is not None else ""
-        stop_ids = set(params.stop_token_ids or [])
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        if token in stop_ids and len(req.output_ids) >= params.min_new_tokens:
+        output_ids = req.output_ids
+        output_ids.append(token)
+        stop_ids = req.stop_token_ids
+        if stop_ids is None:
+            eos = () if params.ignore_eos else self.eos_token_ids
+            stop_ids = req.stop_token_ids = frozenset([*(params.stop_token_ids or ()), *eos])
+        if token in stop_ids and len(output_ids) >= params.min_new_tokens:
             req.finish_reason = finish_stop(token)
-        elif req.stop_matcher is not None:
+        elif req.stop_matcher is not None:  # it comes with the request's detokenizer
+            detokenizer = req.detokenizer
+            new_text = detokenizer.feed([token])
             found = None
             if new_text:
                 found = req.stop_matcher.search(detokenizer.text, len(new_text))
@@ -221,9 +244,10 @@ class OutputProcessor:
             if found is not None:
                 req.finish_reason = finish_stop(found[2])
         if req.finish_reason is None and (
-            len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_length
+            len(output_ids) >= params.max_new_tokens
+            or len(req.input_ids) + len(output_ids) >= self.context_length
         ):
-            req.finish_reason = finish_length(len(req.output_ids))
+            req.finish_reason = finish_length(len(output_ids))
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -77,20 +77,20 @@ class RequestMemory:
             req.last_slot = int(slots[-1])
         return slots
 
-    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
-        """One slot for each request's next token (one allocation when pages are tokens)."""
+    def alloc_decode(self, reqs: list[Req], rows: torch.Tensor,
+                     columns: torch.Tensor) -> torch.Tensor:
+        """One slot for each request's next token (one allocation when pages are tokens).
+
+        ``rows`` and ``columns`` (B,) on the pool's device: the requests' rows and
+        ``kv_len``s, where the slots are written."""
         if self.page_size > 1:
             return torch.cat([self.alloc(req, 1) for req in reqs])
         shortfall = len(reqs) - self.allocator.available_size()
         if shortfall > 0:
             self.tree_cache.evict(shortfall)
         slots = self.allocator.alloc(len(reqs))
-        rows = torch.tensor([r.req_pool_idx for r in reqs], device=slots.device)
-        columns = torch.tensor([r.kv_len for r in reqs], device=slots.device)
-        self.req_to_token[rows, columns] = slots
-        for req, slot in zip(reqs, slots.tolist()):
-            req.last_slot = slot
-        return slots
+        self.req_to_token[rows, columns] = slots  # no read-back: pages of one token need
+        return slots                              # no last_slot (see ``Req.last_slot``)
 
     def cache_unfinished(self, req: Req) -> None:
         """Shares what the running request has computed so far, and keeps running on it.

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.kernels.forward_batch import ForwardMode
+from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.allocator import pages_for
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.request import Req, finish_abort
@@ -111,11 +111,11 @@ class Scheduler:
         grammar failed to compile, now finished)."""
         ended = self._move_compiled()
         adder = self._admit()
-        if adder.reqs:
+        if adder is not None and adder.reqs:
             return ended + self._run_extend(adder)
         if self.running:
-            self._retract_until_decode_fits()
-            return ended + self._run_decode()
+            pending = self._retract_until_decode_fits()
+            return ended + self._run_decode(pending)
         if not ended:
             self.grammar_queue.wait()  # nothing to run until a grammar is ready
         return ended
@@ -177,7 +177,11 @@ class Scheduler:
                 self.waiting.append(req)
         return failed
 
-    def _admit(self) -> PrefillAdder:
+    def _admit(self) -> PrefillAdder | None:
+        """This step's admission round; None when there is nothing to admit (so a decode
+        step costs nothing here)."""
+        if self.chunked is None and not self.waiting:
+            return None
         args = self.args
         adder = PrefillAdder(
             memory=self.memory,
@@ -216,25 +220,38 @@ class Scheduler:
         self.chunked = adder.chunked_req
         self.running += [r for r in reqs if r is not self.chunked]
         self.stats.extend_steps += 1
-        return self._forward(ForwardMode.EXTEND, reqs, new_ids, share_prefixes=True)
+        return self._extend(reqs, new_ids, share_prefixes=True)
 
-    def _run_decode(self) -> list[Req]:
+    def _run_decode(self, pending: int) -> list[Req]:
         """One token for each running request, or, when jump-forward left some request
-        several tokens without KV, an extend over every running request's pending tokens."""
+        several tokens without KV (``pending``, their total, exceeds one per request), an
+        extend over every running request's pending tokens."""
         reqs = list(self.running)
         self.stats.decode_steps += 1
         self.new_token_ratio = max(
             self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio
         )
-        if all(r.seq_len - r.kv_len == 1 for r in reqs):
-            return self._forward(ForwardMode.DECODE, reqs, [[r.output_ids[-1]] for r in reqs])
+        if pending == len(reqs):
+            return self._decode(reqs)
         self.stats.jump_forward_steps += 1
         pending = [r.output_ids[r.kv_len - len(r.input_ids):] for r in reqs]
-        return self._forward(ForwardMode.EXTEND, reqs, pending)
+        return self._extend(reqs, pending)
 
-    def _forward(self, mode: ForwardMode, reqs: list[Req], new_ids: list[list[int]],
-                 share_prefixes: bool = False) -> list[Req]:
-        """Allocates KV for each request's new tokens, runs the model, processes the output.
+    def _decode(self, reqs: list[Req]) -> list[Req]:
+        """A decode step: each request's last token is its one new token."""
+        kv_lens = [r.kv_len for r in reqs]
+        inputs = self.runner.decode_inputs(
+            [r.output_ids[-1] for r in reqs], kv_lens, [r.req_pool_idx for r in reqs])
+        _, positions, rows = inputs.unbind(0)
+        slots = self.memory.alloc_decode(reqs, rows, positions)
+        for req in reqs:
+            req.kv_len += 1
+        return self._run_and_process(reqs, self.runner.make_decode_batch(inputs, slots, kv_lens))
+
+    def _extend(self, reqs: list[Req], new_ids: list[list[int]],
+                share_prefixes: bool = False) -> list[Req]:
+        """An extend step: allocates KV for each request's new tokens, runs the model,
+        processes the output.
 
         A request's ``kv_len`` advances as soon as its slots are allocated, so that if a
         later allocation or the forward pass fails, aborting the requests frees everything.
@@ -242,26 +259,38 @@ class Scheduler:
         enters the radix cache at once, not only when the request ends.
         """
         input_ids, positions, slots, prefix_lens, extend_lens = [], [], [], [], []
-        if mode is ForwardMode.DECODE:
-            slots.append(self.memory.alloc_decode(reqs))
         for req, ids in zip(reqs, new_ids):
-            if mode is ForwardMode.EXTEND:
-                slots.append(self.memory.alloc(req, len(ids)))
+            slots.append(self.memory.alloc(req, len(ids)))
             input_ids += ids
             positions += range(req.kv_len, req.kv_len + len(ids))
             prefix_lens.append(req.kv_len)
             extend_lens.append(len(ids))
             req.kv_len += len(ids)
         batch = self.runner.make_forward_batch(
-            mode, input_ids, positions, torch.cat(slots), [r.req_pool_idx for r in reqs],
+            ForwardMode.EXTEND, input_ids, positions, torch.cat(slots),
+            [r.req_pool_idx for r in reqs],
             prefix_lens, extend_lens,
         )
+        return self._run_and_process(reqs, batch, prefix_lens, share_prefixes)
+
+    def _run_and_process(self, reqs: list[Req], batch: ForwardBatch,
+                         prefix_lens: list[int] | None = None,
+                         share_prefixes: bool = False) -> list[Req]:
+        """Runs the model over ``batch`` (whose KV slots the requests already hold), samples,
+        and releases the requests that finished. ``prefix_lens`` None: a decode step."""
         hidden = self.runner.forward(batch)
         self.stats.forward_steps += 1
-        self.output_processor.process(reqs, hidden, prefix_lens, extend_lens, self.sampler,
-                                      self.sampling_batch)
+        extend_lens = batch.extend_seq_lens_list
+        if prefix_lens is None:
+            self.output_processor.process_decode(reqs, hidden, self.sampler,
+                                                 self.sampling_batch)
+        else:
+            self.output_processor.process(reqs, hidden, prefix_lens, extend_lens, self.sampler,
+                                          self.sampling_batch)
+        finished = []
         for req, extend in zip(reqs, extend_lens):
-            if req.finished:
+            if req.finish_reason is not None:
+                finished.append(req)
                 if req is self.chunked:
                     self.chunked = None
                 else:
@@ -269,19 +298,23 @@ class Scheduler:
                 self.memory.release(req)
             elif share_prefixes and extend > 1:
                 self.memory.cache_unfinished(req)
-        self.sampling_batch.remove([req for req in reqs if req.finished])
+        self.sampling_batch.remove(finished)
         return reqs
 
     # Retraction --------------------------------------------------------------------------
 
-    def _retract_until_decode_fits(self) -> None:
-        """Retracts running requests until every remaining one can store its next token."""
+    def _retract_until_decode_fits(self) -> int:
+        """Retracts running requests until every remaining one can store its pending tokens
+        (its last one, and any jumped ones); returns their number, over all requests."""
         page = self.memory.page_size
         while True:
-            need = sum(pages_for(r.seq_len, page) - pages_for(r.kv_len, page)
-                       for r in self.running)
+            pending = sum(len(r.input_ids) + len(r.output_ids) - r.kv_len for r in self.running)
+            need = pending
+            if page > 1:
+                need = sum(pages_for(r.seq_len, page) - pages_for(r.kv_len, page)
+                           for r in self.running)
             if need <= self.memory.available_tokens():
-                return
+                return pending
             if self.chunked is not None:  # its prefill so far stays cached
                 victim, self.chunked = self.chunked, None
             elif len(self.running) > 1:
@@ -289,7 +322,7 @@ class Scheduler:
                 victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
                 self.running.remove(victim)
             else:
-                return  # one request always fits: the Engine refuses any that cannot
+                return pending  # one request always fits: the Engine refuses any that cannot
             self.memory.release(victim)
             self.sampling_batch.remove([victim])
             victim.retractions += 1
