@@ -18,9 +18,13 @@ either: what the runtime's own code costs.
 ``--forward-ms`` gives the stand-in forward pass a fixed duration spent outside the GIL
 (``time.sleep``), as a device's forward pass would be: what the step takes beyond it is the
 runtime's own cost, measured as it would add to (or hide behind) a real forward pass.
+``--overlap`` runs the plain loop, overlap scheduling (the forward pass and sampling on a
+worker thread while the host prepares and processes steps), or both, side by side. Under
+overlap the stand-in and sampler run beside the host's work, so "runtime" (the step less
+their time) is no longer the host's cost: compare the step times.
 
     python benchmarks/bench_scheduler.py [--sizes 1 64 256] [--steps 200] [--vocab 32000]
-                                         [--forward-ms 0 5 20]
+                                         [--forward-ms 0 5 20] [--overlap off|on|both]
 """
 
 from __future__ import annotations
@@ -152,6 +156,7 @@ def measure(scheduler: Scheduler, model: NoOpModel, batch_size: int, steps: int,
         report_start = time.perf_counter()
         report(stepped)
         report_seconds += time.perf_counter() - report_start
+    scheduler.drain()  # with overlap, the last step is still in flight
     total_seconds = time.perf_counter() - start
     decode_seconds = total_seconds - report_seconds
     assert stats.decode_steps - decode_before == steps, "every timed step must be a decode"
@@ -184,37 +189,48 @@ def main() -> None:
                         help="the stand-in LM head's vocabulary (sampling cost grows with it)")
     parser.add_argument("--forward-ms", type=float, nargs="+", default=[0.0],
                         help="durations of the stand-in forward pass (asleep) to measure with")
+    parser.add_argument("--overlap", choices=["off", "on", "both"], default="both",
+                        help="the plain loop, overlap scheduling, or both side by side")
     args = parser.parse_args()
     torch.set_num_threads(1)
     directory = write_tiny_model(Path(tempfile.mkdtemp()), vocab_size=args.vocab)
     largest = max(args.sizes)
-    server_args = ServerArgs(
-        str(directory), dtype="float32", max_running_requests=largest,
-        max_total_tokens=largest * (PROMPT_LEN + args.steps + 8),
-    )
-    scheduler = build_scheduler(server_args, str(directory))
-    config = scheduler.runner.model_config
-    model = NoOpModel(config.hidden_size, config.vocab_size,
-                      (3, len(scheduler.output_processor.tokenizer)))
-    install(scheduler, model)
+    modes = {"off": ["off"], "on": ["on"], "both": ["off", "on"]}[args.overlap]
+    benches = {}
+    for mode in modes:
+        server_args = ServerArgs(
+            str(directory), dtype="float32", max_running_requests=largest,
+            max_total_tokens=largest * (PROMPT_LEN + args.steps + 8),
+            disable_overlap_schedule=mode == "off",
+        )
+        scheduler = build_scheduler(server_args, str(directory))
+        config = scheduler.runner.model_config
+        model = NoOpModel(config.hidden_size, config.vocab_size,
+                          (3, len(scheduler.output_processor.tokenizer)))
+        install(scheduler, model)
+        benches[mode] = scheduler, model
     freeze_startup_objects()  # as the scheduler process does once it is built
-    measure(scheduler, model, min(8, largest), 20, seed=0)  # warm-up
+    for scheduler, model in benches.values():
+        measure(scheduler, model, min(8, largest), 20, seed=0)  # warm-up
     print(f"scheduler with a stand-in model: prompts of {PROMPT_LEN} tokens, vocabulary "
           f"{config.vocab_size}, {args.steps} decode steps per size, 1 thread")
-    print(f"{'forward ms':>10} {'running':>8} {'prefill steps':>13} {'admit us/req':>13} "
-          f"{'decode us/step':>15} {'beyond fwd':>11} {'runtime':>8} {'us/req/step':>12} "
-          f"{'+ report us/step':>17} {'in stand-in':>12} {'in sampler':>11}")
+    print(f"{'forward ms':>10} {'overlap':>7} {'running':>8} {'prefill steps':>13} "
+          f"{'admit us/req':>13} {'decode us/step':>15} {'beyond fwd':>11} {'runtime':>8} "
+          f"{'us/req/step':>12} {'+ report us/step':>17} {'in stand-in':>12} "
+          f"{'in sampler':>11}")
     for forward_ms in args.forward_ms:
-        model.forward_seconds = forward_ms / 1000
         for size in args.sizes:
-            row = measure(scheduler, model, size, args.steps, seed=size)
-            print(f"{forward_ms:>10g} {size:>8} {row['admit_steps']:>13} "
-                  f"{row['admit_us_per_req']:>13.1f} {row['decode_us_per_step']:>15.1f} "
-                  f"{row['beyond_forward_us_per_step']:>11.1f} "
-                  f"{row['runtime_us_per_step']:>8.1f} "
-                  f"{row['decode_us_per_req_step']:>12.2f} "
-                  f"{row['with_report_us_per_step']:>17.1f} {row['stand_in_share']:>11.1%} "
-                  f"{row['sampler_share']:>10.1%}", flush=True)
+            for mode, (scheduler, model) in benches.items():
+                model.forward_seconds = forward_ms / 1000
+                row = measure(scheduler, model, size, args.steps, seed=size)
+                print(f"{forward_ms:>10g} {mode:>7} {size:>8} {row['admit_steps']:>13} "
+                      f"{row['admit_us_per_req']:>13.1f} {row['decode_us_per_step']:>15.1f} "
+                      f"{row['beyond_forward_us_per_step']:>11.1f} "
+                      f"{row['runtime_us_per_step']:>8.1f} "
+                      f"{row['decode_us_per_req_step']:>12.2f} "
+                      f"{row['with_report_us_per_step']:>17.1f} "
+                      f"{row['stand_in_share']:>11.1%} {row['sampler_share']:>10.1%}",
+                      flush=True)
     thaw_startup_objects()
 
 

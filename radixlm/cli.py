@@ -44,6 +44,7 @@ SERVER_OPTION_HELP = {
     "max_queued_requests": "requests accepted beyond max_running_requests (more get 503)",
     "grammar_backend": "what compiles regex / json_schema / ebnf constraints (xgrammar)",
     "disable_jump_forward": "decode a grammar's forced text token by token",
+    "disable_overlap_schedule": "process each decode step before computing the next",
 }
 
 

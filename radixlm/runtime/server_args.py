@@ -74,6 +74,9 @@ class ServerArgs:
     """What compiles regex / json_schema / ebnf constraints into token masks."""
     disable_jump_forward: bool = False
     """Decode a grammar's forced text token by token instead of appending it at once."""
+    disable_overlap_schedule: bool = False
+    """Run each decode step's forward pass, then its processing, strictly in turn, instead
+    of processing one step while the next computes (see ``scheduler/overlap.py``)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -110,9 +110,12 @@ class ModelRunner:
     def decode_inputs(self, input_ids: list[int], kv_lens: list[int],
                       req_pool_indices: list[int]) -> torch.Tensor:
         """(3, B) int64 on the device: a decode step's tokens, positions (each request's
-        ``kv_len``) and request rows, in one copy to the device."""
-        return torch.tensor([input_ids, kv_lens, req_pool_indices], dtype=torch.int64,
-                            device=self.device)
+        ``kv_len``) and request rows, in one copy to the device (on CUDA from pinned
+        memory, without waiting for the kernels queued before it)."""
+        values = torch.tensor([input_ids, kv_lens, req_pool_indices], dtype=torch.int64)
+        if self.device.type == "cuda":
+            return values.pin_memory().to(self.device, non_blocking=True)
+        return values.to(self.device)
 
     def make_decode_batch(self, inputs: torch.Tensor, out_cache_loc: torch.Tensor,
                           kv_lens: list[int]) -> ForwardBatch:

@@ -21,9 +21,11 @@ Invariants:
   a ``CountPool`` whose slot for row ``i`` is ``count_slots[i]``.
 - Token state: ``output_ids``, ``seen_ids``, the counts and ``output_lens`` describe each
   row's prompt and ``output_ids`` as they are when the row is next sampled.
-- Host state: which settings are used (counted per feature), seeds and positions (read from
-  the requests), grammar matchers. The sampler decides what to run from these, never by
-  reading a device tensor back.
+- Host state: which settings are used (counted per feature), seeds, grammar matchers, and
+  each row's output length as recorded here (its position, for seeds and ``min_new_tokens``;
+  counted from the request's output when it joins, then by ``record_*``, so a sampler can
+  run ahead of the host appending the tokens). The sampler decides what to run from these,
+  never by reading a device tensor back.
 
 Joining and leaving cost O(rows x listed tokens), plus O(V) per joining row with a
 frequency or presence penalty (its counts); nothing is O(rows x V).
@@ -135,6 +137,7 @@ class SamplingBatch:
         self._store: dict[str, torch.Tensor | TokenRows] = {}  # column name -> its rows
         self._counts = CountPool(vocab_size, self.device)
         self._slots: list[int] = []  # count_slots on the host, while they exist
+        self._positions: list[int] = []  # per row: its output length, as recorded
         self._parent: SamplingBatch | None = None  # for a view: its batch and rows
         self._view_rows = slice(None)
         self._publish()
@@ -167,6 +170,7 @@ class SamplingBatch:
                 self.reqs.append(req)
                 self._features.append(features_of(req))
                 self._used.update(self._features[-1])
+                self._positions.append(len(req.output_ids))
                 new.append(req)
         if not new:
             return
@@ -195,6 +199,7 @@ class SamplingBatch:
             self._used.subtract(self._features[row])
         self.reqs = [self.reqs[row] for row in keep]
         self._features = [self._features[row] for row in keep]
+        self._positions = [self._positions[row] for row in keep]
         self._rows = {id(req): row for row, req in enumerate(self.reqs)}
         if self._slots:
             self._counts.free([self._slots[row] for row in sorted(dropped)])
@@ -241,11 +246,14 @@ class SamplingBatch:
         to the rows' output (no host sync)."""
         if self._parent is not None:
             self._parent.record_sampled(tokens, self._view_rows)
-        elif self._store:
+            return
+        self._advance(range(*rows.indices(len(self.reqs))), 1)
+        if self._store:
             self._append(tokens.view(-1, 1), rows)
 
     def record_appended(self, req: SamplingRequest, tokens: list[int]) -> None:
         """Appends tokens added to ``req``'s output without a draw (jump-forward)."""
+        self._advance([self._rows[id(req)]], len(tokens))
         if tokens and any(n in self._store for n in ("output_ids", "seen_ids", "output_lens")):
             row = self._rows[id(req)]
             ids = to_device(tokens, torch.int64, self.device)
@@ -266,7 +274,7 @@ class SamplingBatch:
         if not self.uses(MIN_TOKENS):
             return []
         return [row for row, req in enumerate(self.reqs)
-                if len(req.output_ids) < req.sampling.min_new_tokens]
+                if self._positions[row] < req.sampling.min_new_tokens]
 
     def matchers(self) -> list[GrammarMatcher | None]:
         return [req.grammar for req in self.reqs]
@@ -275,7 +283,7 @@ class SamplingBatch:
         """(row, sampling_seed, output position) of each sampled row with a seed."""
         if not self.uses(SEEDED):
             return []
-        return [(row, req.sampling.sampling_seed, len(req.output_ids))
+        return [(row, req.sampling.sampling_seed, self._positions[row])
                 for row, (req, features) in enumerate(zip(self.reqs, self._features))
                 if SEEDED in features]
 
@@ -310,6 +318,7 @@ class SamplingBatch:
         view._parent, view._view_rows = self, rows
         view.reqs = self.reqs[rows]
         view._features = self._features[rows]
+        view._positions = self._positions[rows]
         view._rows = {id(req): row for row, req in enumerate(view.reqs)}
         for features in view._features:
             view._used.update(features)
@@ -319,6 +328,14 @@ class SamplingBatch:
             setattr(view, name, None if tensor is None else tensor[rows])
         view.count_table = self.count_table
         return view
+
+    def _advance(self, rows: Sequence[int], count: int) -> None:
+        """Adds ``count`` tokens to the recorded output length of ``rows`` (kept only while
+        some row reads it)."""
+        if self.uses(SEEDED) or self.uses(MIN_TOKENS):
+            positions = self._positions
+            for row in rows:
+                positions[row] += count
 
     def _check_mutable(self) -> None:
         if self._parent is not None:

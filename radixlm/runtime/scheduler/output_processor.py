@@ -100,6 +100,19 @@ class OutputProcessor:
         logits = self.compute_logits(hidden)  # (B, V)
         self._sample(logits, [], reqs, range(len(reqs)), sampler, sampling_batch)
 
+    def append_decoded(self, reqs: list[Req], tokens: list[int],
+                       sampling_batch: SamplingBatch) -> list[Req]:
+        """Appends the tokens an overlapped decode step sampled (see ``overlap``) to the
+        requests that had not finished before it (the others' tokens are discarded), and
+        returns the requests that end with them. No request here has a grammar."""
+        ended = []
+        for req, token in zip(reqs, tokens):
+            if req.finish_reason is None:
+                self._append_sampled(req, token, sampling_batch)
+                if req.finish_reason is not None:
+                    ended.append(req)
+        return ended
+
     def _sample(self, logits: torch.Tensor, owed: list[tuple[Req, int, int, int]],
                 to_sample: list[Req], sample_rows: Sequence[int], sampler: Sampler,
                 sampling_batch: SamplingBatch) -> None:
@@ -151,12 +164,18 @@ class OutputProcessor:
         for req, _, count, _ in owed:
             self._add_input_logprobs(req, found, start, count)
             start += count
-        for row, i in enumerate(wanted, start=input_count):
-            spec = sampled[i].logprobs
+        self.add_output_logprobs(
+            [(sampled[i], row) for row, i in enumerate(wanted, start=input_count)], found)
+
+    def add_output_logprobs(self, wanted: list[tuple[Req, int]], found: Logprobs) -> None:
+        """Appends to each request of ``wanted`` its sampled token's entry (and top
+        alternatives, if it asked) from its row of ``found``."""
+        for req, row in wanted:
+            spec = req.logprobs
             decode = self._decode_one if spec.with_text else None
-            sampled[i].output_token_logprobs += found.entries(row, row + 1, decode)
+            req.output_token_logprobs += found.entries(row, row + 1, decode)
             if spec.top_k:
-                sampled[i].output_top_logprobs += found.tops(row, row + 1, spec.top_k, decode)
+                req.output_top_logprobs += found.tops(row, row + 1, spec.top_k, decode)
 
     def _first_input_logprob_position(self, req: Req, prefix: int) -> int | None:
         """The first prompt position whose logits this extend must produce, if any.

@@ -20,6 +20,10 @@ Constrained requests wait in the ``grammar_queue`` until their grammar has compi
 thread pool), then join the waiting queue. After jump-forward decoding a running request
 has several tokens without KV; a step where any request has more than one runs as an
 extend over every running request's pending tokens instead of a decode.
+
+With overlap scheduling (the default; ``overlap.py``), a decode step runs on a worker
+thread while the next step is prepared and the previous one's tokens are processed: a
+step then returns the requests of the decode step before it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.scheduler.grammar_queue import GrammarQueue
 from radixlm.runtime.scheduler.output_processor import OutputProcessor
+from radixlm.runtime.scheduler.overlap import (
+    DecodeInFlight,
+    DecodeWorker,
+    OverlapSteps,
+    can_run_ahead,
+)
 from radixlm.runtime.scheduler.prefill_adder import PrefillAdder, decode_reserve
 from radixlm.runtime.scheduler.request_memory import RequestMemory
 from radixlm.runtime.scheduler.schedule_policy import SchedulePolicy
@@ -52,12 +62,14 @@ class SchedulerStats:
     """Steps that extend running requests (one token each, or their jumped tokens)."""
     jump_forward_steps: int = 0
     """Decode steps run as an extend because some request had jumped tokens."""
+    overlapped_steps: int = 0
+    """Decode steps queued behind the one in flight, fed its tokens on the device."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     retractions: int = 0
 
 
-class Scheduler:
+class Scheduler(OverlapSteps):
     """Runs requests to completion over the runner's pools.
 
     Invariants between steps: ``running`` requests have computed their whole prompt and
@@ -67,6 +79,11 @@ class Scheduler:
     and grammar-queued requests hold neither. ``sampling_batch`` holds a row for each
     ``running`` request, in the same order (the output processor adds a request's row when
     it first samples it; finishing, aborting and retracting remove it).
+
+    While a decode step is in flight (``in_flight``), its requests hold the KV of all their
+    tokens and the slot of the one it computes, the host has not yet appended its tokens,
+    and ``sampling_batch`` is the worker's (its rows: the step's requests); ``drain`` ends
+    that state.
     """
 
     def __init__(self, runner: ModelRunner, memory: RequestMemory,
@@ -85,6 +102,12 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.grammar_queue = GrammarQueue(sampler.grammar_backend)
         self._failed: list[Req] = []  # grammar failures to report at the next step
+        self.decode_worker = None
+        if not args.disable_overlap_schedule:
+            self.decode_worker = DecodeWorker(runner, output_processor, sampler,
+                                              self.sampling_batch)
+        self.in_flight: DecodeInFlight | None = None
+        self._drained: list[Req] = []  # processed outside a step, to report at the next
 
     def add_request(self, req: Req) -> None:
         """Queues ``req``; a constrained one waits for its grammar first (a failed
@@ -99,7 +122,8 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked is not None
-                    or self.grammar_queue or self._failed)
+                    or self.grammar_queue or self._failed or self.in_flight is not None
+                    or self._drained)
 
     def requests(self) -> list[Req]:
         """Every request not yet finished."""
@@ -107,9 +131,13 @@ class Scheduler:
         return self.grammar_queue.reqs() + self.waiting + chunked + self.running
 
     def step(self) -> list[Req]:
-        """One forward pass. Returns the requests that took part in it (and those whose
-        grammar failed to compile, now finished)."""
-        ended = self._move_compiled()
+        """One forward pass. Returns the requests that took part in it (with a decode step
+        in flight: in the one before it), those whose grammar failed to compile (now
+        finished) and those a ``drain`` processed since the last step."""
+        ended = self._move_compiled() + self._drained
+        self._drained = []
+        if self.in_flight is not None:
+            return ended + self._step_overlapped()
         adder = self._admit()
         if adder is not None and adder.reqs:
             return ended + self._run_extend(adder)
@@ -123,6 +151,11 @@ class Scheduler:
     def abort(self, req: Req, message: str = "aborted") -> None:
         """Ends ``req`` at once, freeing its KV; a no-op for a finished request."""
         if req.finished:
+            return
+        self.drain()
+        if req in self._drained:  # the caller reports it now, with its end
+            self._drained.remove(req)
+        if req.finished:  # with the step that was in flight
             return
         if self.grammar_queue.remove(req):
             pass
@@ -232,6 +265,9 @@ class Scheduler:
             self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio
         )
         if pending == len(reqs):
+            if self.decode_worker is not None and can_run_ahead(reqs):
+                self.in_flight = self._launch(reqs, previous=None)
+                return []  # its tokens are processed at the next step
             return self._decode(reqs)
         self.stats.jump_forward_steps += 1
         pending = [r.output_ids[r.kv_len - len(r.input_ids):] for r in reqs]
@@ -239,14 +275,19 @@ class Scheduler:
 
     def _decode(self, reqs: list[Req]) -> list[Req]:
         """A decode step: each request's last token is its one new token."""
+        return self._run_and_process(reqs, self._decode_batch(reqs, known_inputs=True))
+
+    def _decode_batch(self, reqs: list[Req], known_inputs: bool) -> ForwardBatch:
+        """Allocates a slot for each request's next token and builds the decode batch;
+        ``known_inputs`` False: the input tokens are left for the worker to fill in."""
         kv_lens = [r.kv_len for r in reqs]
-        inputs = self.runner.decode_inputs(
-            [r.output_ids[-1] for r in reqs], kv_lens, [r.req_pool_idx for r in reqs])
+        input_ids = [r.output_ids[-1] for r in reqs] if known_inputs else [0] * len(reqs)
+        inputs = self.runner.decode_inputs(input_ids, kv_lens, [r.req_pool_idx for r in reqs])
         _, positions, rows = inputs.unbind(0)
         slots = self.memory.alloc_decode(reqs, rows, positions)
         for req in reqs:
             req.kv_len += 1
-        return self._run_and_process(reqs, self.runner.make_decode_batch(inputs, slots, kv_lens))
+        return self.runner.make_decode_batch(inputs, slots, kv_lens)
 
     def _extend(self, reqs: list[Req], new_ids: list[list[int]],
                 share_prefixes: bool = False) -> list[Req]:

@@ -207,13 +207,20 @@ def test_select_refuses_requests_that_are_not_consecutive_rows():
         batch.select([fake()])
 
 
-def test_banning_rows_follow_the_output_length():
+def test_banning_rows_and_seed_positions_follow_the_recorded_output():
+    """Positions count the tokens recorded, not the request's output list: a sampler that
+    runs ahead of the host appending its tokens sees the same positions."""
     short, done = fake(min_new_tokens=3, output_ids=[1]), fake(min_new_tokens=1, output_ids=[1])
+    seeded = fake(temperature=0.5, sampling_seed=7, output_ids=[1, 2])
     batch = new_batch()
-    batch.add([short, done])
+    batch.add([short, done, seeded])
     assert batch.banning_rows() == [0]
-    short.output_ids += [1, 1]
+    assert batch.seeded_rows() == [(2, 7, 2)]
+    batch.record_sampled(torch.tensor([4, 4, 4]))
+    assert batch.banning_rows() == [0] and batch.seeded_rows() == [(2, 7, 3)]
+    batch.record_appended(short, [5])  # the host has appended none of these yet
     assert batch.banning_rows() == [] and not batch.needs_penalties()
+    assert short.output_ids == [1]
 
 
 # Through the scheduler -----------------------------------------------------------------------
@@ -229,9 +236,11 @@ MIXED = [
 
 
 def step_and_check(scheduler) -> None:
-    """One scheduler step; then the batch's rows are the running requests, in order, and its
-    state equals a batch built from scratch for them."""
+    """One scheduler step; then (once a decode step in flight is processed) the batch's rows
+    are the running requests, in order, and its state equals a batch built from scratch for
+    them."""
     scheduler.step()
+    scheduler.drain()
     batch = scheduler.sampling_batch
     assert batch.reqs == scheduler.running
     fresh = SamplingBatch(batch.vocab_size, batch.eos_token_ids, batch.device)
