@@ -26,6 +26,7 @@ from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.loader import load_model
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
+from radixlm.runtime.sampling.token_rows import to_device
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -112,10 +113,7 @@ class ModelRunner:
         """(3, B) int64 on the device: a decode step's tokens, positions (each request's
         ``kv_len``) and request rows, in one copy to the device (on CUDA from pinned
         memory, without waiting for the kernels queued before it)."""
-        values = torch.tensor([input_ids, kv_lens, req_pool_indices], dtype=torch.int64)
-        if self.device.type == "cuda":
-            return values.pin_memory().to(self.device, non_blocking=True)
-        return values.to(self.device)
+        return to_device([input_ids, kv_lens, req_pool_indices], torch.int64, self.device)
 
     def make_decode_batch(self, inputs: torch.Tensor, out_cache_loc: torch.Tensor,
                           kv_lens: list[int]) -> ForwardBatch:

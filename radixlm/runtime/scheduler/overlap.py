@@ -46,6 +46,7 @@ from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.logprobs import Logprobs
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch import SamplingBatch
+from radixlm.runtime.sampling.token_rows import to_device
 
 
 @dataclass
@@ -92,7 +93,7 @@ class DecodeWorker:
         if previous is not None and len(reqs) < len(previous.reqs):
             staying = {id(req) for req in reqs}
             rows = [row for row, req in enumerate(previous.reqs) if id(req) in staying]
-            keep = torch.tensor(rows, dtype=torch.int64, device=batch.input_ids.device)
+            keep = to_device(rows, torch.int64, batch.input_ids.device)
         step = DecodeInFlight(reqs, [row for row, r in enumerate(reqs) if r.logprobs is not None])
         top_k = max((reqs[row].logprobs.top_k for row in step.logprob_rows), default=0)
         step.tokens = self._thread.submit(self._run, batch, previous, keep, leaving,
@@ -113,7 +114,7 @@ class DecodeWorker:
         self.sampling_batch.record_sampled(next_ids)
         found = None
         if logprob_rows:  # on this thread: the host does not wait for the copy
-            rows = torch.tensor(logprob_rows, dtype=torch.int64, device=logits.device)
+            rows = to_device(logprob_rows, torch.int64, logits.device)
             found = Logprobs.compute(logits.index_select(0, rows), next_ids.index_select(0, rows),
                                      top_k)
         return next_ids, _start_copy_to_host(next_ids), found
