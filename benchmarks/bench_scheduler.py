@@ -211,7 +211,7 @@ def main() -> None:
         benches[mode] = scheduler, model
     freeze_startup_objects()  # as the scheduler process does once it is built
     for scheduler, model in benches.values():
-        measure(scheduler, model, min(8, largest), 20, seed=0)  # warm-up
+        measure(scheduler, model, min(8, largest), min(20, args.steps), seed=0)  # warm-up
     print(f"scheduler with a stand-in model: prompts of {PROMPT_LEN} tokens, vocabulary "
           f"{config.vocab_size}, {args.steps} decode steps per size, 1 thread")
     print(f"{'forward ms':>10} {'overlap':>7} {'running':>8} {'prefill steps':>13} "
@@ -231,6 +231,8 @@ def main() -> None:
                       f"{row['with_report_us_per_step']:>17.1f} "
                       f"{row['stand_in_share']:>11.1%} {row['sampler_share']:>10.1%}",
                       flush=True)
+    for scheduler, _ in benches.values():
+        scheduler.shutdown()
     thaw_startup_objects()
 
 

@@ -61,7 +61,7 @@ def _shut_down_engines():
     _ENGINES.clear()
     _shut_down(engines)
     for scheduler in _SCHEDULERS.values():
-        scheduler.sampler.grammar_backend.shutdown()
+        scheduler.shutdown()
     _SCHEDULERS.clear()
 
 

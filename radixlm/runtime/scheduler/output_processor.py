@@ -100,11 +100,11 @@ class OutputProcessor:
         logits = self.compute_logits(hidden)  # (B, V)
         self._sample(logits, [], reqs, range(len(reqs)), sampler, sampling_batch)
 
-    def append_decoded(self, reqs: list[Req], tokens: list[int],
-                       sampling_batch: SamplingBatch) -> list[Req]:
-        """Appends the tokens an overlapped decode step sampled (see ``overlap``) to the
-        requests that had not finished before it (the others' tokens are discarded), and
-        returns the requests that end with them. No request here has a grammar."""
+    def append_tokens(self, reqs: list[Req], tokens: list[int],
+                      sampling_batch: SamplingBatch) -> list[Req]:
+        """Appends each request's sampled token (and jump-forward's after it), and returns
+        the requests that end with them. A request that had finished before gets nothing:
+        an overlapped decode step (see ``overlap``) ran one step ahead for it."""
         ended = []
         for req, token in zip(reqs, tokens):
             if req.finish_reason is None:
@@ -131,8 +131,7 @@ class OutputProcessor:
         self._add_logprobs(logits, owed, to_sample, sample_rows, next_ids)
         if next_ids is None:
             return
-        for req, token in zip(to_sample, next_ids.tolist()):
-            self._append_sampled(req, token, sampling_batch)
+        self.append_tokens(to_sample, next_ids.tolist(), sampling_batch)
 
     def _add_logprobs(self, logits: torch.Tensor, owed: list[tuple[Req, int, int, int]],
                       sampled: list[Req], sample_rows: Sequence[int],

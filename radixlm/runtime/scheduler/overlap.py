@@ -81,24 +81,29 @@ class DecodeWorker:
         self.sampling_batch = sampling_batch
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="radixlm-decode")
 
-    def launch(self, reqs: list[Req], batch: ForwardBatch, previous: DecodeInFlight | None,
-               leaving: list[Req]) -> DecodeInFlight:
+    def launch(self, reqs: list[Req], batch: ForwardBatch,
+               previous: DecodeInFlight | None) -> DecodeInFlight:
         """Queues the decode of ``reqs`` (whose KV slots ``batch`` holds).
 
         ``previous``: the step in flight whose tokens are this step's inputs; ``reqs`` are
-        its requests in order, less ``leaving`` (their sampling rows are dropped first).
-        None: ``batch.input_ids`` already holds the inputs.
+        its requests in order, less some (their sampling rows are dropped first). None:
+        ``batch.input_ids`` already holds the inputs.
         """
-        keep = None
+        keep, leaving = None, []
         if previous is not None and len(reqs) < len(previous.reqs):
             staying = {id(req) for req in reqs}
             rows = [row for row, req in enumerate(previous.reqs) if id(req) in staying]
             keep = to_device(rows, torch.int64, batch.input_ids.device)
+            leaving = [req for req in previous.reqs if id(req) not in staying]
         step = DecodeInFlight(reqs, [row for row, r in enumerate(reqs) if r.logprobs is not None])
         top_k = max((reqs[row].logprobs.top_k for row in step.logprob_rows), default=0)
         step.tokens = self._thread.submit(self._run, batch, previous, keep, leaving,
                                           step.logprob_rows, top_k)
         return step
+
+    def shutdown(self) -> None:
+        """Stops the worker thread once its queued steps have run."""
+        self._thread.shutdown(wait=True)
 
     def _run(self, batch: ForwardBatch, previous: DecodeInFlight | None,
              keep: torch.Tensor | None, leaving: list[Req], logprob_rows: list[int],
@@ -155,7 +160,7 @@ class OverlapSteps:
             return
         flight, self.in_flight = self.in_flight, None
         self._drained += self._process_in_flight(flight)
-        self.sampling_batch.remove([r for r in self.sampling_batch.reqs if r.finished])
+        self._drop_finished_rows()
 
     def _step_overlapped(self) -> list[Req]:
         """Queues the next decode step behind the one in flight, unless something needs the
@@ -174,7 +179,7 @@ class OverlapSteps:
             self.in_flight = self._launch(following, previous=flight)
         stepped = self._process_in_flight(flight)
         if self.in_flight is None:
-            self.sampling_batch.remove([r for r in self.sampling_batch.reqs if r.finished])
+            self._drop_finished_rows()
         elif all(r.finished for r in self.in_flight.reqs):
             self.drain()  # every request of the queued step has ended: nothing to wait for
         return stepped
@@ -182,9 +187,7 @@ class OverlapSteps:
     def _launch(self, reqs: list[Req], previous: DecodeInFlight | None) -> DecodeInFlight:
         batch = self._decode_batch(reqs, known_inputs=previous is None)
         self.stats.forward_steps += 1
-        staying = {id(r) for r in reqs}
-        leaving = [] if previous is None else [r for r in previous.reqs if id(r) not in staying]
-        return self.decode_worker.launch(reqs, batch, previous, leaving)
+        return self.decode_worker.launch(reqs, batch, previous)
 
     def _process_in_flight(self, flight: DecodeInFlight) -> list[Req]:
         """Appends ``flight``'s tokens and ends the requests that finish with them; returns
@@ -201,11 +204,16 @@ class OverlapSteps:
             self.output_processor.add_output_logprobs(
                 [(flight.reqs[row], i) for i, row in enumerate(flight.logprob_rows)
                  if not flight.reqs[row].finished], found)
-        for req in self.output_processor.append_decoded(flight.reqs, tokens,
-                                                        self.sampling_batch):
+        for req in self.output_processor.append_tokens(flight.reqs, tokens,
+                                                       self.sampling_batch):
             self.running.remove(req)
             self.memory.release(req)
         return stepped
+
+    def _drop_finished_rows(self) -> None:
+        """With nothing in flight: the sampling rows of requests that have ended go (those
+        a step ran ahead for, and those that ended with it)."""
+        self.sampling_batch.remove([r for r in self.sampling_batch.reqs if r.finished])
 
     def _decode_fits(self, reqs: list[Req]) -> bool:
         """Whether the pool holds a slot for each request's next token (else the plain

@@ -120,6 +120,12 @@ class Scheduler(OverlapSteps):
                 return
         self.waiting.append(req)
 
+    def shutdown(self) -> None:
+        """Stops the threads the scheduler started (the decode worker, grammar compiles)."""
+        if self.decode_worker is not None:
+            self.decode_worker.shutdown()
+        self.sampler.grammar_backend.shutdown()
+
     def is_idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked is not None
                     or self.grammar_queue or self._failed or self.in_flight is not None

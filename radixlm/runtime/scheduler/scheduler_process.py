@@ -109,7 +109,7 @@ def token_out(req: Req) -> tuple[io.TokenOut, io.DetokenizeOut | None]:
         out.output_top_logprobs = req.output_top_logprobs[req.reported_ids:]
         req.reported_input_logprobs = len(req.input_token_logprobs)
     detokenize = None
-    if out.new_ids or out.finish_reason is not None:  # out.has_text
+    if out.has_text:
         detokenize = io.DetokenizeOut(req.rid, out.new_ids, out.finish_reason)
         if not req.reported_text:
             params = req.sampling
@@ -269,6 +269,7 @@ def run_scheduler_process(args: ServerArgs, model_path: str, paths: io.SocketPat
         logger.exception("the scheduler loop failed")
         loop.to_tokenizer_manager.send(io.encode(io.ProcessFailed("scheduler", _describe(err))))
     finally:
+        scheduler.shutdown()
         context.destroy(linger=100)
         thaw_startup_objects()
 

@@ -10,12 +10,10 @@ import weakref
 
 import pytest
 import torch
-from tiny_models import tiny_tokenizer
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from radixlm.runtime.grammar.constraints import GrammarKey
-from radixlm.runtime.grammar.factory import make_grammar_backend
 from radixlm.runtime.sampling.logprobs import logprob_tensors
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_params import SamplingParams
@@ -86,14 +84,6 @@ def req(output_ids=(), grammar=None, **params):
 
     return SimpleNamespace(sampling=SamplingParams.from_dict(params), input_ids=[5, 6, 7, 5],
                            output_ids=list(output_ids), grammar=grammar)
-
-
-@pytest.fixture(scope="module")
-def grammar_backend():
-    tokenizer = tiny_tokenizer()
-    backend = make_grammar_backend("xgrammar", tokenizer, len(tokenizer), {EOS})
-    yield backend
-    backend.shutdown()
 
 
 def matcher(backend, text: str = ""):

@@ -17,10 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import tiny_tokenizer
 
 from radixlm.runtime.grammar.constraints import GrammarKey
-from radixlm.runtime.grammar.factory import make_grammar_backend
 from radixlm.runtime.sampling.logprobs import token_logprobs
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_params import SamplingParams
@@ -85,14 +83,6 @@ def reference_token(x: torch.Tensor, req) -> int | None:
     return int((kept / noise).argmax())
 
 
-@pytest.fixture(scope="module")
-def backend():
-    tokenizer = tiny_tokenizer()
-    made = make_grammar_backend("xgrammar", tokenizer, len(tokenizer), {EOS})
-    yield made
-    made.shutdown()
-
-
 def req(backend=None, output_ids=(), regex=None, **params):
     grammar = None
     if regex is not None:
@@ -130,13 +120,13 @@ def mixed_requests(backend) -> list:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_tokens_equal_the_per_request_reference_across_steps(backend, seed):
-    vocab = backend.vocab_size
-    pool = mixed_requests(backend)
+def test_tokens_equal_the_per_request_reference_across_steps(grammar_backend, seed):
+    vocab = grammar_backend.vocab_size
+    pool = mixed_requests(grammar_backend)
     joining_late = [req(temperature=0.0, output_ids=[3, 3, 50], frequency_penalty=0.9),
                     req(temperature=1.1, sampling_seed=99, output_ids=[7], top_k=4,
                         repetition_penalty=1.3)]
-    sampler = Sampler(vocab, {EOS}, seed, grammar_backend=backend)
+    sampler = Sampler(vocab, {EOS}, seed, grammar_backend=grammar_backend)
     batch = sampler.new_batch("cpu")
     batch.add(pool[:9])
     generator = torch.Generator().manual_seed(seed)
@@ -150,7 +140,7 @@ def test_tokens_equal_the_per_request_reference_across_steps(backend, seed):
             batch.remove([pool[2], pool[7], joining_late[0]])
         logits = torch.randn(len(batch), vocab + 3, generator=generator) * 3  # (B, V + pad)
         reqs = list(batch.reqs)
-        expected_logits = [reference_logits(row, r, vocab, backend) for row, r in
+        expected_logits = [reference_logits(row, r, vocab, grammar_backend) for row, r in
                            zip(logits, reqs)]
         processed = sampler.process_logits(logits[:, :vocab].clone(), batch)
         no_grammar = [i for i, r in enumerate(reqs) if r.grammar is None]
