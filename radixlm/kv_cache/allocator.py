@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.host_to_device import to_device
+
 
 def pages_for(num_tokens: int, page_size: int) -> int:
     """Slots in the whole pages that ``num_tokens`` tokens occupy."""
@@ -99,6 +101,9 @@ class TokenToKVPoolAllocator:
         return pages
 
     def _page_slots(self, pages: list[int]) -> torch.Tensor:
-        base = torch.tensor(pages, dtype=torch.int64) * self.page_size
-        slots = (base[:, None] + torch.arange(self.page_size)).reshape(-1)
-        return slots.to(self.device)
+        """The slots of ``pages``, on the device (copied without waiting for it)."""
+        pages = to_device(pages, torch.int64, self.device)
+        if self.page_size == 1:
+            return pages
+        offsets = torch.arange(self.page_size, device=self.device)
+        return (pages[:, None] * self.page_size + offsets).reshape(-1)

@@ -8,15 +8,18 @@ socket carrying several kinds decodes into the right one.
     Scheduler --DetokenizeBatch--> Detokenizer --TextBatch--> TokenizerManager
     Scheduler --TokenBatch/ControlReply--> TokenizerManager
 
-Outputs travel as deltas: each step the Scheduler sends every request's new tokens (with
-their logprobs and the request's state) to the TokenizerManager, and the same new tokens
-(without logprobs) to the Detokenizer, which sends back only the text they add. So a
-stream of N tokens moves O(N) bytes. The TokenizerManager pairs the two: a ``TokenOut``
-that carries tokens or a finish has exactly one ``TextOut``, in the same order.
+Outputs travel as deltas, one message per step and receiver, in columns (request ids, their
+new tokens end to end, and sparse maps for what few requests have: a finish, logprobs,
+changed counters): each step the Scheduler sends every request's new tokens (with their
+logprobs and the request's state) to the TokenizerManager, and the same new tokens (without
+logprobs) to the Detokenizer, which sends back only the text they add. So a stream of N
+tokens moves O(N) bytes. The TokenizerManager pairs the two: a row that carries tokens or a
+finish (a ``TokenOut``) has exactly one ``TextOut``, in the same order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -70,8 +73,35 @@ class DetokenizeSpec(msgspec.Struct):
     no_stop_trim: bool
 
 
+class OutputState(msgspec.Struct):
+    """The parts of a request's output that most steps leave alone: its counters (sent on
+    its first output and whenever they change), its finish and any logprobs."""
+
+    cached_tokens: int
+    retractions: int
+    jump_forward_tokens: int
+    """Output tokens so far appended by jump-forward decoding (a running total)."""
+    finish_reason: dict[str, Any] | None = None
+    input_token_logprobs: list[LogprobEntry] = []
+    input_top_logprobs: list[Any] = []
+    output_token_logprobs: list[LogprobEntry] = []
+    output_top_logprobs: list[Any] = []
+
+
+class TokenBatch(msgspec.Struct, tag=True):
+    """One step's outputs for the TokenizerManager, as columns (a step's message costs the
+    Scheduler a few list appends per request, not an object): request ``rids[i]`` gained
+    ``new_ids[ends[i - 1]:ends[i]]`` (from 0 for i = 0), and ``states[i]``, where present."""
+
+    rids: list[str]
+    ends: list[int]
+    new_ids: list[int]
+    states: dict[int, OutputState] = {}
+
+
 class TokenOut(msgspec.Struct):
-    """What one request produced since its last TokenOut (deltas), and its state."""
+    """What one request produced since its last TokenOut (deltas), and its state: a row of
+    a ``TokenBatch`` as the TokenizerManager sees it (with the counters it last received)."""
 
     rid: str
     new_ids: list[int]
@@ -80,7 +110,6 @@ class TokenOut(msgspec.Struct):
     cached_tokens: int
     retractions: int
     jump_forward_tokens: int = 0
-    """Output tokens so far appended by jump-forward decoding (a running total)."""
     input_token_logprobs: list[LogprobEntry] = []
     input_top_logprobs: list[Any] = []
     output_token_logprobs: list[LogprobEntry] = []
@@ -93,12 +122,8 @@ class TokenOut(msgspec.Struct):
         return bool(self.new_ids) or self.finish_reason is not None
 
 
-class TokenBatch(msgspec.Struct, tag=True):
-    outputs: list[TokenOut]
-
-
 class DetokenizeOut(msgspec.Struct):
-    """A request's new tokens for the Detokenizer (the ``has_text`` part of a TokenOut)."""
+    """A request's new tokens for the Detokenizer (a row of a ``DetokenizeBatch``)."""
 
     rid: str
     new_ids: list[int]
@@ -108,7 +133,32 @@ class DetokenizeOut(msgspec.Struct):
 
 
 class DetokenizeBatch(msgspec.Struct, tag=True):
-    outputs: list[DetokenizeOut]
+    """One step's new tokens for the Detokenizer, as columns: request ``rids[i]`` gained
+    ``new_ids[ends[i - 1]:ends[i]]``; ``finish_reasons[i]`` and ``specs[i]`` where present
+    (the spec with a request's first output only)."""
+
+    rids: list[str]
+    ends: list[int]
+    new_ids: list[int]
+    finish_reasons: dict[int, dict[str, Any]] = {}
+    specs: dict[int, DetokenizeSpec] = {}
+
+    @classmethod
+    def of(cls, outputs: list[DetokenizeOut]) -> DetokenizeBatch:
+        batch = cls([], [], [])
+        for i, out in enumerate(outputs):
+            batch.rids.append(out.rid)
+            batch.new_ids += out.new_ids
+            batch.ends.append(len(batch.new_ids))
+            if out.finish_reason is not None:
+                batch.finish_reasons[i] = out.finish_reason
+            if out.spec is not None:
+                batch.specs[i] = out.spec
+        return batch
+
+    def outputs(self) -> Iterator[DetokenizeOut]:
+        for i, (rid, new_ids) in enumerate(rows(self.rids, self.ends, self.new_ids)):
+            yield DetokenizeOut(rid, new_ids, self.finish_reasons.get(i), self.specs.get(i))
 
 
 class TextOut(msgspec.Struct):
@@ -123,7 +173,30 @@ class TextOut(msgspec.Struct):
 
 
 class TextBatch(msgspec.Struct, tag=True):
-    outputs: list[TextOut]
+    """The Detokenizer's answer to a ``DetokenizeBatch``, as columns: ``texts[i]`` for
+    ``rids[i]``, with ``trims[i]`` where it is not 0."""
+
+    rids: list[str]
+    texts: list[str]
+    trims: dict[int, int] = {}
+
+    @classmethod
+    def of(cls, outputs: list[TextOut]) -> TextBatch:
+        return cls([out.rid for out in outputs], [out.text for out in outputs],
+                   {i: out.trim for i, out in enumerate(outputs) if out.trim})
+
+    def outputs(self) -> Iterator[TextOut]:
+        trims = self.trims
+        for i, (rid, text) in enumerate(zip(self.rids, self.texts)):
+            yield TextOut(rid, text, trims.get(i, 0))
+
+
+def rows(rids: list[str], ends: list[int], new_ids: list[int]) -> Iterator[tuple[str, list[int]]]:
+    """Each request's id and new tokens from a batch's columns."""
+    start = 0
+    for rid, end in zip(rids, ends):
+        yield rid, new_ids[start:end]
+        start = end
 
 
 class SocketPaths(msgspec.Struct):

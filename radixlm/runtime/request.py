@@ -93,9 +93,15 @@ class Req:
     reported_ids: int = 0
     reported_input_logprobs: int = 0
     reported_text: bool = False
-    stop_token_ids: frozenset[int] | None = None
-    """The tokens that end the request (``stop_token_ids``, plus EOS unless ``ignore_eos``),
-    set by the output processor when it first appends a token."""
+    reported_counters: tuple[int, int, int] | None = None
+    """(cached_tokens, retractions, jump_forward_tokens) as last reported."""
+    # Set by ``OutputProcessor.prepare`` when the request enters the scheduler:
+    stop_token_ids: frozenset[int] = frozenset()
+    """The tokens that end the request (``stop_token_ids``, plus EOS unless ``ignore_eos``)."""
+    output_limit: int = 0
+    """The output length that ends it: its budget, or what the context leaves."""
+    plain_output: bool = False
+    """No grammar and no stop strings: only stop tokens and ``output_limit`` end it."""
 
     def __post_init__(self) -> None:
         params = self.sampling

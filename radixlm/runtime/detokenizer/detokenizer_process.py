@@ -78,8 +78,8 @@ class Detokenizer:
         self.states: dict[str, DecodeState] = {}
 
     def handle(self, batch: io.DetokenizeBatch) -> io.TextBatch:
-        outputs = []
-        for out in batch.outputs:
+        texts = io.TextBatch([], [])
+        for out in batch.outputs():
             state = self.states.get(out.rid)
             if state is None:
                 spec = out.spec or io.DetokenizeSpec([], True, True, [], False)
@@ -92,10 +92,14 @@ class Detokenizer:
                     StopStringMatcher(spec.stop, []) if spec.stop else None,
                 )
                 self.states[out.rid] = state
-            outputs.append(state.update(out))
+            text = state.update(out)
+            if text.trim:
+                texts.trims[len(texts.rids)] = text.trim
+            texts.rids.append(text.rid)
+            texts.texts.append(text.text)
             if out.finish_reason is not None:
                 del self.states[out.rid]
-        return io.TextBatch(outputs)
+        return texts
 
 
 def run_detokenizer_process(tokenizer_path: str, paths, ready) -> None:

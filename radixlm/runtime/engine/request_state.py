@@ -139,6 +139,8 @@ class ReqState:
     pending_text: deque[io.TextOut] = field(default_factory=deque)
     held: OutputDelta | None = None
     output: NativeOutput | None = None
+    counters: io.OutputState = field(default_factory=lambda: io.OutputState(0, 0, 0))
+    """The counters last received (their finish and logprobs are not this state's)."""
 
     def __post_init__(self) -> None:
         if not self.streamed:
@@ -149,7 +151,20 @@ class ReqState:
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
-    def add_tokens(self, out: io.TokenOut) -> None:
+    def add_tokens(self, new_ids: list[int], update: io.OutputState | None) -> None:
+        """A row of a ``TokenBatch``: the request's new tokens and, where sent, its new
+        counters, finish and logprobs."""
+        if update is not None:
+            self.counters = update
+        counters = self.counters
+        out = io.TokenOut(self.rid, new_ids, None, self.prompt_tokens, counters.cached_tokens,
+                          counters.retractions, counters.jump_forward_tokens)
+        if update is not None:
+            out.finish_reason = update.finish_reason
+            out.input_token_logprobs = update.input_token_logprobs
+            out.input_top_logprobs = update.input_top_logprobs
+            out.output_token_logprobs = update.output_token_logprobs
+            out.output_top_logprobs = update.output_top_logprobs
         if not out.has_text:  # prompt logprobs of a chunk: the Detokenizer never saw them
             self._apply(OutputDelta(out))
         elif self.pending_text:

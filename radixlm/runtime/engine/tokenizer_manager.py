@@ -171,12 +171,13 @@ class TokenizerManager:
             self.received_bytes += len(data)
             msg = io.decode(data)
             if isinstance(msg, io.TokenBatch):
-                for out in msg.outputs:
-                    if (state := self.states.get(out.rid)) is not None:
-                        state.add_tokens(out)
+                states = msg.states
+                for row, (rid, new_ids) in enumerate(io.rows(msg.rids, msg.ends, msg.new_ids)):
+                    if (state := self.states.get(rid)) is not None:
+                        state.add_tokens(new_ids, states.get(row))
                         self._retire_if_finished(state)
             elif isinstance(msg, io.TextBatch):
-                for text in msg.outputs:
+                for text in msg.outputs():
                     if (state := self.states.get(text.rid)) is not None:
                         state.add_text(text)
                         self._retire_if_finished(state)

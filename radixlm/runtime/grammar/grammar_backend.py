@@ -100,9 +100,10 @@ class GrammarBackend(ABC):
 
     def mask_logits(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
         """Sets to -inf, in place, every logit the row's matcher forbids (rows without a
-        matcher are left alone). Each matcher fills its row of a host bitmask;
-        ``apply_bitmask`` applies the rows on the logits' device."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
+        matcher, or whose matcher has terminated, are left alone: the latter's request has
+        ended, and a decode step run ahead for it is discarded). Each matcher fills its row
+        of a host bitmask; ``apply_bitmask`` applies the rows on the logits' device."""
+        rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         if not rows:
             return
         bitmask = self.bitmask(len(matchers))

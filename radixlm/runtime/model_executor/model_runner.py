@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from radixlm.host_to_device import to_device
 from radixlm.kernels.attention.attention_backend import AttentionBackend
 from radixlm.kernels.attention.backend_selection import (
     BackendRequest,
@@ -26,7 +27,6 @@ from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.loader import load_model
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
-from radixlm.runtime.sampling.token_rows import to_device
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class ModelRunner:
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
 
         def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
+            return to_device(values, torch.int64, self.device)
 
         return ForwardBatch(
             mode=mode,

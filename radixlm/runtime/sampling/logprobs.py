@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.sampling.token_rows import to_device
+from radixlm.host_to_device import to_device
 
 Entry = list[Any]
 Decode = Callable[[int], str]

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.runtime.sampling.token_rows import TokenRows, to_device
+from radixlm.host_to_device import to_device
+from radixlm.runtime.sampling.token_rows import TokenRows
 
 if TYPE_CHECKING:
     from radixlm.runtime.sampling.sampling_params import SamplingParams

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.host_to_device import to_device
 from radixlm.runtime.grammar.grammar_backend import GrammarBackend
 from radixlm.runtime.sampling import penalties
 from radixlm.runtime.sampling.sampling_batch import (
@@ -30,7 +31,6 @@ from radixlm.runtime.sampling.sampling_batch import (
     TOP_K_P,
     SamplingBatch,
 )
-from radixlm.runtime.sampling.token_rows import to_device
 
 
 class Sampler:

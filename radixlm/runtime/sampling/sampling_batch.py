@@ -33,14 +33,16 @@ frequency or presence penalty (its counts); nothing is O(rows x V).
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from radixlm.host_to_device import to_device
 from radixlm.runtime.sampling import penalties
-from radixlm.runtime.sampling.token_rows import CountPool, TokenRows, to_device
+from radixlm.runtime.sampling.token_rows import CountPool, TokenRows
 
 if TYPE_CHECKING:
     from radixlm.runtime.grammar.grammar_backend import GrammarMatcher
@@ -163,6 +165,8 @@ class SamplingBatch:
     def add(self, reqs: Sequence[SamplingRequest]) -> None:
         """Gives a row, after the existing ones, to each of ``reqs`` without one."""
         self._check_mutable()
+        if self._is_every_row(reqs):  # a decode step's: nothing to add
+            return
         new = []
         for req in reqs:
             if id(req) not in self._rows:
@@ -229,7 +233,7 @@ class SamplingBatch:
         """The rows of ``reqs``, which must be consecutive rows in order: the batch itself, or
         a view sharing its tensors (recording into the view updates the batch). A view is
         for one step: read it and record into it, but add and remove on the batch."""
-        if len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs)):
+        if self._is_every_row(reqs):
             return self
         start = self._rows.get(id(reqs[0])) if reqs else 0
         if start is None or any(
@@ -238,6 +242,10 @@ class SamplingBatch:
             raise ValueError("the requests sampled together must hold consecutive rows of the "
                              "sampling batch, in order")
         return self._view(slice(start, start + len(reqs)))
+
+    def _is_every_row(self, reqs: Sequence[SamplingRequest]) -> bool:
+        """Whether ``reqs`` are this batch's rows, in order (by identity)."""
+        return len(reqs) == len(self.reqs) and all(map(operator.is_, reqs, self.reqs))
 
     # Token state ---------------------------------------------------------------------------
 

@@ -19,15 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of host ``values`` on ``device``, copied without waiting for the device (a
-    plain ``torch.tensor(values, device=...)`` makes CUDA finish its queued work first; on
-    CUDA the values go from pinned memory, as a copy from pageable memory may wait too)."""
-    values = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        values = values.pin_memory()
-    return values.to(device, non_blocking=True)
+from radixlm.host_to_device import to_device
 
 
 class TokenRows:

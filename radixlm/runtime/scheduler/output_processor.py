@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from radixlm.host_to_device import to_device
 from radixlm.runtime.grammar.jump_forward import JumpForward
 from radixlm.runtime.request import Req, finish_abort, finish_length, finish_stop
 from radixlm.runtime.sampling.logprobs import Logprobs
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch import SamplingBatch
-from radixlm.runtime.sampling.token_rows import to_device
 
 
 class OutputProcessor:
@@ -93,31 +93,54 @@ class OutputProcessor:
         self._sample(logits, owed, to_sample, sample_rows, sampler, sampling_batch)
 
     def process_decode(self, reqs: list[Req], hidden: torch.Tensor, sampler: Sampler,
-                       sampling_batch: SamplingBatch) -> None:
+                       sampling_batch: SamplingBatch) -> list[Req]:
         """``process`` for a decode step, in fewer steps: ``hidden`` has one row per request
         (its one new token), and every request samples from it (a running request is below
-        its output budget and the context, and owes no prompt logprobs)."""
+        its output budget and the context, and owes no prompt logprobs). Returns the
+        requests that end."""
         logits = self.compute_logits(hidden)  # (B, V)
-        self._sample(logits, [], reqs, range(len(reqs)), sampler, sampling_batch)
+        return self._sample(logits, [], reqs, range(len(reqs)), sampler, sampling_batch)
+
+    def prepare(self, req: Req) -> None:
+        """Sets what the stop checks read on every token of ``req``: its stop tokens and
+        its output limit. Called once, when the request enters the scheduler."""
+        params = req.sampling
+        eos = () if params.ignore_eos else self.eos_token_ids
+        req.stop_token_ids = frozenset([*(params.stop_token_ids or ()), *eos])
+        req.output_limit = min(params.max_new_tokens, self.context_length - len(req.input_ids))
+        req.plain_output = req.grammar_key is None and req.stop_matcher is None
 
     def append_tokens(self, reqs: list[Req], tokens: list[int],
-                      sampling_batch: SamplingBatch) -> list[Req]:
+                      sampling_batch: SamplingBatch | None) -> list[Req]:
         """Appends each request's sampled token (and jump-forward's after it), and returns
         the requests that end with them. A request that had finished before gets nothing:
-        an overlapped decode step (see ``overlap``) ran one step ahead for it."""
+        an overlapped decode step (see ``overlap``) ran one step ahead for it.
+
+        ``sampling_batch`` records the jumped tokens; None where another thread owns it
+        (overlap scheduling), and the caller rebuilds the rows of requests that jumped.
+
+        A request without grammar or stop strings (``plain_output``) that neither samples a
+        stop token nor reaches its limit costs one list append and two tests here: every
+        other case takes the full path (``_append_sampled``)."""
         ended = []
         for req, token in zip(reqs, tokens):
-            if req.finish_reason is None:
-                self._append_sampled(req, token, sampling_batch)
-                if req.finish_reason is not None:
-                    ended.append(req)
+            if req.finish_reason is not None:
+                continue
+            if req.plain_output:
+                output_ids = req.output_ids
+                if token not in req.stop_token_ids and len(output_ids) + 1 < req.output_limit:
+                    output_ids.append(token)
+                    continue
+            self._append_sampled(req, token, sampling_batch)
+            if req.finish_reason is not None:
+                ended.append(req)
         return ended
 
     def _sample(self, logits: torch.Tensor, owed: list[tuple[Req, int, int, int]],
                 to_sample: list[Req], sample_rows: Sequence[int], sampler: Sampler,
-                sampling_batch: SamplingBatch) -> None:
+                sampling_batch: SamplingBatch) -> list[Req]:
         """Samples ``to_sample``'s next tokens from ``logits`` rows ``sample_rows``, adds the
-        logprobs owed and wanted, and appends the tokens."""
+        logprobs owed and wanted, and appends the tokens; returns the requests they end."""
         next_ids = None  # (S,) on the logits' device
         if to_sample:
             sample_logits = logits  # (S, V): every row when sample_rows is 0 .. N - 1
@@ -130,8 +153,8 @@ class OutputProcessor:
             rows_sampled.record_sampled(next_ids)
         self._add_logprobs(logits, owed, to_sample, sample_rows, next_ids)
         if next_ids is None:
-            return
-        self.append_tokens(to_sample, next_ids.tolist(), sampling_batch)
+            return []
+        return self.append_tokens(to_sample, next_ids.tolist(), sampling_batch)
 
     def _add_logprobs(self, logits: torch.Tensor, owed: list[tuple[Req, int, int, int]],
                       sampled: list[Req], sample_rows: Sequence[int],
@@ -208,7 +231,8 @@ class OutputProcessor:
             return True
         return False
 
-    def _append_sampled(self, req: Req, token: int, sampling_batch: SamplingBatch) -> None:
+    def _append_sampled(self, req: Req, token: int,
+                        sampling_batch: SamplingBatch | None) -> None:
         """Appends a sampled token and, for a constrained request where the grammar forces
         what follows, the jump-forward tokens after it (not for requests wanting logprobs:
         jumped tokens have none; ``sampling_batch`` records them). A grammar that has
@@ -230,7 +254,8 @@ class OutputProcessor:
             self._append_token(req, tokens[appended])
             appended += 1
         req.jump_forward_tokens += appended - 1  # every token after the first was not sampled
-        sampling_batch.record_appended(req, tokens[1:appended])
+        if sampling_batch is not None and appended > 1:
+            sampling_batch.record_appended(req, tokens[1:appended])
         if not req.finished and grammar.is_terminated():
             req.finish_reason = finish_stop(tokens[-1])
 
@@ -245,11 +270,7 @@ class OutputProcessor:
         params = req.sampling
         output_ids = req.output_ids
         output_ids.append(token)
-        stop_ids = req.stop_token_ids
-        if stop_ids is None:
-            eos = () if params.ignore_eos else self.eos_token_ids
-            stop_ids = req.stop_token_ids = frozenset([*(params.stop_token_ids or ()), *eos])
-        if token in stop_ids and len(output_ids) >= params.min_new_tokens:
+        if token in req.stop_token_ids and len(output_ids) >= params.min_new_tokens:
             req.finish_reason = finish_stop(token)
         elif req.stop_matcher is not None:  # it comes with the request's detokenizer
             detokenizer = req.detokenizer
@@ -261,10 +282,7 @@ class OutputProcessor:
                 found = (0, 0, self.special_tokens[token])
             if found is not None:
                 req.finish_reason = finish_stop(found[2])
-        if req.finish_reason is None and (
-            len(output_ids) >= params.max_new_tokens
-            or len(req.input_ids) + len(output_ids) >= self.context_length
-        ):
+        if req.finish_reason is None and len(output_ids) >= req.output_limit:
             req.finish_reason = finish_length(len(output_ids))
 
     def _decode_one(self, token_id: int) -> str:

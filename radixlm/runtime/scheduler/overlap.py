@@ -16,10 +16,18 @@ stop token therefore runs one step too many; that step's token is discarded. Its
 slot is allocated like any other and freed with the request, so no slot is lost.
 
 The host's turn comes back for what a step ahead cannot do: admission (an extend step),
-retraction, an abort, or a request with a grammar (its matcher accepts each token on the
-host before the next mask); the step in flight is drained first and the plain loop runs.
+retraction, an abort; the step in flight is drained first and the plain loop runs.
 Logprobs are computed on the worker with the tokens; seeds and ``min_new_tokens`` read the
 positions the ``SamplingBatch`` records itself.
+
+Constrained requests run ahead too. A grammar's mask for step N + 1 needs step N's token
+accepted by its matcher, which the host does while step N + 1's forward pass runs: the
+worker runs the forward pass, then waits for the host to have processed step N
+(``host_ready``) before it masks and samples; the host leaves the matchers alone from then
+until it has step N + 1's tokens. A request whose grammar forced more text after step N's
+token (jump-forward) has those tokens without KV: its step N + 1 token is discarded (its
+KV, for step N's token, is kept), the step after is not queued ahead, and the plain loop's
+extend step computes the jumped tokens, as it would have without overlap.
 
 On CUDA the host's inputs go from pinned memory without waiting, and each step's tokens
 come back by a copy behind its kernels and an event, so the host never waits for the step
@@ -34,19 +42,20 @@ prefix cache and ``req_to_token`` columns past those any queued step reads.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from radixlm.host_to_device import to_device
 from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.kv_cache.allocator import pages_for
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.logprobs import Logprobs
 from radixlm.runtime.sampling.sampler import Sampler
-from radixlm.runtime.sampling.sampling_batch import SamplingBatch
-from radixlm.runtime.sampling.token_rows import to_device
+from radixlm.runtime.sampling.sampling_batch import GRAMMAR, SamplingBatch
 
 
 @dataclass
@@ -57,6 +66,12 @@ class DecodeInFlight:
     """Its requests, in the sampling batch's row order when it samples."""
     logprob_rows: list[int] = field(default_factory=list)
     """The rows of the requests that want their tokens' logprobs."""
+    host_ready: threading.Event = field(default_factory=threading.Event)
+    """Set once the host has processed the step before (its matchers have accepted that
+    step's tokens): a step with grammars samples only then."""
+    jumped: list[Req] = field(default_factory=list)
+    """Requests that jump-forward extended after this step was queued: its tokens for them
+    are discarded, and no step is queued behind it."""
     tokens: Future = field(default_factory=Future)
     """Resolves to the sampled tokens, (len(reqs),) int64 on the device, a function
     returning them as a list (see ``_start_copy_to_host``) and the ``Logprobs`` of
@@ -96,9 +111,11 @@ class DecodeWorker:
             keep = to_device(rows, torch.int64, batch.input_ids.device)
             leaving = [req for req in previous.reqs if id(req) not in staying]
         step = DecodeInFlight(reqs, [row for row, r in enumerate(reqs) if r.logprobs is not None])
+        if previous is None:
+            step.host_ready.set()
         top_k = max((reqs[row].logprobs.top_k for row in step.logprob_rows), default=0)
         step.tokens = self._thread.submit(self._run, batch, previous, keep, leaving,
-                                          step.logprob_rows, top_k)
+                                          step.logprob_rows, top_k, step.host_ready)
         return step
 
     def shutdown(self) -> None:
@@ -107,7 +124,8 @@ class DecodeWorker:
 
     def _run(self, batch: ForwardBatch, previous: DecodeInFlight | None,
              keep: torch.Tensor | None, leaving: list[Req], logprob_rows: list[int],
-             top_k: int) -> tuple[torch.Tensor, Callable[[], list[int]], Logprobs | None]:
+             top_k: int, host_ready: threading.Event,
+             ) -> tuple[torch.Tensor, Callable[[], list[int]], Logprobs | None]:
         if leaving:
             self.sampling_batch.remove(leaving)
         if previous is not None:
@@ -115,6 +133,8 @@ class DecodeWorker:
             batch.input_ids = tokens if keep is None else tokens.index_select(0, keep)
         hidden = self.runner.forward(batch)
         logits = self.output_processor.compute_logits(hidden)  # (B, V)
+        if self.sampling_batch.uses(GRAMMAR):
+            host_ready.wait()  # the matchers have accepted the previous step's tokens
         next_ids = self.sampler.sample(logits, self.sampling_batch)  # (B,)
         self.sampling_batch.record_sampled(next_ids)
         found = None
@@ -164,20 +184,25 @@ class OverlapSteps:
 
     def _step_overlapped(self) -> list[Req]:
         """Queues the next decode step behind the one in flight, unless something needs the
-        host's turn first (admission, retraction, a request the overlap cannot serve),
-        then processes the one in flight."""
+        host's turn first (admission, retraction, jumped tokens to compute), then processes
+        the one in flight (and lets the queued step sample: ``host_ready``)."""
         flight, self.in_flight = self.in_flight, None
-        context = self.runner.context_length
+        # Less those known to have ended, and those the token in flight ends by length.
         following = [r for r in flight.reqs
-                     if not r.finished and not ends_with_token_in_flight(r, context)]
-        if (following and not self.waiting and self.chunked is None
-                and can_run_ahead(following) and self._decode_fits(following)):
+                     if r.finish_reason is None and len(r.output_ids) + 1 < r.output_limit]
+        if (following and not flight.jumped and not self.waiting and self.chunked is None
+                and self._decode_fits(following)):
             self.stats.decode_steps += 1
             self.stats.overlapped_steps += 1
             self.new_token_ratio = max(self.new_token_ratio - self.args.new_token_ratio_decay,
                                        self.args.min_new_token_ratio)
             self.in_flight = self._launch(following, previous=flight)
-        stepped = self._process_in_flight(flight)
+        try:
+            stepped = self._process_in_flight(flight)
+        finally:
+            if self.in_flight is not None:
+                self._note_jumps(self.in_flight)
+                self.in_flight.host_ready.set()
         if self.in_flight is None:
             self._drop_finished_rows()
         elif all(r.finished for r in self.in_flight.reqs):
@@ -196,19 +221,48 @@ class OverlapSteps:
             tokens, found = flight.host_outputs()
         except BaseException:
             if self.in_flight is not None:  # queued behind the failed one: it fails too
+                self.in_flight.host_ready.set()
                 self.in_flight.tokens.exception()
                 self.in_flight = None
             raise
-        stepped = [r for r in flight.reqs if not r.finished]
-        if found is not None:
+        reqs = flight.reqs
+        if found is not None:  # (a request that jumps wants no logprobs)
             self.output_processor.add_output_logprobs(
-                [(flight.reqs[row], i) for i, row in enumerate(flight.logprob_rows)
-                 if not flight.reqs[row].finished], found)
-        for req in self.output_processor.append_tokens(flight.reqs, tokens,
-                                                       self.sampling_batch):
+                [(reqs[row], i) for i, row in enumerate(flight.logprob_rows)
+                 if not reqs[row].finished], found)
+        if flight.jumped:  # their tokens are discarded (see the module)
+            jumped = {id(req) for req in flight.jumped}
+            rows = [row for row, req in enumerate(reqs) if id(req) not in jumped]
+            reqs, tokens = [reqs[row] for row in rows], [tokens[row] for row in rows]
+        stepped = [r for r in reqs if not r.finished]
+        # The worker may own the sampling batch: jumped tokens are not recorded in it.
+        for req in self.output_processor.append_tokens(reqs, tokens, None):
             self.running.remove(req)
             self.memory.release(req)
+        if self.in_flight is None:  # else the step in flight notes them (``_note_jumps``)
+            jumped_now = [r for r in stepped if r.grammar is not None and not r.finished
+                          and r.seq_len - r.kv_len > 1]
+            self._rejoin(flight.jumped + jumped_now)
         return stepped
+
+    def _note_jumps(self, queued: DecodeInFlight) -> None:
+        """Records which requests of the ``queued`` step have jumped tokens without KV
+        since it was queued (it computes only the KV of the token before them)."""
+        queued.jumped = [r for r in queued.reqs if r.grammar is not None
+                         and r.finish_reason is None and r.seq_len > r.kv_len]
+
+    def _rejoin(self, jumped: list[Req]) -> None:
+        """With nothing in flight: the sampling rows of requests that jumped (rows that
+        lack the jumped tokens, or recorded a discarded one) are rebuilt from their outputs
+        at the end of the batch, and the requests move to the end of ``running`` (rows and
+        requests stay in one order)."""
+        if not jumped:
+            return
+        self.sampling_batch.remove(jumped)
+        self.sampling_batch.add(jumped)
+        for req in jumped:
+            self.running.remove(req)
+            self.running.append(req)
 
     def _drop_finished_rows(self) -> None:
         """With nothing in flight: the sampling rows of requests that have ended go (those
@@ -222,19 +276,3 @@ class OverlapSteps:
         need = len(reqs) if page == 1 else sum(
             pages_for(r.kv_len + 1, page) - pages_for(r.kv_len, page) for r in reqs)
         return need <= self.memory.available_tokens()
-
-
-def ends_with_token_in_flight(req: Req, context_length: int) -> bool:
-    """Whether the token in flight for ``req`` (not yet appended on the host) ends it by
-    length: its output budget or the context."""
-    output_len = len(req.output_ids) + 1
-    return (output_len >= req.sampling.max_new_tokens
-            or len(req.input_ids) + output_len >= context_length)
-
-
-def can_run_ahead(reqs: list[Req]) -> bool:
-    """Whether a decode of ``reqs`` may be queued before the host has their last tokens:
-    not where sampling reads what the host is still updating (a grammar's matcher accepts
-    each token on the host, and its jump-forward changes what comes next). Seeds and
-    ``min_new_tokens`` read the positions the sampling batch records itself."""
-    return all(req.grammar is None for req in reqs)

@@ -44,7 +44,6 @@ from radixlm.runtime.scheduler.overlap import (
     DecodeInFlight,
     DecodeWorker,
     OverlapSteps,
-    can_run_ahead,
 )
 from radixlm.runtime.scheduler.prefill_adder import PrefillAdder, decode_reserve
 from radixlm.runtime.scheduler.request_memory import RequestMemory
@@ -112,6 +111,7 @@ class Scheduler(OverlapSteps):
     def add_request(self, req: Req) -> None:
         """Queues ``req``; a constrained one waits for its grammar first (a failed
         grammar finishes it, reported at the next step)."""
+        self.output_processor.prepare(req)
         if req.grammar_key is not None and req.grammar is None:
             if not self.grammar_queue.add(req):
                 return
@@ -271,7 +271,7 @@ class Scheduler(OverlapSteps):
             self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio
         )
         if pending == len(reqs):
-            if self.decode_worker is not None and can_run_ahead(reqs):
+            if self.decode_worker is not None:
                 self.in_flight = self._launch(reqs, previous=None)
                 return []  # its tokens are processed at the next step
             return self._decode(reqs)
@@ -327,13 +327,17 @@ class Scheduler(OverlapSteps):
         and releases the requests that finished. ``prefix_lens`` None: a decode step."""
         hidden = self.runner.forward(batch)
         self.stats.forward_steps += 1
+        if prefix_lens is None:  # only the requests that end need anything more
+            finished = self.output_processor.process_decode(reqs, hidden, self.sampler,
+                                                            self.sampling_batch)
+            for req in finished:
+                self.running.remove(req)
+                self.memory.release(req)
+            self.sampling_batch.remove(finished)
+            return reqs
         extend_lens = batch.extend_seq_lens_list
-        if prefix_lens is None:
-            self.output_processor.process_decode(reqs, hidden, self.sampler,
-                                                 self.sampling_batch)
-        else:
-            self.output_processor.process(reqs, hidden, prefix_lens, extend_lens, self.sampler,
-                                          self.sampling_batch)
+        self.output_processor.process(reqs, hidden, prefix_lens, extend_lens, self.sampler,
+                                      self.sampling_batch)
         finished = []
         for req, extend in zip(reqs, extend_lens):
             if req.finish_reason is not None:

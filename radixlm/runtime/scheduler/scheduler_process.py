@@ -94,37 +94,6 @@ def make_req(msg: io.GenerateReq, tokenizer, leaders: dict[str, Req]) -> Req:
     )
 
 
-def token_out(req: Req) -> tuple[io.TokenOut, io.DetokenizeOut | None]:
-    """What ``req`` produced since its last report (and marks it reported): the message for
-    the TokenizerManager and, when it brings tokens or ends the request, the one for the
-    Detokenizer."""
-    out = io.TokenOut(
-        req.rid, req.output_ids[req.reported_ids:], req.finish_reason, len(req.input_ids),
-        req.cached_tokens, req.retractions, req.jump_forward_tokens,
-    )
-    if req.logprobs is not None:
-        out.input_token_logprobs = req.input_token_logprobs[req.reported_input_logprobs:]
-        out.input_top_logprobs = req.input_top_logprobs[req.reported_input_logprobs:]
-        out.output_token_logprobs = req.output_token_logprobs[req.reported_ids:]
-        out.output_top_logprobs = req.output_top_logprobs[req.reported_ids:]
-        req.reported_input_logprobs = len(req.input_token_logprobs)
-    detokenize = None
-    if out.has_text:
-        detokenize = io.DetokenizeOut(req.rid, out.new_ids, out.finish_reason)
-        if not req.reported_text:
-            params = req.sampling
-            detokenize.spec = io.DetokenizeSpec(
-                prompt_tail=req.input_ids[-CONTEXT_TOKENS:],
-                skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-                stop=params.stop or [],
-                no_stop_trim=params.no_stop_trim,
-            )
-            req.reported_text = True
-    req.reported_ids = len(req.output_ids)
-    return out, detokenize
-
-
 class SchedulerLoop:
     """Receives requests, steps the scheduler, reports every change of every request."""
 
@@ -176,18 +145,17 @@ class SchedulerLoop:
         try:
             req = make_req(msg, self.tokenizer, self.by_rid)
         except (ValueError, TypeError) as err:  # the Engine validates; this is a last guard
-            self._refuse(msg.rid, len(msg.input_ids), f"invalid request: {err}")
+            self._refuse(msg.rid, f"invalid request: {err}")
             return
         self.by_rid[req.rid] = req
         self.scheduler.add_request(req)
 
-    def _refuse(self, rid: str, prompt_tokens: int, message: str) -> None:
+    def _refuse(self, rid: str, message: str) -> None:
         """Ends a request that never ran, with ``message`` as its abort reason."""
         reason = finish_abort(message)
         self.to_tokenizer_manager.send(io.encode(io.TokenBatch(
-            [io.TokenOut(rid, [], reason, prompt_tokens, 0, 0)])))
-        self.to_detokenizer.send(io.encode(io.DetokenizeBatch(
-            [io.DetokenizeOut(rid, [], reason)])))
+            [rid], [0], [], {0: io.OutputState(0, 0, 0, finish_reason=reason)})))
+        self.to_detokenizer.send(io.encode(io.DetokenizeBatch([rid], [0], [], {0: reason})))
 
     def _decode(self, data: bytes) -> io.Message | None:
         """The message, or None for one that does not decode (a request among them is
@@ -198,9 +166,7 @@ class SchedulerLoop:
             raw = msgspec.msgpack.decode(data)
             if isinstance(raw, dict) and raw.get("type") == "GenerateReq" and isinstance(
                     raw.get("rid"), str):
-                prompt = raw.get("input_ids")
-                self._refuse(raw["rid"], len(prompt) if isinstance(prompt, list) else 0,
-                             f"invalid request: {err}")
+                self._refuse(raw["rid"], f"invalid request: {err}")
             else:
                 logger.error("dropped a message that does not decode: %s", err)
             return None
@@ -239,17 +205,90 @@ class SchedulerLoop:
 def report_messages(reqs: list[Req]) -> tuple[io.TokenBatch | None, io.DetokenizeBatch | None]:
     """What ``reqs`` produced since they were last reported (and marks it reported): tokens,
     logprobs and states for the TokenizerManager, tokens for the Detokenizer (None where
-    there is nothing to send)."""
-    outputs, texts = [], []
+    there is nothing to send).
+
+    A request that only gained tokens costs a few list appends; the rest (a finish,
+    logprobs, changed counters, the Detokenizer's spec) goes into the sparse maps.
+    """
+    rids: list[str] = []
+    ends: list[int] = []
+    new_ids: list[int] = []
+    states: dict[int, io.OutputState] = {}
+    without_text: list[int] = []  # rows the Detokenizer does not get (prompt logprobs only)
+    finish_reasons: dict[int, dict] = {}
+    specs: dict[int, io.DetokenizeSpec] = {}
     for req in reqs:
-        if (req.finish_reason is not None or len(req.output_ids) > req.reported_ids
-                or len(req.input_token_logprobs) > req.reported_input_logprobs):
-            out, detokenize = token_out(req)
-            outputs.append(out)
-            if detokenize is not None:
-                texts.append(detokenize)
-    return (io.TokenBatch(outputs) if outputs else None,
-            io.DetokenizeBatch(texts) if texts else None)
+        output_ids = req.output_ids
+        reported = req.reported_ids
+        finish = req.finish_reason
+        if len(output_ids) == reported and finish is None and (
+                len(req.input_token_logprobs) == req.reported_input_logprobs):
+            continue
+        row = len(rids)
+        rids.append(req.rid)
+        new_ids += output_ids[reported:]
+        ends.append(len(new_ids))
+        counters = (req.cached_tokens, req.retractions, req.jump_forward_tokens)
+        if finish is not None or req.logprobs is not None or counters != req.reported_counters:
+            states[row] = _output_state(req, counters)
+        if finish is not None:
+            finish_reasons[row] = finish
+        if len(output_ids) == reported and finish is None:
+            without_text.append(row)
+        elif not req.reported_text:
+            specs[row] = _detokenize_spec(req)
+        req.reported_ids = len(output_ids)
+    if not rids:
+        return None, None
+    to_tokenizer_manager = io.TokenBatch(rids, ends, new_ids, states)
+    if not without_text:
+        return to_tokenizer_manager, io.DetokenizeBatch(rids, ends, new_ids, finish_reasons, specs)
+    return to_tokenizer_manager, _without_rows(to_tokenizer_manager, set(without_text),
+                                               finish_reasons, specs)
+
+
+def _output_state(req: Req, counters: tuple[int, int, int]) -> io.OutputState:
+    """``req``'s counters, finish and unreported logprobs (marked reported)."""
+    state = io.OutputState(*counters, finish_reason=req.finish_reason)
+    req.reported_counters = counters
+    if req.logprobs is not None:
+        state.input_token_logprobs = req.input_token_logprobs[req.reported_input_logprobs:]
+        state.input_top_logprobs = req.input_top_logprobs[req.reported_input_logprobs:]
+        state.output_token_logprobs = req.output_token_logprobs[req.reported_ids:]
+        state.output_top_logprobs = req.output_top_logprobs[req.reported_ids:]
+        req.reported_input_logprobs = len(req.input_token_logprobs)
+    return state
+
+
+def _detokenize_spec(req: Req) -> io.DetokenizeSpec:
+    """How the Detokenizer turns ``req``'s tokens into text (sent once; marked sent)."""
+    params = req.sampling
+    req.reported_text = True
+    return io.DetokenizeSpec(
+        prompt_tail=req.input_ids[-CONTEXT_TOKENS:],
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+        stop=params.stop or [],
+        no_stop_trim=params.no_stop_trim,
+    )
+
+
+def _without_rows(batch: io.TokenBatch, left_out: set[int], finish_reasons: dict[int, dict],
+                  specs: dict[int, io.DetokenizeSpec]) -> io.DetokenizeBatch | None:
+    """``batch``'s tokens for the Detokenizer, less the rows ``left_out`` (rows that
+    bring neither tokens nor a finish); the maps are renumbered to the rows kept."""
+    kept = io.DetokenizeBatch([], [], [])
+    for row, (rid, ids) in enumerate(io.rows(batch.rids, batch.ends, batch.new_ids)):
+        if row in left_out:
+            continue
+        if row in finish_reasons:
+            kept.finish_reasons[len(kept.rids)] = finish_reasons[row]
+        if row in specs:
+            kept.specs[len(kept.rids)] = specs[row]
+        kept.rids.append(rid)
+        kept.new_ids += ids
+        kept.ends.append(len(kept.new_ids))
+    return kept if kept.rids else None
 
 
 def run_scheduler_process(args: ServerArgs, model_path: str, paths: io.SocketPaths, ready) -> None:

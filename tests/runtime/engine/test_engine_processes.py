@@ -100,7 +100,7 @@ def _detokenize_out(rid, new_ids, finish=None, stop=(), no_stop_trim=False, firs
 
 def _shown_text(detokenizer: Detokenizer, out: io.DetokenizeOut, before: str) -> str:
     """The text a client shows after ``out``: ``before``, cut by the delta's trim, plus it."""
-    delta = detokenizer.handle(io.DetokenizeBatch([out])).outputs[0]
+    [delta] = detokenizer.handle(io.DetokenizeBatch.of([out])).outputs()
     assert delta.rid == out.rid
     return before[: len(before) - delta.trim] + delta.text
 

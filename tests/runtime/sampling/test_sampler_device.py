@@ -13,11 +13,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from radixlm.host_to_device import to_device
 from radixlm.runtime.grammar.constraints import GrammarKey
 from radixlm.runtime.sampling.logprobs import logprob_tensors
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_params import SamplingParams
-from radixlm.runtime.sampling.token_rows import to_device
 
 META = torch.device("meta")
 EOS = 0

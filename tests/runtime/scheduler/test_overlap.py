@@ -19,7 +19,7 @@ CHUNKED = {"chunked_prefill_size": 32}
 def mixed_workload(count: int, seed: int) -> tuple[list[list[int]], list[dict]]:
     """Requests of every kind the runtime serves: greedy with and without stops, penalties,
     seeded sampling, ``min_new_tokens``, a JSON constraint; budgets of 1-40 tokens (12 for
-    the constrained ones, which a decode step cannot run ahead of, so that most steps can)."""
+    the constrained ones)."""
     rng = random.Random(seed)
     prompts, params = [], []
     for i in range(count):
@@ -90,6 +90,43 @@ def test_overlap_runs_greedy_batches_ahead_and_ends_every_request_once(scheduler
     assert reported == {req.rid: 1 for req in reqs}, "each end is reported exactly once"
     assert steps_ahead > 30
     assert len(scheduler.sampling_batch) == 0
+
+
+CONSTRAINTS = [  # long free text under a mask; forced text (jump-forward) between choices
+    {"regex": r"(yes|no), the (quick|lazy) [a-z ]{20,40} number [0-9]{1,3}\."},
+    {"ebnf": 'root ::= "The answer is " ("yes" | "no") " because " [a-z]{1,5} "."'},
+    {"json_schema": '{"type": "object", "properties": {"name": {"type": "string", '
+                    '"maxLength": 6}, "colour": {"enum": ["red", "green"]}}, '
+                    '"required": ["name", "colour"]}'},
+]
+
+
+def test_constrained_requests_run_ahead_with_the_plain_loop_outputs(scheduler_for):
+    """Grammars (whose matchers accept each token on the host while the next step's forward
+    pass runs) and jump-forward (whose forced text a step run ahead did not compute) give
+    the plain loop's tokens, greedy, seeded and penalised, beside unconstrained requests."""
+    prompts = [random_ids(300 + i, 6 + 5 * i) for i in range(12)]
+    settings = [{"temperature": 0.0}, {"temperature": 0.8, "sampling_seed": 11},
+                {"temperature": 0.0, "frequency_penalty": 0.7, "min_new_tokens": 3}]
+    params = [{"max_new_tokens": 60, **CONSTRAINTS[i % 3], **settings[i // 3 % 3]}
+              for i in range(9)] + [greedy(40), greedy(25, stop=["e"]), sampled(4, 30)]
+    plain = scheduler_for(**PLAIN)
+    expected = run(plain, prompts, params)
+    overlapped = scheduler_for()
+    got = [scheduler_req(overlapped, p, s) for p, s in zip(prompts, params)]
+    for req in got:
+        overlapped.add_request(req)
+    constrained_ahead = 0  # steps queued ahead with a constrained request in them
+    while not overlapped.is_idle():
+        overlapped.step()
+        flight = overlapped.in_flight
+        constrained_ahead += flight is not None and any(r.grammar for r in flight.reqs)
+    assert outcome(got) == outcome(expected)
+    assert [r.jump_forward_tokens for r in got] == [r.jump_forward_tokens for r in expected]
+    assert sum(r.jump_forward_tokens for r in got) > 0, "no jump-forward to check"
+    assert all(r.finish_reason["type"] == "stop" for r in got[:9])
+    assert constrained_ahead > 10, "constrained requests ran in the plain loop only"
+    assert len(overlapped.sampling_batch) == 0
 
 
 def test_logprobs_are_the_plain_loop_values(scheduler_for):
