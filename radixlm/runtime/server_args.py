@@ -58,8 +58,8 @@ class ServerArgs:
     starts at init, decays per decode step to min, and returns to 1 after a retraction."""
     random_seed: int = 0
     num_threads: int | None = None
-    """CPU threads for every forward pass; None: one thread for small batches (decode), all
-    of torch's threads for large ones (prefill)."""
+    """CPU threads for every forward pass; None: one thread or all of torch's, chosen per
+    size of pass by measuring both as the server runs (``thread_policy.py``)."""
     trust_remote_code: bool = False
     host: str = "127.0.0.1"
     """Where ``radixlm serve`` listens (loopback only, unless told otherwise)."""

@@ -27,13 +27,10 @@ from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.loader import load_model
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
+from radixlm.runtime.model_executor.thread_policy import ThreadPolicy
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-MIN_TOKENS_FOR_THREADS = 128
-"""Batches with fewer new tokens than this run on one CPU thread (see ``_use_threads``)."""
-
 
 class ModelRunner:
     """The model plus the memory it attends over.
@@ -47,8 +44,13 @@ class ModelRunner:
         self.model_config = model_config
         self.device = args.resolved_device()
         self.dtype = args.resolved_dtype()
-        self._max_threads = args.num_threads or torch.get_num_threads()
         self._threads = torch.get_num_threads()
+        # On CPUs, unless --num-threads fixes it: one thread or all, by measurement.
+        self.thread_policy = None
+        if args.num_threads is not None:
+            self._set_threads(args.num_threads)
+        elif self.device.type == "cpu":
+            self.thread_policy = ThreadPolicy(self._threads)
         self.context_length = args.context_length or model_config.max_position_embeddings
         self.model = load_model(model_config, self.dtype, self.device, self.context_length)
         self.max_total_tokens = self._kv_pool_tokens()
@@ -70,13 +72,18 @@ class ModelRunner:
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Runs the model over the batch's new tokens -> hidden states (T, hidden)."""
-        if self.device.type == "cpu":
-            self._use_threads(len(forward_batch.extend_seq_lens_list), len(forward_batch.input_ids))
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
-        with torch.inference_mode():
-            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+        def run() -> torch.Tensor:
+            with torch.inference_mode():
+                return self.model(forward_batch.input_ids, forward_batch.positions,
+                                  forward_batch)
+
+        if self.thread_policy is None:
+            return run()
+        return self.thread_policy.run(len(forward_batch.input_ids), self._set_threads, run)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -136,16 +143,7 @@ class ModelRunner:
             extend_seq_lens_list=[1] * batch_size,
         )
 
-    def _use_threads(self, batch_size: int, num_tokens: int) -> None:
-        """CPU threads for this pass: one for small batches, all for large ones.
-
-        Waking a sleeping OpenMP thread costs tens of microseconds per op, and a decode step
-        runs over a thousand small ops, so below ``MIN_TOKENS_PER_THREAD`` tokens a single
-        thread is faster (and, on a shared machine, immune to a busy neighbour core).
-        """
-        threads = self._max_threads
-        if self.args.num_threads is None and num_tokens < MIN_TOKENS_FOR_THREADS:
-            threads = 1
+    def _set_threads(self, threads: int) -> None:
         if threads != self._threads:
             torch.set_num_threads(threads)
             self._threads = threads

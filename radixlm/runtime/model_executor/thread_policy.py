@@ -1,0 +1,108 @@
+"""How many CPU threads run a forward pass, chosen by measuring, per size of pass.
+
+A decode step is a thousand small ops. With two threads each op pays a wake-up of the
+sleeping one, which costs more than it saves on a tiny batch, and much more when the other
+core is busy with someone else's work; on a batch of a few dozen tokens the second core
+pays for itself. Where the crossover lies depends on the model, the CPU and the neighbours,
+and the neighbours change while a server runs. So no threshold is fixed: passes are sorted
+into buckets by their number of new tokens (powers of two), each bucket keeps a recent
+time per token for each candidate thread count and runs the faster one; now and then
+(every ``explore_every`` passes) it tries the other for a few passes to see whether things
+changed, and switches only when the other is faster by a margin.
+
+Invariants: ``choose`` returns one of ``candidates``; a bucket tries each candidate before
+it settles; a candidate's estimate only moves by ``record``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Bucket:
+    seconds_per_token: dict[int, float] = field(default_factory=dict)
+    """Recent time per new token of each thread count measured."""
+    current: int | None = None
+    """The thread count this bucket runs (the fastest measured, with hysteresis)."""
+    passes: int = 0
+    trial: int | None = None
+    """A thread count being tried for ``trial_left`` more passes; its first measurement
+    replaces its stale estimate, the next ones are averaged in."""
+    trial_left: int = 0
+    fresh: bool = False
+
+
+class ThreadPolicy:
+    """Per-bucket choice between one thread and all of them (``max_threads``)."""
+
+    def __init__(self, max_threads: int, explore_every: int = 40, trial_passes: int = 4,
+                 margin: float = 0.03):
+        """Every ``explore_every`` passes of a bucket, the thread count it does not run is
+        tried for ``trial_passes`` passes; the bucket switches when the other is faster by
+        more than ``margin`` (a fraction), so noise does not make it flap."""
+        self.candidates = sorted({1, max_threads})
+        self.explore_every = explore_every
+        self.trial_passes = trial_passes
+        self.margin = margin
+        self._buckets: dict[int, _Bucket] = {}
+
+    def choose(self, num_tokens: int) -> int:
+        """The thread count for a pass of ``num_tokens`` new tokens."""
+        bucket = self._buckets.setdefault(_bucket_of(num_tokens), _Bucket())
+        bucket.passes += 1
+        if bucket.trial is None:
+            untried = [n for n in self.candidates if n not in bucket.seconds_per_token]
+            if untried:
+                self._start_trial(bucket, untried[0])
+            elif bucket.passes % self.explore_every == 0 and len(self.candidates) > 1:
+                self._start_trial(bucket, next(n for n in self.candidates if n != bucket.current))
+        if bucket.trial is not None:
+            threads = bucket.trial
+            bucket.trial_left -= 1
+            if bucket.trial_left == 0:
+                bucket.trial = None
+            return threads
+        return bucket.current
+
+    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        """Folds a pass's measured duration into its bucket's estimate for ``threads``, and
+        switches the bucket to the other thread count if that is now clearly faster."""
+        if num_tokens <= 0:
+            return
+        bucket = self._buckets.setdefault(_bucket_of(num_tokens), _Bucket())
+        estimates = bucket.seconds_per_token
+        per_token = seconds / num_tokens
+        if threads not in estimates or (bucket.fresh and threads != bucket.current):
+            estimates[threads] = per_token
+            bucket.fresh = False
+        else:
+            estimates[threads] = (estimates[threads] + per_token) / 2
+        if bucket.current is None or bucket.current not in estimates:
+            bucket.current = threads
+        best = min(estimates, key=estimates.__getitem__)
+        if estimates[best] < estimates[bucket.current] * (1 - self.margin):
+            bucket.current = best
+
+    def run(self, num_tokens: int, set_threads: Callable[[int], None], work: Callable):
+        """Runs ``work()`` on the chosen thread count (set through ``set_threads``), timed."""
+        threads = self.choose(num_tokens)
+        set_threads(threads)
+        start = time.perf_counter()
+        result = work()
+        self.record(num_tokens, threads, time.perf_counter() - start)
+        return result
+
+    def chosen(self) -> dict[int, int]:
+        """Each bucket's (smallest token count's) current choice, for reports."""
+        return {size: bucket.current for size, bucket in sorted(self._buckets.items())}
+
+    def _start_trial(self, bucket: _Bucket, threads: int) -> None:
+        bucket.trial, bucket.trial_left, bucket.fresh = threads, self.trial_passes, True
+
+
+def _bucket_of(num_tokens: int) -> int:
+    """The power of two at or below ``num_tokens`` (1 for 0 or 1)."""
+    return 1 << max(num_tokens, 1).bit_length() - 1

@@ -1,0 +1,66 @@
+"""The CPU thread policy: per size of pass, the thread count measured faster, re-checked now
+and then so that a neighbour who starts (or stops) using the other core is noticed."""
+
+from __future__ import annotations
+
+from radixlm.runtime.model_executor.thread_policy import ThreadPolicy
+
+
+def _serve(policy: ThreadPolicy, num_tokens: int, seconds_per_token: dict[int, float],
+           passes: int) -> list[int]:
+    """Runs ``passes`` passes whose duration is ``seconds_per_token[threads] * num_tokens``;
+    returns the thread counts chosen."""
+    chosen = []
+    for _ in range(passes):
+        threads = policy.choose(num_tokens)
+        chosen.append(threads)
+        policy.record(num_tokens, threads, seconds_per_token[threads] * num_tokens)
+    return chosen
+
+
+def test_each_size_of_pass_gets_the_thread_count_measured_faster():
+    policy = ThreadPolicy(max_threads=2, explore_every=20, trial_passes=4)
+    # Batch-1 decode: the second thread's wake-ups cost more than it helps.
+    small = _serve(policy, 1, {1: 1.0e-3, 2: 1.6e-3}, passes=100)
+    # Batch-16 decode: both cores pay.
+    large = _serve(policy, 16, {1: 2.0e-4, 2: 1.2e-4}, passes=100)
+    assert small[:8] == large[:8] == [1] * 4 + [2] * 4  # each candidate is tried first
+    assert small[8:].count(1) >= 72 and large[8:].count(2) >= 72  # and trials are few
+    assert policy.chosen() == {1: 1, 16: 2}
+
+
+def test_a_busy_neighbour_core_moves_the_choice_back_to_one_thread():
+    policy = ThreadPolicy(max_threads=2, explore_every=20, trial_passes=4)
+    _serve(policy, 16, {1: 2.0e-4, 2: 1.2e-4}, passes=50)
+    assert policy.chosen()[16] == 2
+    # Another process now spins on the second core: two threads wait for it at every op.
+    busy = _serve(policy, 16, {1: 2.0e-4, 2: 9.0e-4}, passes=100)
+    assert policy.chosen()[16] == 1 and busy[-60:].count(1) >= 48
+    # It stops: the next trial of two threads brings them back.
+    quiet = _serve(policy, 16, {1: 2.0e-4, 2: 1.2e-4}, passes=100)
+    assert policy.chosen()[16] == 2 and quiet[-60:].count(2) >= 48
+
+
+def test_noise_within_the_margin_does_not_make_the_choice_flap():
+    policy = ThreadPolicy(max_threads=2, explore_every=20, trial_passes=4, margin=0.05)
+    chosen = []
+    for i in range(200):  # two thread counts within 2% of each other, noise alternating
+        threads = policy.choose(16)
+        noise = 1.0 + 0.02 * (-1) ** i
+        policy.record(16, threads, {1: 1.0e-4, 2: 0.99e-4}[threads] * 16 * noise)
+        chosen.append(policy.chosen()[16])
+    switches = sum(a != b for a, b in zip(chosen, chosen[1:]))
+    assert switches <= 1
+
+
+def test_one_core_leaves_nothing_to_choose():
+    policy = ThreadPolicy(max_threads=1)
+    assert set(_serve(policy, 64, {1: 1e-4}, passes=60)) == {1}
+
+
+def test_passes_are_bucketed_by_powers_of_two():
+    policy = ThreadPolicy(max_threads=2)
+    _serve(policy, 5, {1: 1e-4, 2: 5e-5}, passes=4)
+    _serve(policy, 7, {1: 1e-4, 2: 5e-5}, passes=4)  # the same bucket as 5: trials go on
+    _serve(policy, 8, {1: 1e-4, 2: 2e-4}, passes=8)
+    assert policy.chosen() == {4: 2, 8: 1}
