@@ -32,6 +32,10 @@ from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+PROCESS_THREADS = torch.get_num_threads()
+"""torch's CPU threads when this module was imported (before any pass changed a thread's)."""
+
+
 class ModelRunner:
     """The model plus the memory it attends over.
 
@@ -44,13 +48,11 @@ class ModelRunner:
         self.model_config = model_config
         self.device = args.resolved_device()
         self.dtype = args.resolved_dtype()
-        self._threads = torch.get_num_threads()
         # On CPUs, unless --num-threads fixes it: one thread or all, by measurement.
         self.thread_policy = None
-        if args.num_threads is not None:
-            self._set_threads(args.num_threads)
-        elif self.device.type == "cpu":
-            self.thread_policy = ThreadPolicy(self._threads)
+        self._fixed_threads = args.num_threads
+        if self._fixed_threads is None and self.device.type == "cpu":
+            self.thread_policy = ThreadPolicy(PROCESS_THREADS)
         self.context_length = args.context_length or model_config.max_position_embeddings
         self.model = load_model(model_config, self.dtype, self.device, self.context_length)
         self.max_total_tokens = self._kv_pool_tokens()
@@ -82,6 +84,8 @@ class ModelRunner:
                                   forward_batch)
 
         if self.thread_policy is None:
+            if self._fixed_threads is not None:
+                self._set_threads(self._fixed_threads)
             return run()
         return self.thread_policy.run(len(forward_batch.input_ids), self._set_threads, run)
 
@@ -144,9 +148,10 @@ class ModelRunner:
         )
 
     def _set_threads(self, threads: int) -> None:
-        if threads != self._threads:
+        """Sets the calling thread's CPU thread count: OpenMP keeps one per thread, and
+        forward passes run on the scheduler's thread and on the decode worker's."""
+        if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-            self._threads = threads
 
     def _kv_pool_tokens(self) -> int:
         """Pool tokens: ``max_total_tokens`` if given, else as many as the memory budget
