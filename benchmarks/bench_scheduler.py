@@ -15,6 +15,12 @@ the share of it spent inside the stand-ins and the share spent in the sampler (o
 stand-in's logits, mostly one kernel, device work on a GPU). "runtime" is the step without
 either: what the runtime's own code costs.
 
+On a CPU the stand-in's logits live in host memory: at ``--vocab 32000`` and 256 requests
+they are 32 MB per step, and making them and the sampler's argmax over them evict the
+host's caches, so every later per-request touch misses and the "runtime" column swings
+with the machine's memory traffic. A small vocabulary (``--vocab 1024``) measures the host's
+own cost as it is beside a GPU, whose logits never touch the host's caches.
+
 ``--forward-ms`` gives the stand-in forward pass a fixed duration spent outside the GIL
 (``time.sleep``), as a device's forward pass would be: what the step takes beyond it is the
 runtime's own cost, measured as it would add to (or hide behind) a real forward pass.
