@@ -67,10 +67,11 @@ def build_generate_reqs(
     whether the caller gets a list back.
 
     Raises ``ValueError`` naming the argument for: both or neither of ``text`` and
-    ``input_ids``, empty prompts, ids outside the vocabulary, prompts that fill the context,
-    list lengths that do not match, and any bad sampling parameter or constraint. The
-    model's generation-config defaults fill in what the request leaves out. A
-    ``max_new_tokens`` given beyond the context is refused (as SGLang does); the default
+    ``input_ids``, prompts that are not valid Unicode, a ``rid`` given twice, empty
+    prompts, ids outside the vocabulary, prompts that fill the context, list lengths that
+    do not match, and any bad sampling parameter or constraint. The model's
+    generation-config defaults fill in what the request leaves out. A ``max_new_tokens``
+    given beyond the context is refused (as SGLang does); the default
     budget is clamped to the context.
     """
     id_lists, batched = _prompt_ids(request, tokenizer, limits)
@@ -83,6 +84,9 @@ def build_generate_reqs(
         raise ValueError(f"extra_key must be a string, got {type(request.extra_key).__name__}")
     params_list = _per_item("sampling_params", request.sampling_params, len(id_lists), dict)
     rids = [r or uuid.uuid4().hex for r in _per_item("rid", request.rid, len(id_lists), str)]
+    if len(set(rids)) < len(rids):
+        twice = next(rid for rid in rids if rids.count(rid) > 1)
+        raise ValueError(f"rid {twice!r} is given to more than one prompt of the request")
     messages = []
     for ids, given, rid in zip(id_lists, params_list, rids):
         params = _sampling_params(given or {}, len(ids), limits)
@@ -117,6 +121,8 @@ def _prompt_ids(request: GenerateInput, tokenizer: PreTrainedTokenizerBase,
         texts = request.text if batched else [request.text]
         if not all(isinstance(t, str) for t in texts):
             raise ValueError("prompt must be a string or a list of strings")
+        for text in texts:
+            check_unicode("prompt", text)
         id_lists = [tokenizer.encode(t) for t in texts]
         name = "prompt"
     else:
@@ -170,6 +176,16 @@ def _sampling_params(given: dict[str, Any], prompt_len: int,
             "(raise max_total_tokens or lower max_new_tokens)"
         )
     return params
+
+
+def check_unicode(name: str, text: str) -> None:
+    """Raises ``ValueError`` naming ``name`` if ``text`` cannot be encoded as UTF-8 (a lone
+    surrogate, which JSON's ``\\udXXX`` escapes can carry)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{name} is not valid Unicode: {err.reason} at character "
+                         f"{err.start}") from None
 
 
 def _per_item(name: str, value: Any, count: int, item_type: type) -> list[Any]:

@@ -59,10 +59,19 @@ class TokenizerManager:
     # Requests --------------------------------------------------------------------------
 
     async def submit(self, reqs: list[io.GenerateReq], streamed: bool) -> list[ReqState]:
+        """Registers and sends ``reqs``; raises (registering none of them) for a rid in use
+        or given twice, a full queue, or a request that cannot be encoded."""
         self._check_alive()
         duplicate = [r.rid for r in reqs if r.rid in self.states]
         if duplicate:
             raise ValueError(f"rid {duplicate[0]!r} is already in use by a running request")
+        if len({r.rid for r in reqs}) < len(reqs):
+            raise ValueError("a rid is given to more than one request of the batch")
+        try:
+            payloads = [io.encode(req) for req in reqs]
+        except UnicodeEncodeError as err:  # a lone surrogate in some string (rid, stop, ...)
+            raise ValueError(f"the request holds text that is not valid Unicode: {err.reason} "
+                             f"in {err.object[max(err.start - 20, 0):err.end + 20]!r}") from None
         if self.max_in_flight is not None and len(self.states) + len(reqs) > self.max_in_flight:
             raise QueueFull(
                 f"the server is busy: {len(self.states)} requests in flight, at most "
@@ -74,8 +83,8 @@ class TokenizerManager:
                              req.top_logprobs_num > 0, streamed)
             self.states[req.rid] = state
             states.append(state)
-        for req in reqs:
-            await self.to_scheduler.send(io.encode(req))
+        for payload in payloads:
+            await self.to_scheduler.send(payload)
         return states
 
     async def collect(self, reqs: list[io.GenerateReq]) -> list[dict[str, Any]]:

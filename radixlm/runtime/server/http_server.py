@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
 from radixlm.runtime.engine.request_inputs import GenerateInput
+from radixlm.runtime.server.body_limit import BodySizeLimit, BodyTooLarge, too_large_response
 from radixlm.runtime.server.metrics import ServerMetrics
 from radixlm.runtime.server.openai_api import add_openai_routes
 from radixlm.runtime.server.server_sent_events import server_sent_events
@@ -59,16 +60,23 @@ def create_app(
                   lifespan=lifespan)
     add_openai_routes(app, engine, served_model_name or engine.model_config.path.name)
 
+    # Inside the key check's middleware, so that the route reading the body gets the 413
+    # (that middleware turns errors from the body's arrival into a disconnect).
+    app.add_middleware(BodySizeLimit, limit=MAX_BODY_BYTES)
+
     @app.middleware("http")
-    async def check_api_key_and_size(request: Request, call_next):
-        declared = request.headers.get("content-length", "0")
-        if not declared.isdigit() or int(declared) > MAX_BODY_BYTES:
-            return error_response(413, f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+    async def check_api_key(request: Request, call_next):
         if api_key is not None and request.url.path not in OPEN_ROUTES:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            # The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    given.strip().encode(), api_key.encode()):
                 return error_response(401, "invalid or missing API key")
         return await call_next(request)
+
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
+        return too_large_response(err)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, err: RequestValidationError) -> JSONResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -130,3 +131,74 @@ def test_an_oversized_body_is_refused(live):
     response = httpx.post(f"{url}/generate", content=b"x" * (33 * 2**20),
                           headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code == 413
+
+
+def _raw_json(body: dict) -> bytes:
+    """``body`` as JSON with non-ASCII escaped, so a lone surrogate travels as ``\\udc00``
+    (what any client may send; it is not valid Unicode once decoded)."""
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("where", ["text", "stop", "rid", "extra_key"])
+def test_text_that_is_not_unicode_is_a_400_that_leaves_nothing_in_flight(live, where):
+    """With room for two requests in flight, a lone surrogate anywhere in a request is a
+    400, and the refused requests hold no place: the next ones still run."""
+    url = live(max_running_requests=2, max_queued_requests=0)
+    bad = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    if where == "stop":
+        bad["sampling_params"]["stop"] = ["\udc00"]
+    elif where == "text":
+        bad["text"] = "hi \udc00"
+    else:
+        bad[where] = "\udc00"
+    headers = {"content-type": "application/json"}
+    for _ in range(3):
+        response = httpx.post(f"{url}/generate", content=_raw_json(bad), headers=headers,
+                              timeout=30)
+        assert response.status_code == 400, response.text
+        assert "not valid Unicode" in response.json()["error"]["message"]
+    ok = httpx.post(f"{url}/generate", timeout=30,
+                    json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_openai_prompts_that_are_not_unicode_are_a_400(live, route):
+    url = live()
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "max_tokens": 2}
+    if route == "/v1/completions":
+        body["prompt"] = "hi \udc00"
+    else:
+        body["messages"] = [{"role": "user", "content": "hi \udc00"}]
+    response = httpx.post(f"{url}{route}", content=_raw_json(body),
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 400, response.text
+
+
+def test_one_rid_for_two_prompts_is_a_400_not_a_hang(live):
+    url = live()
+    response = httpx.post(f"{url}/generate", json={
+        "text": ["a", "b"], "rid": ["same", "same"], "sampling_params": {"max_new_tokens": 2},
+    }, timeout=30)
+    assert response.status_code == 400
+    assert "'same'" in response.json()["error"]["message"]
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(live):
+    """No Content-Length (chunked transfer encoding): the body is counted as it arrives,
+    and the route gets a 413 once it passes the limit (it used to read the whole body, and
+    answer 400 after parsing it)."""
+    url = live()
+
+    def chunks():
+        for _ in range(40):  # 40 MiB offered, 32 MiB allowed
+            yield b"x" * 2**20
+
+    response = httpx.post(f"{url}/generate", content=chunks(),
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 413
+    assert "limited to" in response.json()["error"]["message"]
+    ok = httpx.post(f"{url}/generate", timeout=30,
+                    json={"text": "hi", "sampling_params": {"max_new_tokens": 1}})
+    assert ok.status_code == 200

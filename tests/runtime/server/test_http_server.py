@@ -120,6 +120,13 @@ def test_api_key_guards_every_route_but_health(server):
             assert anonymous.request(method, path).status_code == 401
         wrong = anonymous.get("/get_model_info", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
+        for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive
+            given = anonymous.get("/get_model_info",
+                                  headers={"Authorization": f"{scheme} {API_KEY}"})
+            assert given.status_code == 200
+        for header in (API_KEY, f"Basic {API_KEY}", f"Bearer {API_KEY}x"):
+            assert anonymous.get("/get_model_info",
+                                 headers={"Authorization": header}).status_code == 401
 
 
 def test_info_routes_and_health_generate(server, engine_for):
