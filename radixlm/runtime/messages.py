@@ -19,6 +19,7 @@ finish (a ``TokenOut``) has exactly one ``TextOut``, in the same order.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,8 @@ import msgspec
 
 from radixlm.runtime.sampling.sampling_params import SamplingParams
 from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 LogprobEntry = list[Any]  # [logprob | None, token_id, text | None]
 
@@ -238,3 +241,14 @@ def encode(message: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     return _decoder.decode(data)
+
+
+def decode_or_drop(data: bytes, receiver: str) -> Message | None:
+    """The message in ``data``, or None, logged, for a frame that is not one: any local
+    process can connect to a socket, and a malformed frame must not take its receiver
+    down."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        logger.error("the %s dropped a frame that is not a message: %s", receiver, err)
+        return None

@@ -121,7 +121,7 @@ def run_detokenizer_process(tokenizer_path: str, paths, ready) -> None:
         while os.getppid() == parent:
             if not inbox.poll(500):
                 continue
-            msg = io.decode(inbox.recv())
+            msg = io.decode_or_drop(inbox.recv(), "detokenizer")
             if isinstance(msg, io.ControlReq) and msg.kind == "shutdown":
                 return
             if isinstance(msg, io.DetokenizeBatch):

@@ -178,7 +178,7 @@ class TokenizerManager:
         while True:
             data = await self.inbox.recv()
             self.received_bytes += len(data)
-            msg = io.decode(data)
+            msg = io.decode_or_drop(data, "tokenizer manager")
             if isinstance(msg, io.TokenBatch):
                 states = msg.states
                 for row, (rid, new_ids) in enumerate(io.rows(msg.rids, msg.ends, msg.new_ids)):

@@ -162,13 +162,16 @@ class SchedulerLoop:
         refused by its rid, so its caller does not wait forever)."""
         try:
             return io.decode(data)
-        except msgspec.ValidationError as err:
-            raw = msgspec.msgpack.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as err:
+            try:
+                raw = msgspec.msgpack.decode(data)
+            except msgspec.DecodeError:  # not msgpack at all (a stray local process)
+                raw = None
             if isinstance(raw, dict) and raw.get("type") == "GenerateReq" and isinstance(
                     raw.get("rid"), str):
                 self._refuse(raw["rid"], f"invalid request: {err}")
             else:
-                logger.error("dropped a message that does not decode: %s", err)
+                logger.error("dropped a frame that is not a message: %s", err)
             return None
 
     def _abort(self, rid: str | None) -> None:

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import zmq
 from tiny_models import tiny_tokenizer
 from workloads import PROMPTS, greedy
 
@@ -151,3 +152,27 @@ def test_the_scheduler_survives_an_invalid_message(engine_for):
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert "temperature" in out["meta_info"]["finish_reason"]["message"]
     assert engine.generate(PROMPTS[0], greedy(3))["meta_info"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("frame", [b"\xff\x00garbage", b"\x81\xa4type\xa9GenerateR", b"",
+                                   b"\x81\xa4type\xa7AbortReq"])
+def test_a_malformed_frame_on_any_socket_is_dropped_and_the_engine_keeps_serving(
+        engine_for, frame):
+    """Any local process can connect to the runtime's sockets: a frame that is not a message
+    (not msgpack, truncated, or of the wrong shape) is logged and dropped by each receiver;
+    it used to end the scheduler, the detokenizer or the tokenizer manager's receive loop."""
+    engine = engine_for()
+    expected = engine.generate(PROMPTS[0], greedy(4))["output_ids"]
+    context = zmq.Context()
+    try:
+        for path in (engine._runtime.paths.scheduler, engine._runtime.paths.detokenizer,
+                     engine._runtime.paths.tokenizer_manager):
+            sender = context.socket(zmq.PUSH)
+            sender.connect(path)
+            sender.send(frame)
+            sender.close(linger=2000)
+    finally:
+        context.term()
+    time.sleep(0.5)
+    assert engine.is_healthy()
+    assert engine.generate(PROMPTS[0], greedy(4))["output_ids"] == expected
