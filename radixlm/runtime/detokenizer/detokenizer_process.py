@@ -78,7 +78,7 @@ class Detokenizer:
         self.states: dict[str, DecodeState] = {}
 
     def handle(self, batch: io.DetokenizeBatch) -> io.TextBatch:
-        texts = io.TextBatch([], [])
+        texts = []
         for out in batch.outputs():
             state = self.states.get(out.rid)
             if state is None:
@@ -92,14 +92,10 @@ class Detokenizer:
                     StopStringMatcher(spec.stop, []) if spec.stop else None,
                 )
                 self.states[out.rid] = state
-            text = state.update(out)
-            if text.trim:
-                texts.trims[len(texts.rids)] = text.trim
-            texts.rids.append(text.rid)
-            texts.texts.append(text.text)
+            texts.append(state.update(out))
             if out.finish_reason is not None:
                 del self.states[out.rid]
-        return texts
+        return io.TextBatch.of(texts)
 
 
 def run_detokenizer_process(tokenizer_path: str, paths, ready) -> None:

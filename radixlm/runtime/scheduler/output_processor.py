@@ -111,13 +111,15 @@ class OutputProcessor:
         req.plain_output = req.grammar_key is None and req.stop_matcher is None
 
     def append_tokens(self, reqs: list[Req], tokens: list[int],
-                      sampling_batch: SamplingBatch | None) -> list[Req]:
+                      sampling_batch: SamplingBatch | None,
+                      jumped: list[Req] | None = None) -> list[Req]:
         """Appends each request's sampled token (and jump-forward's after it), and returns
         the requests that end with them. A request that had finished before gets nothing:
         an overlapped decode step (see ``overlap``) ran one step ahead for it.
 
         ``sampling_batch`` records the jumped tokens; None where another thread owns it
-        (overlap scheduling), and the caller rebuilds the rows of requests that jumped.
+        (overlap scheduling): the caller passes ``jumped``, which gets each unfinished
+        request that jump-forward extended, and rebuilds their rows itself.
 
         A request without grammar or stop strings (``plain_output``) that neither samples a
         stop token nor reaches its limit costs one list append and two tests here: every
@@ -131,9 +133,11 @@ class OutputProcessor:
                 if token not in req.stop_token_ids and len(output_ids) + 1 < req.output_limit:
                     output_ids.append(token)
                     continue
-            self._append_sampled(req, token, sampling_batch)
+            appended_jumps = self._append_sampled(req, token, sampling_batch)
             if req.finish_reason is not None:
                 ended.append(req)
+            elif appended_jumps and jumped is not None:
+                jumped.append(req)
         return ended
 
     def _sample(self, logits: torch.Tensor, owed: list[tuple[Req, int, int, int]],
@@ -232,18 +236,19 @@ class OutputProcessor:
         return False
 
     def _append_sampled(self, req: Req, token: int,
-                        sampling_batch: SamplingBatch | None) -> None:
+                        sampling_batch: SamplingBatch | None) -> bool:
         """Appends a sampled token and, for a constrained request where the grammar forces
         what follows, the jump-forward tokens after it (not for requests wanting logprobs:
         jumped tokens have none; ``sampling_batch`` records them). A grammar that has
-        terminated (accepted a stop token) ends the request with that stop."""
+        terminated (accepted a stop token) ends the request with that stop. Returns whether
+        jump-forward appended tokens after the sampled one."""
         grammar = req.grammar
         if grammar is None:
             self._append_token(req, token)
-            return
+            return False
         if not grammar.accept_token(token):  # the mask forbids this; a bug if it happens
             req.finish_reason = finish_abort(f"the grammar rejected sampled token {token}")
-            return
+            return False
         tokens = [token]
         if self.jump_forward is not None and req.logprobs is None and not grammar.is_terminated():
             room = min(req.sampling.max_new_tokens - len(req.output_ids),
@@ -258,6 +263,7 @@ class OutputProcessor:
             sampling_batch.record_appended(req, tokens[1:appended])
         if not req.finished and grammar.is_terminated():
             req.finish_reason = finish_stop(tokens[-1])
+        return appended > 1
 
     def _append_token(self, req: Req, token: int) -> None:
         """Appends a sampled token and decides whether the request ends with it.

@@ -201,7 +201,6 @@ class OverlapSteps:
             stepped = self._process_in_flight(flight)
         finally:
             if self.in_flight is not None:
-                self._note_jumps(self.in_flight)
                 self.in_flight.host_ready.set()
         if self.in_flight is None:
             self._drop_finished_rows()
@@ -236,20 +235,17 @@ class OverlapSteps:
             reqs, tokens = [reqs[row] for row in rows], [tokens[row] for row in rows]
         stepped = [r for r in reqs if not r.finished]
         # The worker may own the sampling batch: jumped tokens are not recorded in it.
-        for req in self.output_processor.append_tokens(reqs, tokens, None):
+        jumped: list[Req] = []
+        for req in self.output_processor.append_tokens(reqs, tokens, None, jumped):
             self.running.remove(req)
             self.memory.release(req)
-        if self.in_flight is None:  # else the step in flight notes them (``_note_jumps``)
-            jumped_now = [r for r in stepped if r.grammar is not None and not r.finished
-                          and r.seq_len - r.kv_len > 1]
-            self._rejoin(flight.jumped + jumped_now)
+        if self.in_flight is not None:
+            # The step queued behind computes only the KV of the token before their jumped
+            # ones (an unfinished request that jumped is in it: nothing ended it by length).
+            self.in_flight.jumped = jumped
+        else:
+            self._rejoin(flight.jumped + jumped)
         return stepped
-
-    def _note_jumps(self, queued: DecodeInFlight) -> None:
-        """Records which requests of the ``queued`` step have jumped tokens without KV
-        since it was queued (it computes only the KV of the token before them)."""
-        queued.jumped = [r for r in queued.reqs if r.grammar is not None
-                         and r.finish_reason is None and r.seq_len > r.kv_len]
 
     def _rejoin(self, jumped: list[Req]) -> None:
         """With nothing in flight: the sampling rows of requests that jumped (rows that

@@ -243,11 +243,10 @@ def report_messages(reqs: list[Req]) -> tuple[io.TokenBatch | None, io.Detokeniz
         req.reported_ids = len(output_ids)
     if not rids:
         return None, None
-    to_tokenizer_manager = io.TokenBatch(rids, ends, new_ids, states)
-    if not without_text:
-        return to_tokenizer_manager, io.DetokenizeBatch(rids, ends, new_ids, finish_reasons, specs)
-    return to_tokenizer_manager, _without_rows(to_tokenizer_manager, set(without_text),
-                                               finish_reasons, specs)
+    to_detokenizer = io.DetokenizeBatch(rids, ends, new_ids, finish_reasons, specs)
+    if without_text:
+        to_detokenizer = _without_rows(to_detokenizer, set(without_text))
+    return io.TokenBatch(rids, ends, new_ids, states), to_detokenizer
 
 
 def _output_state(req: Req, counters: tuple[int, int, int]) -> io.OutputState:
@@ -276,22 +275,11 @@ def _detokenize_spec(req: Req) -> io.DetokenizeSpec:
     )
 
 
-def _without_rows(batch: io.TokenBatch, left_out: set[int], finish_reasons: dict[int, dict],
-                  specs: dict[int, io.DetokenizeSpec]) -> io.DetokenizeBatch | None:
-    """``batch``'s tokens for the Detokenizer, less the rows ``left_out`` (rows that
-    bring neither tokens nor a finish); the maps are renumbered to the rows kept."""
-    kept = io.DetokenizeBatch([], [], [])
-    for row, (rid, ids) in enumerate(io.rows(batch.rids, batch.ends, batch.new_ids)):
-        if row in left_out:
-            continue
-        if row in finish_reasons:
-            kept.finish_reasons[len(kept.rids)] = finish_reasons[row]
-        if row in specs:
-            kept.specs[len(kept.rids)] = specs[row]
-        kept.rids.append(rid)
-        kept.new_ids += ids
-        kept.ends.append(len(kept.new_ids))
-    return kept if kept.rids else None
+def _without_rows(batch: io.DetokenizeBatch, left_out: set[int]) -> io.DetokenizeBatch | None:
+    """``batch`` less the rows ``left_out`` (rows that bring neither tokens nor a finish:
+    rare, so rebuilt row by row), or None if none is left."""
+    kept = [out for row, out in enumerate(batch.outputs()) if row not in left_out]
+    return io.DetokenizeBatch.of(kept) if kept else None
 
 
 def run_scheduler_process(args: ServerArgs, model_path: str, paths: io.SocketPaths, ready) -> None:
