@@ -39,12 +39,26 @@ SERVER_OPTION_HELP = {
     "trust_remote_code": "allow model code from the checkpoint",
     "host": "address to listen on",
     "port": "port to listen on",
-    "api_key": "require 'Authorization: Bearer <key>' on every route but /health",
+    "api_key": "require 'Authorization: Bearer <key>' on every route but /health (visible in "
+               "ps: prefer --api-key-file or RADIXLM_API_KEY)",
+    "api_key_file": "a file whose first line is the API key",
+    "shutdown_timeout": "seconds in-flight requests get to finish on SIGTERM",
+    "chunked_prefill_step_ms": "cut prompt chunks to take about this long (by measured speed)",
+    "health_timeout": "/health fails after this many seconds without a scheduler heartbeat "
+                      "while requests wait",
     "served_model_name": "the model's name in the OpenAI API (default: its directory's name)",
     "max_queued_requests": "requests accepted beyond max_running_requests (more get 503)",
     "grammar_backend": "what compiles regex / json_schema / ebnf constraints (xgrammar)",
     "disable_jump_forward": "decode a grammar's forced text token by token",
     "disable_overlap_schedule": "process each decode step before computing the next",
+    "max_logprobs": "most top logprobs per position a request may ask for",
+    "max_n": "most samples per prompt (n)",
+    "max_samples_per_request": "most prompts x n in one request",
+    "max_prompt_logprob_entries": "most prompt positions with logprobs x (1 + top logprobs)",
+    "max_stop_strings": "most stop strings plus stop regexes per prompt",
+    "max_stop_chars": "most characters of a prompt's stop strings and regexes together",
+    "max_logit_bias": "most logit_bias entries",
+    "max_constraint_chars": "longest regex / JSON schema / EBNF constraint, in characters",
 }
 
 
@@ -127,22 +141,26 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from radixlm.runtime.engine.engine import Engine
+    from radixlm.runtime.server.api_key import resolve_api_key
+    from radixlm.runtime.server.graceful_shutdown import DrainingServer
     from radixlm.runtime.server.http_server import create_app
     from radixlm.runtime.server_args import ServerArgs
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}
+    api_key = resolve_api_key(options["api_key"], options["api_key_file"])
     with Engine(**options) as engine:
         server_args = engine.server_args
-        app = create_app(engine, server_args.api_key, server_args.served_model_name)
-        # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal; with
-        # this handler in place the re-raise returns here, so the Engine's children are
-        # stopped and the process exits 0.
+        app = create_app(engine, api_key, server_args.served_model_name)
+        # The server drains on SIGTERM/SIGINT (graceful_shutdown.py), stops, then re-raises
+        # the signal; with this handler in place the re-raise returns here, so the Engine's
+        # children are stopped and the process exits 0.
         for stop_signal in (signal.SIGTERM, signal.SIGINT):
             signal.signal(stop_signal, lambda *_: None)
         print(f"radixlm: serving {engine.model_config.path} at "
               f"http://{server_args.host}:{server_args.port}", flush=True)
-        uvicorn.run(app, host=server_args.host, port=server_args.port,
-                    log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+        DrainingServer(config, engine, server_args.shutdown_timeout).run()
     return 0
 
 

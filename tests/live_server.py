@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 
+import httpx
 import uvicorn
 
 
@@ -13,6 +14,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 60) -> None:
+    """Waits until ``url``'s /health answers 200 (a server process starting up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not become healthy"
+        time.sleep(0.2)
 
 
 class LiveServer:

@@ -41,10 +41,15 @@ def test_readme_command_answers_with_the_default_model():
     assert "Tokyo" in result.stdout
 
 
-def test_serve_answers_over_http_and_exits_on_sigterm(tiny_model_dir):
+def test_serve_answers_over_http_and_drains_on_sigterm(tiny_model_dir):
+    """The key from the environment guards the routes; on SIGTERM a request in flight still
+    gets its whole answer, then the server and its children exit."""
+    import os
     import signal
+    import threading
 
     import httpx
+    from live_server import wait_healthy
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -54,30 +59,37 @@ def test_serve_answers_over_http_and_exits_on_sigterm(tiny_model_dir):
          "--dtype", "float32", "--max-total-tokens", "2048", "--port", str(port),
          "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "RADIXLM_API_KEY": "test-key"},
     )
+    auth = {"Authorization": "Bearer test-key"}
+    children = []
     try:
         ready = server.stdout.readline()
         assert f"http://127.0.0.1:{port}" in ready, server.stderr.read()
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
-        out = httpx.post(f"{url}/generate", timeout=30, json={
-            "text": "The quick brown fox", "sampling_params": {"max_new_tokens": 4},
-        })
+        wait_healthy(url, timeout=30)
+        body = {"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 4}}
+        assert httpx.post(f"{url}/generate", timeout=30, json=body).status_code == 401
+        out = httpx.post(f"{url}/generate", timeout=30, json=body, headers=auth)
         assert out.status_code == 200 and out.json()["meta_info"]["completion_tokens"] == 4
         children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(server.pid)],
                                   capture_output=True, text=True).stdout.split()
         assert len(children) == 2  # the scheduler and the detokenizer
+        long_body = {"text": "The quick brown fox",
+                     "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        replies = []
+        client = threading.Thread(target=lambda: replies.append(
+            httpx.post(f"{url}/generate", timeout=60, json=long_body, headers=auth)))
+        client.start()
+        while httpx.get(f"{url}/get_server_info", headers=auth).json()["num_running"] < 1:
+            time.sleep(0.02)
     finally:
         server.send_signal(signal.SIGTERM)
         started = time.monotonic()
         assert server.wait(15) == 0
         assert time.monotonic() - started < 10
+    client.join(10)
+    assert replies[0].status_code == 200
+    assert replies[0].json()["meta_info"]["completion_tokens"] == 400
     for pid in children:
         assert not Path(f"/proc/{pid}").exists(), f"child {pid} outlived the server"

@@ -121,10 +121,19 @@ def _converted_gguf_path(gguf_path: Path) -> Path:
 
 @contextlib.contextmanager
 def _exclusive_lock(target: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `<target parent>/.<target name>.lock` for the block."""
+    """Hold an exclusive flock on `<target parent>/.<target name>.lock` for the block.
+
+    The lock file is never followed through a symlink (someone able to write to the cache
+    could otherwise make this process create or lock a file elsewhere): one is refused."""
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.parent / f".{target.name}.lock"
-    with open(lock_path, "a+b") as lock_file:
+    try:
+        descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        if lock_path.is_symlink():
+            raise ValueError(f"the lock file {lock_path} is a symlink; remove it") from None
+        raise
+    with os.fdopen(descriptor, "r+b") as lock_file:
         fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
         try:
             yield

@@ -219,6 +219,14 @@ class ChildConfig(msgspec.Struct):
     paths: SocketPaths
 
 
+class Heartbeat(msgspec.Struct, tag=True):
+    """The Scheduler's sign of life, at most every ``HEARTBEAT_S`` while its loop turns
+    (``/health`` fails when none comes for too long while requests wait)."""
+
+    steps: int
+    """Scheduler steps completed so far."""
+
+
 class ProcessFailed(msgspec.Struct, tag=True):
     """A child process's last word before it exits on an error."""
 
@@ -228,7 +236,7 @@ class ProcessFailed(msgspec.Struct, tag=True):
 
 Message = (
     GenerateReq | AbortReq | ControlReq | ControlReply | TokenBatch | DetokenizeBatch
-    | TextBatch | ProcessFailed
+    | TextBatch | Heartbeat | ProcessFailed
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -9,10 +9,8 @@ from typing import Any
 import torch
 
 from radixlm.kv_cache.base import CacheNode
-from radixlm.runtime.detokenizer.incremental_detokenizer import (
-    IncrementalDetokenizer,
-    StopStringMatcher,
-)
+from radixlm.runtime.detokenizer.incremental_detokenizer import IncrementalDetokenizer
+from radixlm.runtime.detokenizer.stop_matcher import StopStringMatcher
 from radixlm.runtime.grammar.constraints import GrammarKey
 from radixlm.runtime.grammar.grammar_backend import GrammarMatcher
 from radixlm.runtime.sampling.sampling_params import SamplingParams

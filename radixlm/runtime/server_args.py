@@ -11,6 +11,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 BATCHING_MODES = ("continuous", "static")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 GRAMMAR_BACKENDS = ("xgrammar",)
+REQUEST_CAPS = ("max_logprobs", "max_n", "max_samples_per_request", "max_prompt_logprob_entries",
+                "max_stop_strings", "max_stop_chars", "max_logit_bias", "max_constraint_chars")
+"""The fields that bound what one request may ask for (``engine/request_caps.py``)."""
 
 
 @dataclass
@@ -48,6 +51,10 @@ class ServerArgs:
     """Most new prompt tokens computed in one step (the first request may exceed it)."""
     chunked_prefill_size: int | None = 1024
     """Prompts longer than this are prefilled chunk by chunk; None (or -1): never chunk."""
+    chunked_prefill_step_ms: int | None = 500
+    """Chunks are also cut to take about this long, by the measured prefill speed (on a
+    CPU a 1,024-token chunk can take seconds, and everyone else waits for it); None: cut
+    by ``chunked_prefill_size`` alone."""
     schedule_policy: str = "lpm"
     batching: str = "continuous"
     """``continuous`` (iteration-level) or ``static`` (request-level, for comparison)."""
@@ -69,11 +76,37 @@ class ServerArgs:
     max_queued_requests: int | None = None
     """Requests accepted beyond ``max_running_requests``; more are refused (HTTP 503)."""
     api_key: str | None = None
-    """When set, every HTTP route but /health requires ``Authorization: Bearer <key>``."""
+    """When set, every HTTP route but /health requires ``Authorization: Bearer <key>``.
+    ``radixlm serve`` also reads it from ``api_key_file`` or ``RADIXLM_API_KEY`` (a flag's
+    value shows in ``ps``)."""
+    api_key_file: str | None = None
+    """A file whose first line is the API key."""
+    health_timeout: float = 30.0
+    """``/health`` answers 503 once the Scheduler has shown no sign of life (a finished step
+    or its heartbeat) for this many seconds while requests wait on it."""
+    shutdown_timeout: float = 30.0
+    """On SIGTERM, seconds the requests in flight get to finish (new ones get 503) before
+    the rest end with an error and the server stops."""
     grammar_backend: str = "xgrammar"
     """What compiles regex / json_schema / ebnf constraints into token masks."""
     disable_jump_forward: bool = False
     """Decode a grammar's forced text token by token instead of appending it at once."""
+    max_logprobs: int = 20
+    """Most top logprobs per position a request may ask for (vLLM's name and default)."""
+    max_n: int = 128
+    """Most samples per prompt (``n``), as OpenAI allows."""
+    max_samples_per_request: int = 4096
+    """Most prompts x ``n`` in one call."""
+    max_prompt_logprob_entries: int = 131072
+    """Most prompt positions with logprobs x (1 + top logprobs) per prompt."""
+    max_stop_strings: int = 64
+    """Most stop strings plus stop regexes per prompt."""
+    max_stop_chars: int = 4096
+    """Most characters of a prompt's stop strings and regexes together."""
+    max_logit_bias: int = 1024
+    """Most ``logit_bias`` entries."""
+    max_constraint_chars: int = 131072
+    """Longest regex, JSON schema or EBNF constraint, in characters."""
     disable_overlap_schedule: bool = False
     """Run each decode step's forward pass, then its processing, strictly in turn, instead
     of processing one step while the next computes (see ``scheduler/overlap.py``)."""
@@ -96,6 +129,11 @@ class ServerArgs:
             raise ValueError(
                 f"max_queued_requests must be an integer >= 0, got {self.max_queued_requests!r}"
             )
+        for name in ("shutdown_timeout", "health_timeout"):
+            seconds = getattr(self, name)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+                    seconds >= 0):
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {seconds!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         _check_positive("max_running_requests", self.max_running_requests)
@@ -106,10 +144,14 @@ class ServerArgs:
         if self.num_threads is not None:
             _check_positive("num_threads", self.num_threads)
         _check_positive("max_prefill_tokens", self.max_prefill_tokens)
+        for name in REQUEST_CAPS:
+            _check_positive(name, getattr(self, name))
         if self.chunked_prefill_size == -1:  # SGLang's spelling of "no chunking"
             self.chunked_prefill_size = None
         if self.chunked_prefill_size is not None:
             _check_positive("chunked_prefill_size", self.chunked_prefill_size)
+        if self.chunked_prefill_step_ms is not None:
+            _check_positive("chunked_prefill_step_ms", self.chunked_prefill_step_ms)
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"

@@ -240,3 +240,16 @@ def test_greedy_generation_names_paris(default_dir):
     output = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     completion = tok.decode(output[0, inputs.input_ids.shape[1] :])
     assert " Paris" in completion, completion
+
+
+def test_a_symlinked_lock_file_is_refused_not_followed(tmp_path):
+    """Someone who can write to the cache must not make a conversion create or lock a file
+    elsewhere through a symlink at the lock's path."""
+    target = tmp_path / "cache" / "model"
+    target.parent.mkdir()
+    elsewhere = tmp_path / "elsewhere" / "victim"
+    elsewhere.parent.mkdir()
+    (target.parent / f".{target.name}.lock").symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="symlink"), default_model._exclusive_lock(target):
+        pass
+    assert not elsewhere.exists()

@@ -19,10 +19,8 @@ import zmq
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixlm.runtime import messages as io
-from radixlm.runtime.detokenizer.incremental_detokenizer import (
-    IncrementalDetokenizer,
-    StopStringMatcher,
-)
+from radixlm.runtime.detokenizer.incremental_detokenizer import IncrementalDetokenizer
+from radixlm.runtime.detokenizer.stop_matcher import StopStringMatcher
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop-string detection for one request's output.
+"""Incremental detokenization of one request's output.
 
 Decoding token by token breaks where one character spans several tokens (UTF-8 split
 across byte-level BPE tokens) and where a tokenizer's spacing depends on the previous
@@ -9,7 +9,6 @@ while it ends in an incomplete character (U+FFFD).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -66,42 +65,3 @@ class IncrementalDetokenizer:
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
-
-
-@dataclass
-class StopStringMatcher:
-    """Finds the first stop string or stop regex in a growing text.
-
-    ``search(text, new_len)`` looks only where a match could newly end: the last
-    ``new_len`` characters and the longest stop string's worth before them.
-    """
-
-    stop: list[str]
-    stop_regex: list[str]
-
-    def __post_init__(self) -> None:
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
-        self._regexes = [re.compile(r) for r in self.stop_regex]
-
-    def search(self, text: str, new_len: int) -> tuple[int, int, str] | None:
-        """(start, end, matched) of the earliest match that ends in the new text, or None."""
-        best: tuple[int, int, str] | None = None
-        window_start = max(0, len(text) - new_len - self._max_stop_len + 1)
-        for stop in self.stop:
-            pos = text.find(stop, window_start)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, pos + len(stop), stop)
-        for regex in self._regexes:
-            found = regex.search(text)
-            if found and found.end() > found.start() and (best is None or found.start() < best[0]):
-                best = (found.start(), found.end(), found.group(0))
-        return best
-
-    def held_back(self, text: str) -> int:
-        """How many trailing characters could be the start of a stop string (not streamed yet)."""
-        for size in range(min(self._max_stop_len - 1, len(text)), 0, -1):
-            tail = text[-size:]
-            if any(stop.startswith(tail) for stop in self.stop):
-                return size
-        return 0
-

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixlm.models.default_model import resolve_model_path
@@ -37,6 +38,11 @@ from radixlm.runtime.engine.loop_bridge import (
     iterate_on_loop,
     run_on_loop,
     run_on_loop_blocking,
+)
+from radixlm.runtime.engine.request_caps import (
+    RequestCaps,
+    longest_token_chars,
+    max_prompt_chars,
 )
 from radixlm.runtime.engine.request_inputs import (
     GenerateInput,
@@ -52,6 +58,8 @@ from radixlm.runtime.server_args import ServerArgs
 MOVE_DRAIN_S = 5.0
 """How long requests still running when a hosting server stops may take to end (the aborts
 of its cancelled streams) before they fail."""
+TOKENIZE_ON_LOOP_CHARS = 50_000
+"""Prompt texts longer than this (together) are tokenized off the event loop (~25 ms)."""
 
 
 class Engine:
@@ -78,6 +86,8 @@ class Engine:
             info["context_length"], self.model_config.vocab_size, info["max_total_tokens"],
             info["page_size"], self.model_config.generation_defaults,
             constraint_checker(self.server_args.grammar_backend),
+            RequestCaps.from_options(self.server_args),
+            max_prompt_chars(info["context_length"], longest_token_chars(self.tokenizer)),
         )
         self._metrics = None
         self._own_loop = asyncio.new_event_loop()
@@ -131,7 +141,7 @@ class Engine:
         self, request: GenerateInput
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """``async_generate`` for a request already in its one shape (the HTTP body)."""
-        reqs, batched = self._build(request)
+        reqs, batched = await self._build_off_loop(request)
         if request.stream:
             deltas = await self._stream(reqs)
             return _async_native_chunks(deltas, reqs, batched)
@@ -144,7 +154,7 @@ class Engine:
         """The request's outputs as ``(index, delta)`` pairs (``index``: the sample's
         position, prompt-major), for callers that stream deltas themselves (the OpenAI
         API); ``request.stream`` is ignored."""
-        reqs, _ = self._build(request)
+        reqs, _ = await self._build_off_loop(request)
         return await self._stream(reqs)
 
     async def _stream(self, reqs: list[io.GenerateReq]) -> AsyncIterator:
@@ -193,14 +203,46 @@ class Engine:
         return self._tm.received_bytes
 
     def is_healthy(self) -> bool:
-        """False once a runtime process has died (every call then raises)."""
-        return not self._shut_down and self._tm.failure is None
+        """False once a runtime process has died (every call then raises), while the Engine
+        drains, and while the Scheduler has shown no sign of life for ``health_timeout``
+        seconds with requests waiting on it (a step that does not end)."""
+        tm = self._tm
+        return (not self._shut_down and tm.failure is None and tm.refusing is None
+                and tm.stalled_for() < self.server_args.health_timeout)
+
+    async def async_drain(self, grace_s: float, reason: str) -> None:
+        """Refuses new requests (``RuntimeUnavailable(reason)``), waits at most ``grace_s``
+        seconds for those in flight, then ends the rest with ``reason`` as their error.
+        For a server about to stop: the Engine accepts requests again only once it moves
+        to another loop (the server's lifespan ends)."""
+        await run_on_loop(self._tm.drain_then_end(grace_s, reason), self._loop)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The prompt text for a chat, in the model's own chat template."""
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
+
+    async def async_chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt ids of a chat in the model's own template (the OpenAI chat route's
+        prompt). Long chats are rendered and tokenized off the event loop; raises
+        ``ValueError`` if the template refuses the messages or they are longer than any
+        prompt that fits the context."""
+        chars = sum(len(str(message.get("content") or "")) for message in messages)
+        if chars > self._limits.max_prompt_chars:
+            raise ValueError(f"the messages have {chars} characters; no prompt of more than "
+                             f"{self._limits.max_prompt_chars} fits the context of "
+                             f"{self.context_length} tokens")
+        if chars < TOKENIZE_ON_LOOP_CHARS:
+            return self._chat_prompt_ids(messages)
+        return await asyncio.to_thread(self._chat_prompt_ids, messages)
+
+    def _chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            text = self.apply_chat_template(messages)
+        except TemplateError as err:
+            raise ValueError(f"the chat template failed: {err}") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     @contextlib.asynccontextmanager
     async def serving_on_running_loop(self) -> AsyncIterator[None]:
@@ -283,10 +325,28 @@ class Engine:
             raise RuntimeUnavailable("this Engine has been shut down")
         return run_on_loop_blocking(coroutine, self._loop)
 
+    async def _build_off_loop(self, request: GenerateInput) -> tuple[list[io.GenerateReq], bool]:
+        """``_build`` for a caller on an event loop: a request with long texts is
+        tokenized in a worker thread (the tokenizer releases the GIL), so the loop keeps
+        serving everyone else meanwhile."""
+        if _text_chars(request) < TOKENIZE_ON_LOOP_CHARS:
+            return self._build(request)
+        return await asyncio.to_thread(self._build, request)
+
     def _build(self, request: GenerateInput) -> tuple[list[io.GenerateReq], bool]:
         if self._shut_down:
             raise RuntimeUnavailable("this Engine has been shut down")
         return build_generate_reqs(request, self.tokenizer, self._limits)
+
+
+def _text_chars(request: GenerateInput) -> int:
+    """Characters of ``request``'s prompt texts (0 for token ids)."""
+    text = request.text
+    if isinstance(text, str):
+        return len(text)
+    if isinstance(text, list):
+        return sum(len(t) for t in text if isinstance(t, str))
+    return 0
 
 
 async def _retire(tm: TokenizerManager, drain_s: float) -> None:

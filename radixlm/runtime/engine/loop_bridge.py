@@ -25,12 +25,18 @@ async def run_on_loop(coroutine: Coroutine, loop: asyncio.AbstractEventLoop) -> 
 def run_on_loop_blocking(coroutine: Coroutine, loop: asyncio.AbstractEventLoop,
                          timeout: float | None = None) -> Any:
     """Runs ``coroutine`` on ``loop`` and blocks this thread until it is done. Refused on
-    ``loop``'s own thread, where it would wait on itself forever."""
+    ``loop``'s own thread, where it would wait on itself forever. Interrupted (Ctrl-C in a
+    notebook) or timed out, the coroutine is cancelled, so its cleanup runs."""
     if _running_loop() is loop:
         coroutine.close()
         raise RuntimeError("a blocking Engine call from the event loop the Engine runs on "
                            "would wait on itself: await the async_ method instead")
-    return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout)
+    future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+    try:
+        return future.result(timeout)
+    except BaseException:
+        future.cancel()
+        raise
 
 
 def iterate_on_loop(iterator: AsyncIterator, loop: asyncio.AbstractEventLoop,

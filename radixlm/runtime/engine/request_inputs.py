@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from radixlm.kv_cache.allocator import pages_for
 from radixlm.runtime import messages as io
+from radixlm.runtime.engine.request_caps import RequestCaps
 from radixlm.runtime.sampling.sampling_params import SamplingParams
 
 
@@ -58,6 +59,9 @@ class RequestLimits:
     generation_defaults: dict[str, Any]
     check_constraint: Callable[[str, str], None]
     """The grammar backend's parser: raises ``ValueError`` for a constraint it refuses."""
+    caps: RequestCaps
+    max_prompt_chars: int
+    """Longer prompt texts are refused untokenized (``request_caps.max_prompt_chars``)."""
 
 
 def build_generate_reqs(
@@ -69,7 +73,8 @@ def build_generate_reqs(
     Raises ``ValueError`` naming the argument for: both or neither of ``text`` and
     ``input_ids``, prompts that are not valid Unicode, a ``rid`` given twice, empty
     prompts, ids outside the vocabulary, prompts that fill the context, list lengths that
-    do not match, and any bad sampling parameter or constraint. The model's
+    do not match, any bad sampling parameter or constraint, and anything over one of the
+    server's ``limits.caps`` (checked before the costly part: tokenizing, building). The model's
     generation-config defaults fill in what the request leaves out. A ``max_new_tokens``
     given beyond the context is refused (as SGLang does); the default
     budget is clamped to the context.
@@ -80,6 +85,7 @@ def build_generate_reqs(
         not isinstance(top_logprobs_num, int) or top_logprobs_num < 0
     ):
         raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
+    limits.caps.check_logprobs(top_logprobs_num or 0, 0)
     if request.extra_key is not None and not isinstance(request.extra_key, str):
         raise ValueError(f"extra_key must be a string, got {type(request.extra_key).__name__}")
     params_list = _per_item("sampling_params", request.sampling_params, len(id_lists), dict)
@@ -87,11 +93,17 @@ def build_generate_reqs(
     if len(set(rids)) < len(rids):
         twice = next(rid for rid in rids if rids.count(rid) > 1)
         raise ValueError(f"rid {twice!r} is given to more than one prompt of the request")
-    messages = []
-    for ids, given, rid in zip(id_lists, params_list, rids):
+    prompts = []
+    for ids, given in zip(id_lists, params_list):
         params = _sampling_params(given or {}, len(ids), limits)
         start = _logprob_start(request.logprob_start_len, len(ids)) \
             if request.return_logprob else None
+        if start is not None:
+            limits.caps.check_logprobs(top_logprobs_num or 0, len(ids) - start)
+        prompts.append((params, start))
+    limits.caps.check_samples(sum(params.n for params, _ in prompts))
+    messages = []
+    for ids, (params, start), rid in zip(id_lists, prompts, rids):
         for sample in range(params.n):
             sampling = params
             if params.sampling_seed is not None and sample > 0:
@@ -121,14 +133,21 @@ def _prompt_ids(request: GenerateInput, tokenizer: PreTrainedTokenizerBase,
         texts = request.text if batched else [request.text]
         if not all(isinstance(t, str) for t in texts):
             raise ValueError("prompt must be a string or a list of strings")
+        limits.caps.check_samples(len(texts))
         for text in texts:
             check_unicode("prompt", text)
+            if len(text) > limits.max_prompt_chars:
+                raise ValueError(
+                    f"prompt has {len(text)} characters; no prompt of more than "
+                    f"{limits.max_prompt_chars} fits the context of {limits.context_length} "
+                    "tokens")
         id_lists = [tokenizer.encode(t) for t in texts]
         name = "prompt"
     else:
         input_ids = request.input_ids
         batched = bool(input_ids) and isinstance(input_ids[0], list)
         id_lists = input_ids if batched else [input_ids]
+        limits.caps.check_samples(len(id_lists))
         for ids in id_lists:
             if not isinstance(ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids
@@ -156,7 +175,9 @@ def _prompt_ids(request: GenerateInput, tokenizer: PreTrainedTokenizerBase,
 def _sampling_params(given: dict[str, Any], prompt_len: int,
                      limits: RequestLimits) -> SamplingParams:
     """The validated params of one prompt, defaults filled in and the budget fitted."""
-    params = SamplingParams.from_dict({**limits.generation_defaults, **given})
+    params = SamplingParams.from_dict({**limits.generation_defaults, **given},
+                                      compile_regexes=False)  # after the caps on their number
+    limits.caps.check_params(params)
     params.check_vocab(limits.vocab_size)
     constraint = params.constraint()
     if constraint is not None:

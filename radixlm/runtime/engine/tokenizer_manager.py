@@ -11,8 +11,10 @@ call is refused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -47,8 +49,12 @@ class TokenizerManager:
         self.control_waiters: dict[int, asyncio.Future] = {}
         self._control_ids = itertools.count(1)
         self.failure: str | None = None
+        self.refusing: str | None = None
+        """Why new requests are refused while those in flight drain (None: accepting)."""
         self.max_in_flight = max_in_flight
         self.metrics = metrics
+        self.last_heartbeat = time.monotonic()
+        """When the Scheduler last showed that its loop turns (any message from it)."""
         self.received_bytes = 0
         """Bytes of every message received (a stream of N tokens costs O(N) of them)."""
         self._tasks = [
@@ -62,6 +68,8 @@ class TokenizerManager:
         """Registers and sends ``reqs``; raises (registering none of them) for a rid in use
         or given twice, a full queue, or a request that cannot be encoded."""
         self._check_alive()
+        if self.refusing is not None:
+            raise RuntimeUnavailable(self.refusing)
         duplicate = [r.rid for r in reqs if r.rid in self.states]
         if duplicate:
             raise ValueError(f"rid {duplicate[0]!r} is already in use by a running request")
@@ -88,12 +96,16 @@ class TokenizerManager:
         return states
 
     async def collect(self, reqs: list[io.GenerateReq]) -> list[dict[str, Any]]:
-        """Runs the requests to the end; their whole outputs (native shape), in order."""
+        """Runs the requests to the end; their whole outputs (native shape), in order.
+        Cancelled (its caller left), it aborts the requests that have not finished."""
         states = await self.submit(reqs, streamed=False)
-        for state in states:
-            while not state.finished:
-                await state.changed.wait()
-                state.changed.clear()
+        try:
+            for state in states:
+                while not state.finished:
+                    await state.changed.wait()
+                    state.changed.clear()
+        finally:
+            await self._abort_unfinished(states)
         return [state.result() for state in states]
 
     async def stream(self, reqs: list[io.GenerateReq]) -> AsyncIterator[tuple[int, OutputDelta]]:
@@ -113,13 +125,16 @@ class TokenizerManager:
                     return
                 await self._any_changed(states)
         finally:
-            for state in states:
-                if not state.finished and self.failure is None:
-                    await self.abort(state.rid)
+            await self._abort_unfinished(states)
 
     async def abort(self, rid: str | None) -> None:
         self._check_alive()
         await self.to_scheduler.send(io.encode(io.AbortReq(rid)))
+
+    async def _abort_unfinished(self, states: list[ReqState]) -> None:
+        for state in states:
+            if not state.finished and self.failure is None:
+                await self.abort(state.rid)
 
     async def control(self, kind: str) -> io.ControlReply:
         self._check_alive()
@@ -147,6 +162,20 @@ class TokenizerManager:
                 return
             await asyncio.sleep(DRAIN_POLL_S)
 
+    async def drain_then_end(self, grace_s: float, reason: str) -> None:
+        """Refuses new requests (``RuntimeUnavailable(reason)``), lets those in flight end
+        within ``grace_s`` seconds, then ends the rest: they fail with ``reason`` (their
+        callers see the error) and the Scheduler aborts them."""
+        self.refusing = reason
+        await self.drain(grace_s)
+        if not self.states or self.failure is not None:
+            return
+        leftover = list(self.states.values())
+        self.states.clear()
+        for state in leftover:
+            await self.to_scheduler.send(io.encode(io.AbortReq(state.rid)))
+            state.fail(reason)
+
     def close(self, reason: str | None = None) -> None:
         """Stops receiving and closes the sockets, so another TokenizerManager can take this
         one's place; requests still in flight fail with ``reason`` (when given)."""
@@ -157,6 +186,13 @@ class TokenizerManager:
         self.context.destroy(linger=0)
 
     # Internals -------------------------------------------------------------------------
+
+    def stalled_for(self) -> float:
+        """Seconds the Scheduler has shown no sign of life while requests wait on it (0
+        when none does)."""
+        if not self.states:
+            return 0.0
+        return time.monotonic() - self.last_heartbeat
 
     def _check_alive(self) -> None:
         if self.failure is not None:
@@ -179,6 +215,8 @@ class TokenizerManager:
             data = await self.inbox.recv()
             self.received_bytes += len(data)
             msg = io.decode_or_drop(data, "tokenizer manager")
+            if isinstance(msg, (io.TokenBatch, io.Heartbeat, io.ControlReply)):
+                self.last_heartbeat = time.monotonic()
             if isinstance(msg, io.TokenBatch):
                 states = msg.states
                 for row, (rid, new_ids) in enumerate(io.rows(msg.rids, msg.ends, msg.new_ids)):
@@ -218,11 +256,17 @@ class TokenizerManager:
                     return
 
     def _fail(self, reason: str) -> None:
-        """Fails every pending request and control call; refuses all later ones."""
+        """Fails every pending request and control call; refuses all later ones. The
+        Scheduler, if it still runs, is told to abort them: nobody is left to take their
+        outputs (after the Detokenizer died, it would decode for nobody)."""
         if self.failure is not None:
             return
         self.failure = reason
         for state in self.states.values():
+            with contextlib.suppress(zmq.ZMQError):  # a closed socket: nothing to tell
+                sent = self.to_scheduler.send(io.encode(io.AbortReq(state.rid)),
+                                              flags=zmq.NOBLOCK)
+                sent.add_done_callback(lambda done: done.exception())  # a full queue: dropped
             state.fail(reason)
         self.states.clear()
         for future in self.control_waiters.values():

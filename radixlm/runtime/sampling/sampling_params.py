@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 import msgspec
 
+from radixlm.runtime.detokenizer.stop_regex import compile_stop_regex
 from radixlm.runtime.grammar.constraints import CONSTRAINT_KINDS, GrammarKey
 
 GREEDY_TEMPERATURE = 1e-6
@@ -55,8 +55,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ebnf: str | None = None
 
     @classmethod
-    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
-        """Validated params from the API's dict (None: the defaults)."""
+    def from_dict(cls, params: dict[str, Any] | None,
+                  compile_regexes: bool = True) -> SamplingParams:
+        """Validated params from the API's dict (None: the defaults). ``compile_regexes``
+        False leaves the stop regexes unchecked, for a caller that first bounds how many
+        there are and then calls ``stop_regex_size``."""
         if params is None:
             return cls()
         if not isinstance(params, dict):
@@ -67,6 +70,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                              f"known: {sorted(cls.__struct_fields__)}")
         built = cls(**params)
         built._validate()
+        if compile_regexes:
+            built.stop_regex_size()
         return built
 
     def _validate(self) -> None:
@@ -88,12 +93,6 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         self.stop = _string_list("stop", self.stop)
         self.stop_regex = _string_list("stop_regex", self.stop_regex)
-        for pattern in self.stop_regex or []:
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as err:
-                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: "
-                                 f"{err}") from None
         if self.stop_token_ids is not None and not (
             isinstance(self.stop_token_ids, list)
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
@@ -105,6 +104,17 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         if self.logit_bias is not None:
             self._check_logit_bias()
         self._check_constraint()
+
+    def stop_regex_size(self) -> int:
+        """The NFA states of all the stop regexes together (each compiled once, then
+        cached); raises ``ValueError`` naming a pattern that is refused."""
+        total = 0
+        for pattern in self.stop_regex or []:
+            try:
+                total += len(compile_stop_regex(pattern).ops)
+            except ValueError as err:
+                raise ValueError(f"stop_regex {pattern!r} is refused: {err}") from None
+        return total
 
     @property
     def is_greedy(self) -> bool:

@@ -39,6 +39,9 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
         self.jump_forward = jump_forward
+        self._token_texts: dict[int, str] = {}
+        """Each token's own text, decoded once (logprob entries name tokens by text; at most
+        one entry per vocabulary token)."""
 
     def process(
         self, reqs: list[Req], hidden: torch.Tensor, prefix_lens: list[int],
@@ -292,4 +295,7 @@ class OutputProcessor:
             req.finish_reason = finish_length(len(output_ids))
 
     def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text

@@ -11,6 +11,11 @@ Budgets:
   chunks; its first chunk runs now and it continues as the scheduler's chunked request in
   later steps. At most one request is chunked at a time, and it ends the round. Without
   chunking, a prompt is prefilled whole or not at all.
+- ``yield_budget``: while a prompt is being prefilled chunk by chunk, each of its rounds
+  first admits waiting prompts that fit whole in this budget (half a chunk, at most half of
+  ``prefill_tokens``), so a short
+  request waits one step, not the whole long prefill; the chunk then takes what is left
+  (its KV is kept for it while the short ones are admitted).
 """
 
 from __future__ import annotations
@@ -45,6 +50,24 @@ class PrefillAdder:
     new_reqs: list[Req] = field(default_factory=list)
     chunked_req: Req | None = None
     """The request left partly prefilled by this round, if any."""
+    yield_budget: int | None = None
+    """While set, only prompts whose remaining tokens fit it whole are admitted (each
+    takes its share); see the module."""
+
+    def add_short_before_chunk(self, chunked: Req, waiting) -> None:
+        """Admits, from ``waiting`` ((request, match) pairs in policy order), the prompts
+        that fit whole in half a chunk (and half the step's budget), keeping KV for
+        ``chunked``'s next chunk."""
+        if self.chunk_tokens is None:
+            return
+        next_chunk = self._pages(min(chunked.seq_len - chunked.kv_len, self.chunk_tokens))
+        self.reserved += next_chunk
+        self.yield_budget = min(self.chunk_tokens, self.prefill_tokens) // 2
+        for req, match in waiting:
+            if not self.add_new(req, match):
+                break
+        self.yield_budget = None
+        self.reserved -= next_chunk
 
     def add_chunked(self, req: Req) -> bool:
         """Continues the request being prefilled chunk by chunk; False if it must wait."""
@@ -64,10 +87,14 @@ class PrefillAdder:
         memory.match_and_lock(req, match)
         remaining = req.seq_len - len(req.prefix_indices)
         size = self._size(remaining)
+        if self.yield_budget is not None and (remaining > self.yield_budget or size < remaining):
+            size = 0  # beside a chunked prompt, only whole short ones
         reserve = decode_reserve(req, self.new_token_ratio)
         if size == 0 or self._pages(remaining) + reserve > self._available():
             memory.unlock(req)
             return False
+        if self.yield_budget is not None:
+            self.yield_budget -= remaining
         memory.assign_row(req)
         self.rows -= 1
         self.new_reqs.append(req)

@@ -2,9 +2,10 @@
 retraction.
 
 Each step is one forward pass, either:
-- an extend step: the chunked request's next chunk and newly admitted requests (in the
-  policy's order, under the ``PrefillAdder``'s budgets), each computing only what its
-  cached prefix does not cover; or, when nothing can be admitted,
+- an extend step: newly admitted requests (in the policy's order, under the
+  ``PrefillAdder``'s budgets) and the chunked request's next chunk (cut to about
+  ``chunked_prefill_step_ms``, ``prefill_pace.py``), each computing only what its cached
+  prefix does not cover; or, when nothing can be admitted or a chunk ran last step,
 - a decode step: one token for every running request. If the pool cannot hold that
   token for everyone, requests are retracted first (their KV handed to the cache, the
   requests re-queued at the front, recomputed later); a retracted request still finishes.
@@ -29,12 +30,15 @@ step then returns the requests of the decode step before it.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.allocator import pages_for
+from radixlm.kv_cache.base import MatchResult
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.sampling.sampler import Sampler
@@ -46,6 +50,7 @@ from radixlm.runtime.scheduler.overlap import (
     OverlapSteps,
 )
 from radixlm.runtime.scheduler.prefill_adder import PrefillAdder, decode_reserve
+from radixlm.runtime.scheduler.prefill_pace import PrefillPace
 from radixlm.runtime.scheduler.request_memory import RequestMemory
 from radixlm.runtime.scheduler.schedule_policy import SchedulePolicy
 from radixlm.runtime.server_args import ServerArgs
@@ -107,6 +112,12 @@ class Scheduler(OverlapSteps):
                                               self.sampling_batch)
         self.in_flight: DecodeInFlight | None = None
         self._drained: list[Req] = []  # processed outside a step, to report at the next
+        step_ms = args.chunked_prefill_step_ms
+        self.prefill_pace = PrefillPace(args.chunked_prefill_size,
+                                        None if step_ms is None else step_ms / 1000)
+        self._decode_owed = False
+        """A chunk of a long prompt ran last step: the running requests decode before the
+        next one (a long prefill delays them by one chunk at a time, not by all of it)."""
 
     def add_request(self, req: Req) -> None:
         """Queues ``req``; a constrained one waits for its grammar first (a failed
@@ -144,9 +155,14 @@ class Scheduler(OverlapSteps):
         self._drained = []
         if self.in_flight is not None:
             return ended + self._step_overlapped()
+        if self._decode_owed and self.running:
+            self._decode_owed = False  # a chunk ran last step: the running requests go now
+            return ended + self._run_decode(self._retract_until_decode_fits())
         adder = self._admit()
         if adder is not None and adder.reqs:
-            return ended + self._run_extend(adder)
+            stepped = self._run_extend(adder)
+            self._decode_owed = self.chunked is not None
+            return ended + stepped
         if self.running:
             pending = self._retract_until_decode_fits()
             return ended + self._run_decode(pending)
@@ -229,18 +245,18 @@ class Scheduler(OverlapSteps):
             reserved=sum(decode_reserve(r, self.new_token_ratio) + r.seq_len - r.kv_len - 1
                          for r in self.running),
             prefill_tokens=args.max_prefill_tokens,
-            chunk_tokens=args.chunked_prefill_size,
+            chunk_tokens=self.prefill_pace.chunk_tokens(),
             rows=self.memory.req_to_token_pool.available_size(),
             new_token_ratio=self.new_token_ratio,
         )
-        if self.chunked is not None and not adder.add_chunked(self.chunked):
-            return adder  # it goes first: nothing overtakes a chunked prompt
         static_batch_busy = args.batching == "static" and (self.running or self.chunked)
+        if self.chunked is not None:
+            if self.waiting and adder.rows and not static_batch_busy:
+                adder.add_short_before_chunk(self.chunked, self._admissible(adder))
+            if not adder.add_chunked(self.chunked):
+                return adder  # nothing else overtakes a chunked prompt
         if self.waiting and adder.rows and adder.chunked_req is None and not static_batch_busy:
-            for req, match in self.policy.order(self.waiting):
-                leader = req.prefill_leader
-                if leader is not None and not (leader.output_ids or leader.finished):
-                    continue  # reuse the leader's prompt once it is cached
+            for req, match in self._admissible(adder):
                 if not adder.add_new(req, match):
                     break
         admitted = {id(r) for r in adder.new_reqs}
@@ -251,6 +267,16 @@ class Scheduler(OverlapSteps):
                 self.stats.cached_tokens += req.cached_tokens
         return adder
 
+    def _admissible(self, adder: PrefillAdder) -> Iterator[tuple[Req, MatchResult | None]]:
+        """The waiting requests in policy order, but for those ``adder`` admitted already
+        and samples whose leader's prompt is not cached yet (they reuse it once it is)."""
+        admitted = {id(r) for r in adder.new_reqs}
+        for req, match in self.policy.order(self.waiting):
+            leader = req.prefill_leader
+            if id(req) not in admitted and (
+                    leader is None or leader.output_ids or leader.finished):
+                yield req, match
+
     # Forward passes ----------------------------------------------------------------------
 
     def _run_extend(self, adder: PrefillAdder) -> list[Req]:
@@ -259,7 +285,10 @@ class Scheduler(OverlapSteps):
         self.chunked = adder.chunked_req
         self.running += [r for r in reqs if r is not self.chunked]
         self.stats.extend_steps += 1
-        return self._extend(reqs, new_ids, share_prefixes=True)
+        started = time.perf_counter()
+        stepped = self._extend(reqs, new_ids, share_prefixes=True)
+        self.prefill_pace.observe(sum(adder.extend_lens), time.perf_counter() - started)
+        return stepped
 
     def _run_decode(self, pending: int) -> list[Req]:
         """One token for each running request, or, when jump-forward left some request

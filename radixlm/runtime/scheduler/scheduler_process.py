@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 import traceback
 from typing import Any
 
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500
 """How long an idle scheduler waits for a request before checking that its parent lives."""
+HEARTBEAT_S = 1.0
+"""Most time between two ``Heartbeat`` messages while the loop turns."""
 
 
 def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
@@ -109,13 +112,17 @@ class SchedulerLoop:
         self.to_tokenizer_manager.connect(paths.tokenizer_manager)
         self.by_rid: dict[str, Req] = {}
         self.parent = os.getppid()
+        self.steps = 0
+        self.last_heartbeat = 0.0
 
     def run(self) -> None:
         while True:
             if not self._receive(block=self.scheduler.is_idle()):
                 return
+            self._heartbeat()
             if self.scheduler.is_idle():
                 continue
+            self.steps += 1
             try:
                 stepped = self.scheduler.step()
             except Exception as err:  # a failed step must not take the server down
@@ -124,6 +131,13 @@ class SchedulerLoop:
                 for req in stepped:
                     self.scheduler.abort(req, f"internal error: {err}")
             self._report(stepped)
+
+    def _heartbeat(self) -> None:
+        """Tells the TokenizerManager the loop turns, at most every ``HEARTBEAT_S``."""
+        now = time.monotonic()
+        if now - self.last_heartbeat >= HEARTBEAT_S:
+            self.last_heartbeat = now
+            self.to_tokenizer_manager.send(io.encode(io.Heartbeat(self.steps)))
 
     def _receive(self, block: bool) -> bool:
         """Handles every waiting message; False when told to shut down (or orphaned)."""

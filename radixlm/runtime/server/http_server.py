@@ -2,15 +2,15 @@
 
 A thin FastAPI layer: every route validates its body (pydantic), calls the Engine's async
 API, and maps errors to status codes: bad input 400 (``{"error": {"message"}}``), a bad or
-missing API key 401, a body over ``MAX_BODY_BYTES`` 413, a full queue or a dead runtime 503.
-``/metrics`` serves Prometheus metrics. With ``api_key`` set, every route but ``/health``
-requires ``Authorization: Bearer <key>``.
+missing API key 401, a body over ``MAX_BODY_BYTES`` 413, a full queue, a dead or draining
+runtime 503. ``/metrics`` serves Prometheus metrics. With ``api_key`` set, every route but
+``/health`` requires ``Authorization: Bearer <key>``. A request whose client leaves before
+its answer is cancelled, and with it the generation (``disconnect.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 from typing import Any
@@ -24,14 +24,15 @@ from pydantic import BaseModel, ConfigDict
 from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
 from radixlm.runtime.engine.request_inputs import GenerateInput
+from radixlm.runtime.server.api_key import ApiKeyCheck
 from radixlm.runtime.server.body_limit import BodySizeLimit, BodyTooLarge, too_large_response
+from radixlm.runtime.server.disconnect import CancelOnDisconnect
 from radixlm.runtime.server.metrics import ServerMetrics
 from radixlm.runtime.server.openai_api import add_openai_routes
 from radixlm.runtime.server.server_sent_events import server_sent_events
 
 logger = logging.getLogger(__name__)
 
-OPEN_ROUTES = {"/health"}
 MAX_BODY_BYTES = 32 * 2**20
 
 
@@ -60,19 +61,11 @@ def create_app(
                   lifespan=lifespan)
     add_openai_routes(app, engine, served_model_name or engine.model_config.path.name)
 
-    # Inside the key check's middleware, so that the route reading the body gets the 413
-    # (that middleware turns errors from the body's arrival into a disconnect).
+    # Middleware, outermost last: the disconnect watch, the key check, the body limit.
     app.add_middleware(BodySizeLimit, limit=MAX_BODY_BYTES)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path not in OPEN_ROUTES:
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            # The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    given.strip().encode(), api_key.encode()):
-                return error_response(401, "invalid or missing API key")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
+    app.add_middleware(CancelOnDisconnect)
 
     @app.exception_handler(BodyTooLarge)
     async def body_too_large(_: Request, err: BodyTooLarge) -> JSONResponse:

@@ -27,7 +27,6 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
-from jinja2 import TemplateError
 from pydantic import BaseModel
 
 from radixlm.runtime.engine.engine import Engine
@@ -181,13 +180,10 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
             raise OpenAIError(400, "this model's tokenizer has no chat template; use "
                               "/v1/completions", param="messages")
         try:
-            text = engine.tokenizer.apply_chat_template(
-                [_template_message(m) for m in body.messages], tokenize=False,
-                add_generation_prompt=True,
-            )
-        except TemplateError as err:  # the template refused these messages
-            raise OpenAIError(400, f"the chat template failed: {err}", param="messages") from None
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+            ids = await engine.async_chat_prompt_ids(
+                [_template_message(m) for m in body.messages])
+        except ValueError as err:  # the template refused them, or they are far too long
+            raise OpenAIError(400, str(err), param="messages") from None
         params = _sampling_params(body, body.max_completion_tokens or body.max_tokens)
         params.update(_response_format_params(body))
         request = GenerateInput(

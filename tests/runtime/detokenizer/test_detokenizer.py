@@ -8,8 +8,8 @@ from tiny_models import tiny_tokenizer
 from radixlm.runtime.detokenizer.incremental_detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
-    StopStringMatcher,
 )
+from radixlm.runtime.detokenizer.stop_matcher import StopStringMatcher
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

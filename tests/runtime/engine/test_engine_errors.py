@@ -38,6 +38,12 @@ BAD_GENERATE_CALLS = [
                                         logprob_start_len=-2), "logprob_start_len"),
     ("top_logprobs_num_negative", dict(prompt="hi", return_logprob=True, top_logprobs_num=-1),
      "top_logprobs_num"),
+    ("top_logprobs_num_over_the_cap", dict(prompt="hi", return_logprob=True,
+                                           top_logprobs_num=100_000), "max_logprobs"),
+    ("n_over_the_cap", dict(prompt="hi", sampling_params={"n": 10_000}), "max_n"),
+    ("too_many_prompts", dict(prompt=["a"] * 5000), "max_samples_per_request"),
+    ("too_many_stop_strings", dict(prompt="hi", sampling_params={
+        "stop": [f"s{i}" for i in range(10_000)]}), "max_stop_strings"),
     ("one_bad_prompt_in_a_batch", dict(prompt=["fine", "also fine"],
                                        sampling_params=[{}, {"top_k": 0}]), "top_k"),
 ]

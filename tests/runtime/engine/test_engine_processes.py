@@ -4,9 +4,11 @@ Detokenizer's text rules."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -176,3 +178,27 @@ def test_a_malformed_frame_on_any_socket_is_dropped_and_the_engine_keeps_serving
     time.sleep(0.5)
     assert engine.is_healthy()
     assert engine.generate(PROMPTS[0], greedy(4))["output_ids"] == expected
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_when_the_detokenizer_dies_the_scheduler_stops_decoding_for_nobody(tiny_model_dir):
+    engine = radixlm.Engine(str(tiny_model_dir()), dtype="float32", max_total_tokens=8192)
+    try:
+        stream = engine.generate([PROMPTS[0]] * 16, greedy(480, ignore_eos=True), stream=True)
+        next(stream)  # the requests are running
+        engine._runtime.processes["detokenizer"].kill()
+        with pytest.raises(RuntimeUnavailable, match="detokenizer"):
+            for _ in stream:
+                pass
+        scheduler = engine._runtime.processes["scheduler"].pid
+        time.sleep(0.3)  # the abort lands
+        before = _cpu_seconds(scheduler)
+        time.sleep(1.0)
+        assert _cpu_seconds(scheduler) - before < 0.2  # idle, not decoding 16 requests
+    finally:
+        engine.shutdown()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from tiny_models import VOCAB_SIZE
 from workloads import PROMPTS, greedy, sampled
 
 
@@ -96,7 +97,7 @@ def test_prompt_logprobs_of_a_batch_match_each_prompt_alone(engine_for):
 def test_frequency_and_presence_penalties_steer_greedy_by_output_counts(engine_for):
     """Penalties shift logits by a per-token constant, so greedy must pick the argmax of the
     raw logprobs (reported before penalties) minus the penalties of the output so far."""
-    engine = engine_for()
+    engine = engine_for(max_logprobs=VOCAB_SIZE)  # every token's logprob, past the default cap
     vocab = engine.model_config.vocab_size
     params = greedy(16, frequency_penalty=1.5, presence_penalty=0.5)
     out = engine.generate(PROMPTS[0], params, return_logprob=True, top_logprobs_num=vocab)

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from radixlm.runtime.engine.request_caps import RequestCaps
 from radixlm.runtime.engine.request_inputs import (
     GenerateInput,
     RequestLimits,
@@ -16,10 +17,12 @@ from radixlm.runtime.engine.request_inputs import (
 from radixlm.runtime.grammar.constraints import GrammarKey
 from radixlm.runtime.grammar.factory import constraint_checker
 from radixlm.runtime.sampling.sampling_params import SamplingParams
+from radixlm.runtime.server_args import ServerArgs
 
 LIMITS = RequestLimits(context_length=4096, vocab_size=1000, max_total_tokens=8192,
                        page_size=1, generation_defaults={},
-                       check_constraint=constraint_checker("xgrammar"))
+                       check_constraint=constraint_checker("xgrammar"),
+                       caps=RequestCaps.from_options(ServerArgs()), max_prompt_chars=10**6)
 
 
 def entry_params(params: dict) -> SamplingParams:

@@ -180,3 +180,57 @@ def test_aborting_a_request_in_the_middle_of_its_chunks_frees_them(scheduler_for
     assert short.finish_reason == {"type": "length", "length": 20}
     # Its finished chunks may stay cached, unlocked; nothing else is held.
     assert_pool_idle(scheduler.server_info())
+
+
+def test_a_short_prompt_is_prefilled_between_the_chunks_of_a_long_one(scheduler_for, monkeypatch):
+    """A long prompt's chunks used to take every step until it was done, so a one-token
+    request behind it waited for the whole prefill; now each chunk step first admits the
+    prompts that fit whole in half a chunk, and the long prompt still progresses."""
+    scheduler = scheduler_for(chunked_prefill_size=CHUNK)
+    reference = scheduler_for(chunked_prefill_size=None)
+    scheduler.memory.flush()
+    long_ids, short_ids = random_ids(11, LONG), random_ids(12, 10)
+    want = run(reference, [long_ids, short_ids], [greedy(4), greedy(1)])
+    extends = record_extends(scheduler, monkeypatch)
+    long = scheduler_req(scheduler, long_ids, greedy(4))
+    short = scheduler_req(scheduler, short_ids, greedy(1))
+    scheduler.add_request(long)
+    scheduler.step()
+    scheduler.add_request(short)
+    scheduler.step()
+    assert short.finished and short.output_ids == want[1].output_ids
+    assert 0 < long.kv_len < LONG  # still being prefilled
+    assert extends == [[CHUNK], [10, CHUNK]]  # the short prompt first, then the next chunk
+    for _ in range(100):
+        if long.finished:
+            break
+        scheduler.step()
+    assert long.output_ids == want[0].output_ids
+    assert all(sum(step) <= CHUNK + CHUNK // 2 for step in extends)
+
+
+def test_running_requests_decode_between_the_chunks_of_a_long_prompt(scheduler_for):
+    """Prefill went first at every step, so a request already decoding stalled for all of a
+    long prompt's chunks; now it gets a token after each chunk."""
+    scheduler = scheduler_for(chunked_prefill_size=CHUNK)
+    scheduler.memory.flush()
+    running = scheduler_req(scheduler, random_ids(13, 10), greedy(40))
+    scheduler.add_request(running)
+    scheduler.step()
+    long = scheduler_req(scheduler, random_ids(14, LONG), greedy(2))
+    scheduler.add_request(long)
+    tokens_after_chunks = []
+    while not long.output_ids:
+        before = long.kv_len
+        scheduler.step()
+        if long.kv_len > before and long.kv_len < LONG:
+            tokens_after_chunks.append(len(running.output_ids))
+    assert len(tokens_after_chunks) == LONG // CHUNK - 1
+    # Between two chunks the running request decoded (with overlap: one step behind).
+    assert all(b > a for a, b in zip(tokens_after_chunks, tokens_after_chunks[1:]))
+    for _ in range(200):
+        if running.finished and long.finished:
+            break
+        scheduler.step()
+    assert running.finish_reason == {"type": "length", "length": 40}
+    assert_pool_idle(scheduler.server_info())

@@ -12,24 +12,7 @@ import time
 
 import httpx
 import pytest
-from live_server import LiveServer
 from workloads import PROMPTS, greedy
-
-from radixlm.runtime.server.http_server import create_app
-
-
-@pytest.fixture
-def live(engine_for):
-    servers = []
-
-    def start(**options):
-        server = LiveServer(create_app(engine_for(**options)))
-        servers.append(server)
-        return server.url
-
-    yield start
-    for server in servers:
-        server.close()
 
 
 def metric(text: str, name: str) -> float:

@@ -1,0 +1,53 @@
+"""PrefillPace: prompt chunks sized by the measured prefill speed to take about a target
+time, within [MIN_CHUNK_TOKENS, chunked_prefill_size]."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixlm.runtime.scheduler.prefill_pace import (
+    MIN_CHUNK_TOKENS,
+    UNMEASURED_CHUNK_TOKENS,
+    PrefillPace,
+)
+
+
+def test_until_a_large_step_is_measured_chunks_are_small():
+    pace = PrefillPace(max_chunk=1024, target_s=0.5)
+    assert pace.chunk_tokens() == UNMEASURED_CHUNK_TOKENS
+    pace.observe(tokens=8, seconds=1.0)  # small steps are mostly fixed cost: ignored
+    assert pace.chunk_tokens() == UNMEASURED_CHUNK_TOKENS
+    assert PrefillPace(max_chunk=32, target_s=0.5).chunk_tokens() == 32
+
+
+@pytest.mark.parametrize(("seconds_per_1024", "chunk"), [
+    (0.05, 1024),   # a GPU: the token bound binds
+    (2.0, 256),     # a slow CPU: a quarter of the tokens take the target time
+    (1000.0, MIN_CHUNK_TOKENS),  # never below the floor
+])
+def test_chunks_take_about_the_target_time(seconds_per_1024, chunk):
+    pace = PrefillPace(max_chunk=1024, target_s=0.5)
+    pace.observe(tokens=1024, seconds=seconds_per_1024)
+    assert pace.chunk_tokens() == chunk
+
+
+def test_the_estimate_follows_recent_steps():
+    pace = PrefillPace(max_chunk=4096, target_s=1.0)
+    pace.observe(1000, 1.0)
+    pace.observe(1000, 3.0)  # the context grew: tokens got dearer
+    assert 333 <= pace.chunk_tokens() <= 1000
+    for _ in range(20):
+        pace.observe(1000, 4.0)
+    assert pace.chunk_tokens() == pytest.approx(250, abs=2)
+
+
+def test_without_a_target_or_without_chunking_the_pace_does_nothing():
+    untimed = PrefillPace(max_chunk=1024, target_s=None)
+    untimed.observe(1024, 100.0)
+    assert untimed.chunk_tokens() == 1024
+    unchunked = PrefillPace(max_chunk=None, target_s=0.5)
+    unchunked.observe(1024, 100.0)
+    assert unchunked.chunk_tokens() is None
+    tiny = PrefillPace(max_chunk=16, target_s=0.5)
+    tiny.observe(1024, 100.0)
+    assert tiny.chunk_tokens() == 16  # the floor never exceeds chunked_prefill_size
