@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 
@@ -27,6 +28,16 @@ def wait_healthy(url: str, timeout: float = 60) -> None:
             pass
         assert time.monotonic() < deadline, f"{url} did not become healthy"
         time.sleep(0.2)
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM, then SIGKILL if ``process`` has not exited ``timeout`` s later."""
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 class LiveServer:

@@ -120,13 +120,25 @@ class Req:
         """The tokens a prefix-cache match may cover.
 
         Capped at the sequence length - 1 (the last token must be computed to sample from
-        its logits) and, while prompt logprobs are still owed, at ``logprobs.start`` (those
-        positions must be computed too).
+        its logits) and, while prompt logprobs are still owed, at the first position owed
+        (those positions must be computed too).
         """
         limit = self.seq_len - 1
-        if self.logprobs is not None and self.logprobs.start is not None and not self.output_ids:
-            limit = min(limit, self.logprobs.start)
+        owed = self.next_prompt_logprob_position()
+        if owed is not None:
+            limit = min(limit, owed)
         return self.all_ids()[:limit]
+
+    def next_prompt_logprob_position(self) -> int | None:
+        """The first prompt position whose logits are still owed for prompt logprobs (None:
+        none are). Positions already computed are not owed again: a request retracted in
+        the middle of its prompt resumes its prompt logprobs where they stopped."""
+        spec = self.logprobs
+        if spec is None or spec.start is None or self.output_ids:
+            return None
+        computed = len(self.input_token_logprobs) - (spec.start == 0 and
+                                                      bool(self.input_token_logprobs))
+        return spec.start + computed
 
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids

@@ -223,23 +223,30 @@ class Engine:
             messages, tokenize=False, add_generation_prompt=True
         )
 
-    async def async_chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def async_chat_prompt_ids(self, messages: list[dict[str, Any]],
+                                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The prompt ids of a chat in the model's own template (the OpenAI chat route's
-        prompt). Long chats are rendered and tokenized off the event loop; raises
-        ``ValueError`` if the template refuses the messages or they are longer than any
-        prompt that fits the context."""
+        prompt), rendered with ``template_kwargs`` as extra template variables (SGLang's
+        ``chat_template_kwargs``, e.g. ``enable_thinking``). Long chats are rendered and
+        tokenized off the event loop; raises ``ValueError`` if the template refuses the
+        messages or they are longer than any prompt that fits the context."""
         chars = sum(len(str(message.get("content") or "")) for message in messages)
         if chars > self._limits.max_prompt_chars:
             raise ValueError(f"the messages have {chars} characters; no prompt of more than "
                              f"{self._limits.max_prompt_chars} fits the context of "
                              f"{self.context_length} tokens")
         if chars < TOKENIZE_ON_LOOP_CHARS:
-            return self._chat_prompt_ids(messages)
-        return await asyncio.to_thread(self._chat_prompt_ids, messages)
+            return self._chat_prompt_ids(messages, template_kwargs or {})
+        return await asyncio.to_thread(self._chat_prompt_ids, messages, template_kwargs or {})
 
-    def _chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _chat_prompt_ids(self, messages: list[dict[str, Any]],
+                         template_kwargs: dict[str, Any]) -> list[int]:
+        reserved = {"messages", "tokenize", "add_generation_prompt", "conversation"}
+        if reserved & set(template_kwargs):
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
         try:
-            text = self.apply_chat_template(messages)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
         except TemplateError as err:
             raise ValueError(f"the chat template failed: {err}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)

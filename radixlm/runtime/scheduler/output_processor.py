@@ -211,12 +211,11 @@ class OutputProcessor:
 
         As in SGLang, ``logprob_start_len = s`` asks for the logprobs of prompt tokens
         s + 1 .. L - 1, computed from the logits at positions s .. L - 2 (plus a null entry
-        for token 0 when s == 0). Prefix-cache matches are capped at s, so those positions
-        are always computed here.
+        for token 0 when s == 0). Prefix-cache matches are capped at the first position still
+        owed (``Req.next_prompt_logprob_position``), so those positions are computed here.
         """
-        if req.logprobs is None or req.logprobs.start is None or req.output_ids:
-            return None
-        return max(req.logprobs.start, prefix)
+        owed = req.next_prompt_logprob_position()
+        return None if owed is None else max(owed, prefix)
 
     def _add_input_logprobs(self, req: Req, found: Logprobs, start: int, count: int) -> None:
         """Appends the prompt logprobs in rows ``start .. start + count - 1`` of ``found``."""

@@ -23,17 +23,19 @@ from pydantic import BaseModel, ConfigDict
 
 from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
-from radixlm.runtime.engine.request_inputs import GenerateInput
 from radixlm.runtime.server.api_key import ApiKeyCheck
 from radixlm.runtime.server.body_limit import BodySizeLimit, BodyTooLarge, too_large_response
 from radixlm.runtime.server.disconnect import CancelOnDisconnect
 from radixlm.runtime.server.metrics import ServerMetrics
+from radixlm.runtime.server.native_body import GenerateBody, generate_input
 from radixlm.runtime.server.openai_api import add_openai_routes
 from radixlm.runtime.server.server_sent_events import server_sent_events
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 2**20
+SCALE_OUT_INFO = {"tp_size": 1, "dp_size": 1, "disaggregation_mode": "null",
+                  "load_balance_method": "round_robin"}
 
 
 class AbortRequest(BaseModel):
@@ -119,12 +121,23 @@ def create_app(
             "chat_template": getattr(engine.tokenizer, "chat_template", None),
             "bos_token": engine.tokenizer.bos_token,
             "eos_token": engine.tokenizer.eos_token,
+            "model_type": getattr(config.hf_config, "model_type", None),
         }
 
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        return await engine.async_get_server_info()
+        # What SGLang's router reads of a worker: one replica, no disaggregation.
+        return {**await engine.async_get_server_info(), **SCALE_OUT_INFO}
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        """The load of each data-parallel rank (one here), as SGLang reports it."""
+        info = await engine.async_get_server_info()
+        evictable = info["cache_tokens"] - info["cache_protected_tokens"]
+        used = info["max_total_tokens"] - info["free_kv_tokens"] - evictable  # held by requests
+        return [{"dp_rank": 0, "num_reqs": info["num_running"] + info["num_waiting"],
+                 "num_waiting_reqs": info["num_waiting"], "num_tokens": used}]
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
@@ -140,9 +153,10 @@ def create_app(
         return Response(status_code=200)
 
     @app.post("/generate")
-    async def generate(body: GenerateInput):
-        result = await engine.generate_request(body)
-        if not body.stream:
+    async def generate(body: GenerateBody):
+        request = generate_input(body)
+        result = await engine.generate_request(request)
+        if not request.stream:
             return result
         sse = server_sent_events(
             result, result, lambda chunk: json.dumps(chunk, ensure_ascii=False),

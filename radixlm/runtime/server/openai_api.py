@@ -57,6 +57,7 @@ from radixlm.runtime.server.openai_protocol import (
     Usage,
 )
 from radixlm.runtime.server.server_sent_events import server_sent_events
+from radixlm.runtime.server.sglang_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_neutral
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 503: "server_error"}
 _ERRORS = {status: {"model": ErrorResponse} for status in _ERROR_TYPES}
@@ -127,6 +128,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
     @router.post("/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest):
         check_model(body.model)
+        check_neutral(_given(body), COMPLETION_FIELDS)
         prompt = body.prompt
         if not prompt:
             raise OpenAIError(400, "prompt is empty", param="prompt")
@@ -137,12 +139,13 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
             id_lists = [prompt] if isinstance(prompt[0], int) else list(prompt)
             texts = None
         want_logprobs = body.logprobs is not None
+        params = _sampling_params(body, body.max_tokens)
+        params.update(_response_format_params(body))
         request = GenerateInput(
-            text=texts, input_ids=id_lists,
-            sampling_params=_sampling_params(body, body.max_tokens),
+            text=texts, input_ids=id_lists, sampling_params=params,
             return_logprob=want_logprobs, top_logprobs_num=body.logprobs,
             logprob_start_len=0 if want_logprobs and body.echo else None,
-            return_text_in_logprobs=True,
+            return_text_in_logprobs=True, rid=body.rid, extra_key=body.extra_key,
         )
         result = await (engine.stream_deltas(request) if body.stream
                         else engine.generate_request(request))
@@ -172,6 +175,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
     @router.post("/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest):
         check_model(body.model)
+        check_neutral(_given(body), CHAT_FIELDS)
         if body.tools and body.tool_choice != "none":
             raise OpenAIError(400, "tools are not supported yet", param="tools")
         if body.top_logprobs and not body.logprobs:
@@ -181,7 +185,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
                               "/v1/completions", param="messages")
         try:
             ids = await engine.async_chat_prompt_ids(
-                [_template_message(m) for m in body.messages])
+                [_template_message(m) for m in body.messages], body.chat_template_kwargs)
         except ValueError as err:  # the template refused them, or they are far too long
             raise OpenAIError(400, str(err), param="messages") from None
         params = _sampling_params(body, body.max_completion_tokens or body.max_tokens)
@@ -189,7 +193,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
         request = GenerateInput(
             input_ids=[ids], sampling_params=params, return_logprob=body.logprobs,
             top_logprobs_num=body.top_logprobs if body.logprobs else None,
-            return_text_in_logprobs=True,
+            return_text_in_logprobs=True, rid=body.rid, extra_key=body.extra_key,
         )
         result = await (engine.stream_deltas(request) if body.stream
                         else engine.generate_request(request))
@@ -221,7 +225,14 @@ _SAMPLING_NAMES = {
     "min_p": "min_p", "min_tokens": "min_new_tokens", "regex": "regex", "ebnf": "ebnf",
     "json_schema": "json_schema", "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos", "repetition_penalty": "repetition_penalty",
+    "stop_regex": "stop_regex", "no_stop_trim": "no_stop_trim",
+    "skip_special_tokens": "skip_special_tokens",
 }
+
+
+def _given(body: BaseModel) -> dict[str, Any]:
+    """The fields ``body`` was sent with."""
+    return {name: getattr(body, name) for name in body.model_fields_set}
 
 
 def _sampling_params(body: SamplingExtras, max_tokens: int | None) -> dict[str, Any]:
@@ -232,7 +243,7 @@ def _sampling_params(body: SamplingExtras, max_tokens: int | None) -> dict[str, 
     return {key: value for key, value in params.items() if value is not None}
 
 
-def _response_format_params(body: ChatCompletionRequest) -> dict[str, Any]:
+def _response_format_params(body: SamplingExtras) -> dict[str, Any]:
     """``response_format`` as a constraint: ``json_object`` is any JSON object,
     ``json_schema`` its schema. It cannot be combined with the regex / ebnf / json_schema
     extras (one constraint per request)."""

@@ -3,8 +3,10 @@ models, so that validation and ``/openapi.json`` both come from one description.
 
 Requests refuse unknown fields. Besides OpenAI's own fields they take SGLang's extras (what
 the ``openai`` client's ``extra_body`` sends): ``top_k``, ``min_p``, ``min_tokens``,
-``regex``, ``ebnf``, ``json_schema``, ``stop_token_ids``, ``ignore_eos``,
-``repetition_penalty``.
+``regex``, ``ebnf``, ``json_schema``, ``stop_token_ids``, ``stop_regex``, ``ignore_eos``,
+``no_stop_trim``, ``skip_special_tokens``, ``repetition_penalty``, ``rid``, ``extra_key``
+and (chat) ``chat_template_kwargs``; and the rest of SGLang's request fields at their
+neutral values (``sglang_fields.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from radixlm.runtime.server.sglang_fields import CHAT_FIELDS, COMPLETION_FIELDS, fields_model
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -20,6 +24,19 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingExtras(_Request):
@@ -45,11 +62,17 @@ class SamplingExtras(_Request):
     ebnf: str | None = None
     json_schema: str | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     ignore_eos: bool | None = None
+    no_stop_trim: bool | None = None
+    skip_special_tokens: bool | None = None
     repetition_penalty: float | None = None
+    response_format: ResponseFormat | None = None
+    rid: str | list[str] | None = None
+    extra_key: str | None = None
 
 
-class CompletionRequest(SamplingExtras):
+class CompletionRequest(fields_model("_CompletionFields", COMPLETION_FIELDS, SamplingExtras)):
     """The body of ``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -74,20 +97,7 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class ChatCompletionRequest(SamplingExtras):
+class ChatCompletionRequest(fields_model("_ChatFields", CHAT_FIELDS, SamplingExtras)):
     """The body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -95,7 +105,7 @@ class ChatCompletionRequest(SamplingExtras):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -10,7 +10,10 @@ import pytest
 from runtime_checks import assert_engine_idle, run_to_completion, scheduler_req
 from workloads import greedy, random_ids, sampled
 
-PLAIN = {"disable_overlap_schedule": True}
+# One CPU thread for both loops: results then depend on the batches alone (with the thread
+# count chosen by timing, as by default, the last bits of a logprob may differ run to run).
+OVERLAP = {"num_threads": 1}
+PLAIN = {**OVERLAP, "disable_overlap_schedule": True}
 SMALL_POOL = {"max_total_tokens": 1024, "init_new_token_ratio": 0.01,
               "min_new_token_ratio": 0.01, "new_token_ratio_decay": 0.5}
 CHUNKED = {"chunked_prefill_size": 32}
@@ -63,7 +66,7 @@ def outcome(reqs) -> list[tuple]:
 def test_overlap_gives_the_plain_loop_outputs(scheduler_for, options):
     prompts, params = mixed_workload(64, seed=len(options))
     expected = outcome(run(scheduler_for(**PLAIN, **options), prompts, params))
-    overlapped = scheduler_for(**options)
+    overlapped = scheduler_for(**OVERLAP, **options)
     before = overlapped.stats.overlapped_steps
     assert outcome(run(overlapped, prompts, params)) == expected
     assert overlapped.stats.overlapped_steps > before, "no decode step ran ahead"
@@ -75,7 +78,7 @@ def test_overlap_runs_greedy_batches_ahead_and_ends_every_request_once(scheduler
     prompts = [random_ids(50 + i, 20) for i in range(12)]
     params = [greedy(5 + 3 * i) for i in range(12)]
     expected = outcome(run(scheduler_for(**PLAIN), prompts, params))
-    scheduler = scheduler_for()
+    scheduler = scheduler_for(**OVERLAP)
     reqs = [scheduler_req(scheduler, p, s) for p, s in zip(prompts, params)]
     for req in reqs:
         scheduler.add_request(req)
@@ -112,7 +115,7 @@ def test_constrained_requests_run_ahead_with_the_plain_loop_outputs(scheduler_fo
               for i in range(9)] + [greedy(40), greedy(25, stop=["e"]), sampled(4, 30)]
     plain = scheduler_for(**PLAIN)
     expected = run(plain, prompts, params)
-    overlapped = scheduler_for()
+    overlapped = scheduler_for(**OVERLAP)
     got = [scheduler_req(overlapped, p, s) for p, s in zip(prompts, params)]
     for req in got:
         overlapped.add_request(req)
@@ -136,7 +139,7 @@ def test_logprobs_are_the_plain_loop_values(scheduler_for):
     params = [greedy(12), sampled(5, 12), greedy(9, stop_token_ids=[40, 41, 42])] * 2
     fields = {"return_logprob": True, "top_logprobs_num": 2, "logprob_start": 3}
     expected = run(scheduler_for(**PLAIN), prompts, params, **fields)
-    overlapped = scheduler_for()
+    overlapped = scheduler_for(**OVERLAP)
     before = overlapped.stats.overlapped_steps
     got = run(overlapped, prompts, params, **fields)
     assert overlapped.stats.overlapped_steps > before
@@ -151,7 +154,7 @@ def test_aborting_while_a_step_is_in_flight_frees_everything(scheduler_for):
     prompts = [random_ids(90 + i, 25) for i in range(6)]
     params = [greedy(60) for _ in range(6)]
     expected = outcome(run(scheduler_for(**PLAIN), prompts, params))
-    scheduler = scheduler_for()
+    scheduler = scheduler_for(**OVERLAP)
     reqs = [scheduler_req(scheduler, p, s) for p, s in zip(prompts, params)]
     for req in reqs:
         scheduler.add_request(req)
@@ -180,7 +183,7 @@ def test_engine_streams_the_same_text_with_overlap_on_and_off(engine_for):
             texts[chunk["index"]] = chunk["text"]
         return texts
 
-    overlapped = engine_for()
+    overlapped = engine_for(**OVERLAP)
     assert streamed(overlapped) == streamed(engine_for(**PLAIN))
     assert_engine_idle(overlapped)
     assert overlapped.get_server_info()["stats"]["overlapped_steps"] > 0

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from live_server import free_port, wait_healthy
+from live_server import free_port, stop_process, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.default_model]
 
@@ -82,12 +82,7 @@ def server():
         wait_healthy(url)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 30)
 
 
 async def _timed(client: httpx.AsyncClient) -> float:

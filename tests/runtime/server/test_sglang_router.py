@@ -1,0 +1,123 @@
+"""Two radixlm servers behind SGLang's real router (``smg`` from ``sglang-router``), as its
+users run replicas: every route a client uses answers through the router as it does
+straight from a server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+
+import httpx
+import pytest
+from live_server import LiveServer, free_port, stop_process
+
+import radixlm
+from radixlm.runtime.server.http_server import create_app
+
+pytestmark = pytest.mark.skipif(shutil.which("smg") is None,
+                                reason="sglang-router (the smg command) is not installed")
+
+MODEL = "tiny"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model_dir):
+    """Two servers over the same tiny model (the router needs distinct URLs)."""
+    engines, servers = [], []
+    try:
+        for _ in range(2):
+            engine = radixlm.Engine(str(tiny_model_dir()), dtype="float32",
+                                    max_total_tokens=4096)
+            engine.tokenizer.chat_template = CHAT_TEMPLATE
+            engines.append(engine)
+            servers.append(LiveServer(create_app(engine, served_model_name=MODEL)))
+        yield [server.url for server in servers]
+    finally:
+        for server in servers:
+            server.close()
+        for engine in engines:
+            engine.shutdown()
+
+
+def start_router(worker_urls: list[str], policy: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    router = subprocess.Popen(
+        ["smg", "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+         "--prometheus-port", str(free_port()), "--log-level", "warn",
+         "--worker-urls", *worker_urls],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/get_model_info", timeout=2).status_code == 200:
+                return router, url
+        except httpx.TransportError:
+            pass
+        if router.poll() is not None or time.monotonic() > deadline:
+            router.kill()
+            raise AssertionError("the router did not start")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module", params=["round_robin", "cache_aware"])
+def router(request, workers):
+    process, url = start_router(workers, request.param)
+    try:
+        yield url
+    finally:
+        stop_process(process, 10)
+
+
+def sse_events(reply: httpx.Response) -> list[str]:
+    return [line[len("data: "):] for line in reply.text.splitlines()
+            if line.startswith("data: ")]
+
+
+def test_generate_through_the_router_matches_a_server(router, workers):
+    body = {"text": "The quick brown fox", "sampling_params": GREEDY}
+    want = httpx.post(f"{workers[0]}/generate", json=body, timeout=60).json()
+    for _ in range(4):  # both workers, whichever the policy picks
+        got = httpx.post(f"{router}/generate", json=body, timeout=60)
+        assert got.status_code == 200, got.text
+        assert got.json()["output_ids"] == want["output_ids"]
+        assert got.json()["text"] == want["text"]
+
+
+def test_a_stream_through_the_router(router, workers):
+    body = {"text": "The quick brown fox", "sampling_params": GREEDY, "stream": True}
+    reply = httpx.post(f"{router}/generate", json=body, timeout=60)
+    events = sse_events(reply)
+    assert reply.status_code == 200 and events[-1] == "[DONE]"
+    want = httpx.post(f"{workers[1]}/generate", json={**body, "stream": False}, timeout=60)
+    assert json.loads(events[-2])["text"] == want.json()["text"]
+
+
+def test_openai_routes_through_the_router(router, workers):
+    completion = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8,
+                  "temperature": 0, "ignore_eos": True}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    for route, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        want = httpx.post(f"{workers[0]}{route}", json=body, timeout=60).json()
+        got = httpx.post(f"{router}{route}", json=body, timeout=60)
+        assert got.status_code == 200, (route, got.text)
+        key = "text" if route == "/v1/completions" else "message"
+        assert got.json()["choices"][0][key] == want["choices"][0][key]
+        streamed = httpx.post(f"{router}{route}", json={**body, "stream": True}, timeout=60)
+        assert streamed.status_code == 200 and sse_events(streamed)[-1] == "[DONE]"
+
+
+def test_control_routes_through_the_router(router):
+    info = httpx.get(f"{router}/get_model_info", timeout=10)
+    assert info.status_code == 200 and info.json()["model_type"] == "llama"
+    flushed = httpx.post(f"{router}/flush_cache", timeout=10)
+    assert flushed.status_code == 200, flushed.text
