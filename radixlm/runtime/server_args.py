@@ -51,10 +51,11 @@ class ServerArgs:
     """Most new prompt tokens computed in one step (the first request may exceed it)."""
     chunked_prefill_size: int | None = 1024
     """Prompts longer than this are prefilled chunk by chunk; None (or -1): never chunk."""
-    chunked_prefill_step_ms: int | None = 500
+    chunked_prefill_step_ms: int | None = 250
     """Chunks are also cut to take about this long, by the measured prefill speed (on a
-    CPU a 1,024-token chunk can take seconds, and everyone else waits for it); None: cut
-    by ``chunked_prefill_size`` alone."""
+    CPU a 1,024-token chunk can take seconds, and everyone else waits for it; short
+    prompts and decode steps run between chunks); None: cut by ``chunked_prefill_size``
+    alone."""
     schedule_policy: str = "lpm"
     batching: str = "continuous"
     """``continuous`` (iteration-level) or ``static`` (request-level, for comparison)."""

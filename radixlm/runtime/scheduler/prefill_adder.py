@@ -11,11 +11,11 @@ Budgets:
   chunks; its first chunk runs now and it continues as the scheduler's chunked request in
   later steps. At most one request is chunked at a time, and it ends the round. Without
   chunking, a prompt is prefilled whole or not at all.
-- ``yield_budget``: while a prompt is being prefilled chunk by chunk, each of its rounds
-  first admits waiting prompts that fit whole in this budget (half a chunk, at most half of
-  ``prefill_tokens``), so a short
-  request waits one step, not the whole long prefill; the chunk then takes what is left
-  (its KV is kept for it while the short ones are admitted).
+- ``yield_budget``: while a prompt is being prefilled chunk by chunk, its rounds first
+  admit waiting prompts that fit whole in this budget (half a chunk, at most half of
+  ``prefill_tokens``), so a short request waits for one chunk step, not the whole long
+  prefill (its KV is kept for the chunk while the short ones are admitted; the scheduler
+  runs them alone and the chunk in the next step).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ MIN_MEASURED_TOKENS = 64
 """Smaller steps are dominated by their fixed cost and say little about a token's."""
 UNMEASURED_CHUNK_TOKENS = 256
 """The most tokens of a chunk before any prefill speed was measured."""
-MIN_CHUNK_TOKENS = 64
+MIN_CHUNK_TOKENS = 32
 """No chunk is cut smaller than this (before page alignment), however slow the machine."""
 SMOOTHING = 0.5
 """Weight of the newest measurement in the running estimate."""

@@ -118,6 +118,8 @@ class Scheduler(OverlapSteps):
         self._decode_owed = False
         """A chunk of a long prompt ran last step: the running requests decode before the
         next one (a long prefill delays them by one chunk at a time, not by all of it)."""
+        self._chunk_yielded = False
+        """The last admission ran short prompts instead of the chunked prompt's chunk."""
 
     def add_request(self, req: Req) -> None:
         """Queues ``req``; a constrained one waits for its grammar first (a failed
@@ -249,13 +251,19 @@ class Scheduler(OverlapSteps):
             rows=self.memory.req_to_token_pool.available_size(),
             new_token_ratio=self.new_token_ratio,
         )
-        static_batch_busy = args.batching == "static" and (self.running or self.chunked)
+        admit_new = not (args.batching == "static" and (self.running or self.chunked))
         if self.chunked is not None:
-            if self.waiting and adder.rows and not static_batch_busy:
+            if self.waiting and adder.rows and admit_new:
                 adder.add_short_before_chunk(self.chunked, self._admissible(adder))
-            if not adder.add_chunked(self.chunked):
-                return adder  # nothing else overtakes a chunked prompt
-        if self.waiting and adder.rows and adder.chunked_req is None and not static_batch_busy:
+            if adder.new_reqs and not self._chunk_yielded:
+                # Short prompts go alone (their wait: at most one chunk step), the chunk
+                # next step; chunk steps and short ones alternate, so neither starves.
+                self._chunk_yielded = True
+                adder.chunked_req = self.chunked
+            else:
+                self._chunk_yielded = False
+                admit_new = adder.add_chunked(self.chunked)  # else nothing overtakes it
+        if admit_new and self.waiting and adder.rows and adder.chunked_req is None:
             for req, match in self._admissible(adder):
                 if not adder.add_new(req, match):
                     break

@@ -16,8 +16,11 @@ from live_server import LiveServer, free_port, stop_process
 import radixlm
 from radixlm.runtime.server.http_server import create_app
 
-pytestmark = pytest.mark.skipif(shutil.which("smg") is None,
-                                reason="sglang-router (the smg command) is not installed")
+pytestmark = [
+    pytest.mark.slow,  # two engines and two routers: CI's last stage
+    pytest.mark.skipif(shutil.which("smg") is None,
+                       reason="sglang-router (the smg command) is not installed"),
+]
 
 MODEL = "tiny"
 CHAT_TEMPLATE = (
