@@ -22,6 +22,8 @@ from runtime_checks import assert_engine_idle
 from radixlm.runtime.server.graceful_shutdown import SHUTDOWN_REASON, DrainingServer
 from radixlm.runtime.server.http_server import create_app
 
+pytestmark = pytest.mark.slow  # servers of their own: CI's last stage
+
 LONG = {"max_new_tokens": 480, "ignore_eos": True}
 ONE_TOKEN = {"text": "Hello", "sampling_params": {"max_new_tokens": 1}}
 

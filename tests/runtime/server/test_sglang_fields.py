@@ -11,6 +11,8 @@ from live_server import LiveServer
 from radixlm.runtime.server.http_server import create_app
 from radixlm.runtime.server.sglang_fields import NATIVE_FIELDS
 
+pytestmark = pytest.mark.slow  # servers of their own: CI's last stage
+
 MODEL = "tiny"
 CHAT_TEMPLATE = (
     "{% if greeting %}{{ greeting }}\n{% endif %}"
