@@ -217,10 +217,11 @@ class Engine:
         to another loop (the server's lifespan ends)."""
         await run_on_loop(self._tm.drain_then_end(grace_s, reason), self._loop)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text for a chat, in the model's own chat template."""
+    def apply_chat_template(self, messages: list[dict[str, str]], **template_kwargs: Any) -> str:
+        """The prompt text for a chat, in the model's own chat template (``template_kwargs``:
+        extra template variables)."""
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
 
     async def async_chat_prompt_ids(self, messages: list[dict[str, Any]],
@@ -245,8 +246,7 @@ class Engine:
         if reserved & set(template_kwargs):
             raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+            text = self.apply_chat_template(messages, **template_kwargs)
         except TemplateError as err:
             raise ValueError(f"the chat template failed: {err}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
