@@ -7,7 +7,9 @@ seconds: normal requests (``/generate`` plain and streamed, ``/v1/chat/completio
 ``--abuse-share``, the abusive kinds of ``EXPECTED`` in turn: each once hurt the server, and
 must now get its expected answer without stalling the rest. Reports the outcomes per (kind,
 status), p50/p99 latency of normal requests against the baseline, every server process's RSS
-after the baseline and after the load (plus 10 s of settling), and whether the KV pool is
+after the baseline (taken once the KV pool has been filled once, ``fill_pool``, and one
+request of each kind has run, so that what is measured is growth with traffic, not one-time
+costs) and after the load (plus 10 s of settling), and whether the KV pool is
 idle at the end. Exits non-zero if it is not, if ``/health`` is not 200, on any 5xx, on any
 outcome outside its kind's expected set, or if the server needs SIGKILL to stop.
 
@@ -41,6 +43,8 @@ MAX_TOTAL_TOKENS = 16384
 CLIENT_TIMEOUT_S = 120.0
 """A request still unanswered after this long counts as stalled (``ReadTimeout``)."""
 SETTLE_S = 10.0
+FILL_PROMPT_TOKENS = 4000
+RSS_SAMPLE_S = 60.0
 BASELINE_REQUESTS = 20
 NORMAL_ROUTES = ("generate", "generate_stream", "chat", "completions")
 EXPECTED = {
@@ -189,11 +193,12 @@ def soak_schedule(args, rng: random.Random) -> list[tuple[float, str]]:
     return schedule
 
 
-async def run_soak(target: Target, schedule: list[tuple[float, str]],
-                   seed: int) -> tuple[list[Outcome], list[tuple[float, int, int]]]:
+async def run_soak(target: Target, schedule: list[tuple[float, str]], seed: int,
+                   processes: dict[int, str]) -> tuple[list[Outcome], list, list]:
     """Open loop: each request is sent at its time, whether or not earlier ones are done.
-    Also (seconds, running, waiting) of the Scheduler, sampled about once a second."""
-    start, tasks, queue = time.perf_counter(), [], []
+    Also (seconds, running, waiting) of the Scheduler, sampled about once a second, and
+    (seconds, {pid: RSS MiB}) of ``processes``, every ``RSS_SAMPLE_S``."""
+    start, tasks, queue, rss_trace = time.perf_counter(), [], [], []
 
     async def sample_queue() -> None:
         while True:
@@ -201,6 +206,9 @@ async def run_soak(target: Target, schedule: list[tuple[float, str]],
                 info = (await target.client.get("/get_server_info", timeout=30)).json()
                 queue.append((time.perf_counter() - start, info["num_running"],
                               info["num_waiting"]))
+            at = time.perf_counter() - start
+            if not rss_trace or at - rss_trace[-1][0] >= RSS_SAMPLE_S:
+                rss_trace.append((at, {pid: rss_mib(pid) for pid in processes}))
             await asyncio.sleep(1.0)
 
     sampler = asyncio.create_task(sample_queue())
@@ -211,7 +219,7 @@ async def run_soak(target: Target, schedule: list[tuple[float, str]],
     sampler.cancel()
     for outcome, (at, _) in zip(outcomes, schedule):
         outcome.sent_at = at
-    return outcomes, queue
+    return outcomes, queue, rss_trace
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -284,19 +292,36 @@ def stop_server(server: subprocess.Popen) -> str:
     return ended
 
 
+async def fill_pool(client: httpx.AsyncClient, info: dict) -> None:
+    """Prefills distinct prompts of more tokens in all than the KV pool holds, so that every
+    slot has been written once before the start RSS is taken: a new pool's pages are mapped
+    on first write, so its RSS grows with use up to the pool's size, which is no leak."""
+    rng = random.Random(-100)
+    chunk = FILL_PROMPT_TOKENS
+    for _ in range(info["max_total_tokens"] // chunk + 1):
+        ids = random_ids(rng, chunk, info["vocab_size"])
+        reply = await client.post("/generate", json={"input_ids": ids,
+                                                     "sampling_params": greedy(1)},
+                                  timeout=CLIENT_TIMEOUT_S * 5)
+        reply.raise_for_status()
+
+
 async def measure(args, port: int, server_pid: int) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=f"http://{HOST}:{port}", limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         info = (await client.get("/get_server_info")).json()
         target = Target(client, model, info["vocab_size"])
+        await fill_pool(client, info)
+        for i, kind in enumerate(ABUSIVE_KINDS + NORMAL_KINDS):  # one-time costs (caches,
+            await timed(target, kind, random.Random(-200 - i))  # arenas) before the start
         baseline = [await timed(target, NORMAL_KINDS[i % len(NORMAL_KINDS)],
                                 random.Random(-1 - i)) for i in range(BASELINE_REQUESTS)]
         processes = server_processes(server_pid)
         rss_start = {pid: rss_mib(pid) for pid in processes}
         schedule = soak_schedule(args, random.Random(args.seed))
         start = time.perf_counter()
-        outcomes, queue = await run_soak(target, schedule, args.seed)
+        outcomes, queue, rss_trace = await run_soak(target, schedule, args.seed, processes)
         load_s = time.perf_counter() - start
         await asyncio.sleep(SETTLE_S)
         rss_end = {pid: rss_mib(pid) for pid in processes}
@@ -304,7 +329,7 @@ async def measure(args, port: int, server_pid: int) -> dict:
         health = (await client.get("/health")).status_code
     return {"baseline": baseline, "outcomes": outcomes, "queue": queue, "load_s": load_s,
             "info": info, "health": health, "model": model, "processes": processes,
-            "rss_start": rss_start, "rss_end": rss_end}
+            "rss_start": rss_start, "rss_end": rss_end, "rss_trace": rss_trace}
 
 
 def report(args, found: dict) -> dict:
@@ -349,13 +374,20 @@ def report(args, found: dict) -> dict:
         rss[f"{label} {pid}"] = (start, end)
         delta = "gone" if end is None else f"{end - start:+.1f}"
         print(f"{label:<14} {pid:>8} {start:>10.1f} {end or 0:>10.1f} {delta:>8}")
+    trace = found["rss_trace"]
+    print(f"RSS MiB during the load, every {RSS_SAMPLE_S:.0f} s (growth with traffic shows "
+          "as a rise to the end; a one-time cost, as a step that then holds):")
+    for pid, label in found["processes"].items():
+        samples = " ".join(f"{s[pid]:.0f}" if s[pid] is not None else "-" for _, s in trace)
+        print(f"  {label:<14} {samples}")
     print(f"\npool idle: {'yes' if pool_idle else 'NO'} (running {info['num_running']}, waiting "
           f"{info['num_waiting']}, free {info['free_kv_tokens']} + cached {info['cache_tokens']}"
           f" of {info['max_total_tokens']} tokens); /health {found['health']}")
     return {"duration_s": args.duration, "rate": args.rate, "abuse_share": args.abuse_share,
             "seed": args.seed, "sent": len(outcomes), "served": served,
             "counts": {f"{k} {s}": n for (k, s), n in sorted(counts.items())},
-            "latency_p50_p99_s": latency, "rss_mib": rss, "pool_idle": pool_idle,
+            "latency_p50_p99_s": latency, "rss_mib": rss, "rss_trace": found["rss_trace"],
+            "pool_idle": pool_idle,
             "health": found["health"], "unexpected": unexpected, "queue": found["queue"],
             "outcomes": [dataclasses.astuple(o) for o in outcomes],
             "passed": pool_idle and found["health"] == 200 and not server_errors

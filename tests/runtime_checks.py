@@ -21,6 +21,7 @@ def assert_engine_idle(engine: radixlm.Engine) -> None:
 
 def assert_pool_idle(info: dict) -> None:
     assert info["num_running"] == 0 and info["num_waiting"] == 0
+    assert info.get("disaggregation", {}).get("waiting", 0) == 0  # no KV handoff pending
     assert info["cache_protected_tokens"] == 0
     assert info["free_kv_tokens"] + info["cache_tokens"] == info["max_total_tokens"]
     assert info["free_request_rows"] == info["request_rows"]

@@ -7,9 +7,10 @@
   of compressed latents and rotated shared keys; the values are a view of it.
 
 Slot indices come from ``TokenToKVPoolAllocator``; slots of page 0 are padding. Both token
-pools answer ``set_kv``, ``get_kv`` and ``bytes_per_token``; ``values_view_keys`` tells an
-attention backend that the values are the first ``v_buffer.shape[-1]`` dims of the keys, so
-it may gather keys once and slice the values out of them.
+pools answer ``set_kv``, ``get_kv``, ``layer_buffers`` and ``bytes_per_token``;
+``values_view_keys`` tells an attention backend that the values are the first
+``v_buffer.shape[-1]`` dims of the keys, so it may gather keys once and slice the values
+out of them.
 
 No KV tensor is ever allocated per request: a request owns indices, not memory.
 """
@@ -70,6 +71,11 @@ class MHATokenToKVPool:
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
+    def layer_buffers(self) -> list[torch.Tensor]:
+        """Every per-slot buffer, (num_slots, ...) each: K and V of layer 0, then layer 1, ...
+        (what moves a token's KV between pools, ``disaggregation``)."""
+        return [b for pair in zip(self.k_buffers, self.v_buffers) for b in pair]
+
     def bytes_per_token(self) -> int:
         k = self.k_buffers[0]
         return 2 * len(self.k_buffers) * k.shape[1] * k.shape[2] * k.element_size()
@@ -118,6 +124,10 @@ class MLATokenToKVPool:
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         buffer = self.kv_buffers[layer_id]
         return buffer, buffer[..., : self.kv_lora_rank]
+
+    def layer_buffers(self) -> list[torch.Tensor]:
+        """Every per-slot buffer, (num_slots, 1, D_k) each, by layer."""
+        return list(self.kv_buffers)
 
     def bytes_per_token(self) -> int:
         buffer = self.kv_buffers[0]

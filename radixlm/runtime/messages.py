@@ -46,6 +46,10 @@ class GenerateReq(msgspec.Struct, tag=True):
     extra_key: str | None = None
     prefill_leader: str | None = None
     """rid of the sample (of the same n > 1 request) whose cached prompt this one reuses."""
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    """Set for half of a disaggregated request (``runtime/disaggregation``)."""
 
 
 class AbortReq(msgspec.Struct, tag=True):

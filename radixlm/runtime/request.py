@@ -100,6 +100,15 @@ class Req:
     """The output length that ends it: its budget, or what the context leaves."""
     plain_output: bool = False
     """No grammar and no stop strings: only stop tokens and ``output_limit`` end it."""
+    handoff: str | None = None
+    """Prefill/decode disaggregation (``runtime/disaggregation``): ``send`` (a prefill
+    server's half, whose KV goes to a decode server), ``fake`` (the same, sending
+    nothing), ``receive`` (a decode server's half, whose prompt's KV comes from a prefill
+    server); None: both halves run here."""
+    bootstrap_room: int | None = None
+    """The number pairing the two halves."""
+    bootstrap_address: str | None = None
+    """The prefill server's bootstrap service (``host:port``), for a ``receive`` half."""
 
     def __post_init__(self) -> None:
         params = self.sampling

@@ -11,6 +11,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 BATCHING_MODES = ("continuous", "static")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 GRAMMAR_BACKENDS = ("xgrammar",)
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("tcp", "fake")
 REQUEST_CAPS = ("max_logprobs", "max_n", "max_samples_per_request", "max_prompt_logprob_entries",
                 "max_stop_strings", "max_stop_chars", "max_logit_bias", "max_constraint_chars")
 """The fields that bound what one request may ask for (``engine/request_caps.py``)."""
@@ -108,6 +110,19 @@ class ServerArgs:
     """Most ``logit_bias`` entries."""
     max_constraint_chars: int = 131072
     """Longest regex, JSON schema or EBNF constraint, in characters."""
+    disaggregation_mode: str = "null"
+    """Prefill/decode disaggregation (``runtime/disaggregation``): ``prefill`` servers
+    compute prompts and send their KV to ``decode`` servers, which generate the rest;
+    ``null``: both in one server. SGLang's router pairs them (``docs/scale_out.md``)."""
+    disaggregation_bootstrap_port: int = 8998
+    """Where a prefill server's bootstrap service listens (on ``host``): decode servers
+    ask it where to fetch KV from."""
+    disaggregation_transfer_backend: str = "tcp"
+    """``tcp``: KV rows as ZMQ frames, between any two machines; ``fake``: nothing moves
+    (the router's warm-up and health requests only)."""
+    disaggregation_timeout: float = 30.0
+    """Seconds one half of a disaggregated request waits for the other (the decode
+    side's slots, or the prefill side's KV) before it fails and frees what it holds."""
     disable_overlap_schedule: bool = False
     """Run each decode step's forward pass, then its processing, strictly in turn, instead
     of processing one step while the next computes (see ``scheduler/overlap.py``)."""
@@ -130,7 +145,16 @@ class ServerArgs:
             raise ValueError(
                 f"max_queued_requests must be an integer >= 0, got {self.max_queued_requests!r}"
             )
-        for name in ("shutdown_timeout", "health_timeout"):
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, "
+                             f"got {self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"disaggregation_transfer_backend must be one of "
+                             f"{TRANSFER_BACKENDS}, got {self.disaggregation_transfer_backend!r}")
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError("disaggregation_bootstrap_port must be in 1..65535, got "
+                             f"{self.disaggregation_bootstrap_port}")
+        for name in ("shutdown_timeout", "health_timeout", "disaggregation_timeout"):
             seconds = getattr(self, name)
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
                     seconds >= 0):

@@ -10,6 +10,8 @@ import nbclient
 import nbformat
 import pytest
 
+pytestmark = pytest.mark.slow  # a whole notebook in a kernel: CI's last stage
+
 NOTEBOOK = Path(__file__).parents[2] / "docs" / "frontend_quickstart.ipynb"
 
 

@@ -10,7 +10,7 @@ from live_server import free_port
 
 import radixlm as sgl
 
-pytestmark = pytest.mark.default_model
+pytestmark = [pytest.mark.default_model, pytest.mark.slow]  # CI runs it in its last stage
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -7,7 +7,7 @@ import pytest
 
 import radixlm as sgl
 
-pytestmark = pytest.mark.default_model
+pytestmark = [pytest.mark.default_model, pytest.mark.slow]  # CI runs it in its last stage
 
 FACTS = [
     ("Which planet is known as the red planet?", "Mars"),

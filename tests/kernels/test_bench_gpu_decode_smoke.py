@@ -17,6 +17,7 @@ import pytest
 
 pytestmark = [
     pytest.mark.triton,
+    pytest.mark.slow,  # the whole benchmark, interpreted: CI's last stage
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
 ]
 

@@ -88,6 +88,7 @@ class Engine:
             constraint_checker(self.server_args.grammar_backend),
             RequestCaps.from_options(self.server_args),
             max_prompt_chars(info["context_length"], longest_token_chars(self.tokenizer)),
+            self.server_args.disaggregation_mode, self.server_args.disaggregation_bootstrap_port,
         )
         self._metrics = None
         self._own_loop = asyncio.new_event_loop()

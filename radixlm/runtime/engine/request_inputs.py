@@ -46,6 +46,13 @@ class GenerateInput:
     extra_key: str | None = None
     """A prefix-cache namespace (a tenant, a LoRA): requests under different keys never
     share cached KV."""
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | None | list[int | None] = None
+    bootstrap_room: int | list[int] | None = None
+    """Prefill/decode disaggregation (SGLang's router sets them, one per prompt or one for
+    all): the prefill server's bootstrap service (host; port, None: this server's
+    ``disaggregation_bootstrap_port``) and the number pairing the two halves of a request
+    (sample j of a prompt uses room + j)."""
 
 
 @dataclass
@@ -62,6 +69,9 @@ class RequestLimits:
     caps: RequestCaps
     max_prompt_chars: int
     """Longer prompt texts are refused untokenized (``request_caps.max_prompt_chars``)."""
+    disaggregation_mode: str = "null"
+    bootstrap_port: int = 8998
+    """This server's ``disaggregation_bootstrap_port``: a paired request's default."""
 
 
 def build_generate_reqs(
@@ -102,8 +112,9 @@ def build_generate_reqs(
             limits.caps.check_logprobs(top_logprobs_num or 0, len(ids) - start)
         prompts.append((params, start))
     limits.caps.check_samples(sum(params.n for params, _ in prompts))
+    pairs = _bootstrap_pairs(request, [params.n for params, _ in prompts], limits)
     messages = []
-    for ids, (params, start), rid in zip(id_lists, prompts, rids):
+    for ids, (params, start), rid, (host, port, rooms) in zip(id_lists, prompts, rids, pairs):
         for sample in range(params.n):
             sampling = params
             if params.sampling_seed is not None and sample > 0:
@@ -119,8 +130,62 @@ def build_generate_reqs(
                 return_text_in_logprobs=bool(request.return_text_in_logprobs),
                 extra_key=request.extra_key,
                 prefill_leader=f"{rid}-0" if sample > 0 else None,
+                bootstrap_host=host, bootstrap_port=port,
+                bootstrap_room=rooms[sample],
             ))
     return messages, batched or len(messages) > len(id_lists)
+
+
+ROOMS = 2**63
+"""Bootstrap rooms are integers in [0, 2^63) (SGLang's router draws them so)."""
+
+
+def _bootstrap_pairs(request: GenerateInput, samples: list[int], limits: RequestLimits
+                     ) -> list[tuple[str | None, int | None, list[int | None]]]:
+    """Each prompt's bootstrap host and port, and its samples' rooms, checked (all None
+    for an unpaired request).
+
+    Rooms come one for all prompts, one per prompt (sample j of a prompt then uses room +
+    j, as in SGLang), or, for one prompt of n samples, one per sample (SGLang's router
+    sends chat requests with ``n`` > 1 so)."""
+    count = len(samples)
+    given = [request.bootstrap_host, request.bootstrap_port, request.bootstrap_room]
+    if all(value is None for value in given):
+        return [(None, None, [None] * n) for n in samples]
+    if limits.disaggregation_mode == "null":
+        raise ValueError("bootstrap_host, bootstrap_port and bootstrap_room pair the halves of "
+                         "a disaggregated request; this server runs both halves "
+                         "(--disaggregation-mode null)")
+    sample_lists = count == 1 and samples[0] > 1  # values may come one per sample
+
+    def per_prompt(name: str, kind: type) -> list:
+        value = getattr(request, name)
+        if sample_lists and isinstance(value, list) and len(value) == samples[0]:
+            value = value[0]
+        return _per_item(name, value, count, kind)
+
+    pairs = []
+    for host, port, room, n in zip(per_prompt("bootstrap_host", str),
+                                   per_prompt("bootstrap_port", int),
+                                   per_prompt("bootstrap_room", int), samples):
+        if host is None or room is None:
+            raise ValueError("a paired request needs both bootstrap_host and bootstrap_room")
+        check_unicode("bootstrap_host", host)
+        if port is None:
+            port = limits.bootstrap_port
+        if isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError(f"bootstrap_port must be in 1..65535, got {port!r}")
+        if isinstance(room, bool):
+            raise ValueError(f"bootstrap_room must be an integer in [0, 2^63), got {room!r}")
+        rooms = [room + j for j in range(n)]
+        if sample_lists and isinstance(request.bootstrap_room, list) and len(
+                request.bootstrap_room) == n:
+            rooms = request.bootstrap_room
+        for each in rooms:
+            if not isinstance(each, int) or isinstance(each, bool) or not 0 <= each < ROOMS:
+                raise ValueError(f"bootstrap_room must be an integer in [0, 2^63), got {each!r}")
+        pairs.append((host, port, [each % ROOMS for each in rooms]))
+    return pairs
 
 
 def _prompt_ids(request: GenerateInput, tokenizer: PreTrainedTokenizerBase,

@@ -24,6 +24,7 @@ import zmq.asyncio
 from radixlm.runtime import messages as io
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
 from radixlm.runtime.engine.request_state import OutputDelta, ReqState
+from radixlm.runtime.free_memory import IdleTrim
 
 CHILD_CHECK_INTERVAL_S = 0.2
 CONTROL_TIMEOUT_S = 30.0
@@ -57,6 +58,8 @@ class TokenizerManager:
         """When the Scheduler last showed that its loop turns (any message from it)."""
         self.received_bytes = 0
         """Bytes of every message received (a stream of N tokens costs O(N) of them)."""
+        self.trim = IdleTrim()
+        """Free heap pages go back to the system once requests stop (``free_memory``)."""
         self._tasks = [
             asyncio.ensure_future(self._receive_loop()),
             asyncio.ensure_future(self._watch_children()),
@@ -91,6 +94,7 @@ class TokenizerManager:
                              req.top_logprobs_num > 0, streamed)
             self.states[req.rid] = state
             states.append(state)
+        self.trim.busy()
         for payload in payloads:
             await self.to_scheduler.send(payload)
         return states
@@ -217,6 +221,8 @@ class TokenizerManager:
             msg = io.decode_or_drop(data, "tokenizer manager")
             if isinstance(msg, (io.TokenBatch, io.Heartbeat, io.ControlReply)):
                 self.last_heartbeat = time.monotonic()
+            if isinstance(msg, io.Heartbeat) and not self.states:
+                self.trim.idle()
             if isinstance(msg, io.TokenBatch):
                 states = msg.states
                 for row, (rid, new_ids) in enumerate(io.rows(msg.rids, msg.ends, msg.new_ids)):

@@ -59,6 +59,13 @@ class Logprobs:
             top_ids=packed[:, 2 + k :].tolist(),
         )
 
+    def extend(self, more: Logprobs) -> None:
+        """Appends ``more``'s rows (computed with the same ``top_k``) after these."""
+        self.token_ids += more.token_ids
+        self.chosen += more.chosen
+        self.top_values += more.top_values
+        self.top_ids += more.top_ids
+
     def entries(self, start: int, stop: int, decode: Decode | None) -> list[Entry]:
         """The chosen tokens' entries of rows ``start .. stop - 1``."""
         return [_entry(lp, tid, decode) for lp, tid in

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -13,6 +11,10 @@ from radixlm.runtime.request import Req, finish_abort, finish_length, finish_sto
 from radixlm.runtime.sampling.logprobs import Logprobs
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch import SamplingBatch
+
+PROMPT_LOGPROB_SLICE_ROWS = 128
+"""Prompt rows put through the LM head at once for prompt logprobs (a 49,152-token
+vocabulary makes 25 MB of float32 logits per slice)."""
 
 
 class OutputProcessor:
@@ -54,11 +56,11 @@ class OutputProcessor:
         time since its admission gets its row here, after the others; requests that leave
         are the scheduler's to remove.
         """
-        rows: list[int] = []
-        # Per request: (first logits row, row count, first position), or None when no prompt
-        # logprobs are owed.
-        input_row_ranges: list[tuple[int, int, int] | None] = []
-        last_rows: list[int] = []
+        prompt_rows: list[int] = []  # hidden rows whose logits predict owed prompt tokens
+        targets: list[int] = []  # the prompt tokens they predict
+        owed: list[tuple[Req, int, int]] = []  # (request, first of its prompt_rows, count)
+        sample_rows: list[int] = []  # hidden rows of the requests sampled here
+        to_sample: list[Req] = []
         offset = 0
         for req, prefix, extend in zip(reqs, prefix_lens, extend_lens):
             end = prefix + extend  # positions computed: prefix .. end - 1
@@ -67,33 +69,23 @@ class OutputProcessor:
             first_position = None
             if req.logprobs is not None:
                 first_position = self._first_input_logprob_position(req, prefix)
-            if first_position is None:
-                input_row_ranges.append(None)
-            else:
+            if first_position is not None:
                 logprob_end = end - 1 if complete else end
                 count = max(logprob_end - first_position, 0)
                 start = offset + first_position - prefix
-                input_row_ranges.append((len(rows), count, first_position))
-                rows += range(start, start + count)
-            last_rows.append(len(rows))
-            if complete:
-                rows.append(offset + extend - 1)
-            offset += extend
-        if not rows:
-            return
-        row_index = to_device(rows, torch.int64, hidden.device)
-        logits = self.compute_logits(hidden.index_select(0, row_index))  # (N, V)
-        owed: list[tuple[Req, int, int, int]] = []  # (request, first row, rows, position)
-        to_sample: list[Req] = []
-        sample_rows: list[int] = []
-        for req, owed_range, last in zip(reqs, input_row_ranges, last_rows):
-            if owed_range is not None:
-                owed.append((req, *owed_range))
-            if (req.kv_len == len(req.input_ids) + len(req.output_ids)
-                    and not self._ends_before_sampling(req)):
+                owed.append((req, len(prompt_rows), count))
+                prompt_rows += range(start, start + count)
+                targets += req.input_ids[first_position + 1 : first_position + 1 + count]
+            if complete and not self._ends_before_sampling(req):
                 to_sample.append(req)
-                sample_rows.append(last)
-        self._sample(logits, owed, to_sample, sample_rows, sampler, sampling_batch)
+                sample_rows.append(offset + extend - 1)
+            offset += extend
+        if owed:
+            self._add_prompt_logprobs(hidden, owed, prompt_rows, targets)
+        if to_sample:
+            row_index = to_device(sample_rows, torch.int64, hidden.device)
+            logits = self.compute_logits(hidden.index_select(0, row_index))  # (S, V)
+            self._sample(logits, to_sample, sampler, sampling_batch)
 
     def process_decode(self, reqs: list[Req], hidden: torch.Tensor, sampler: Sampler,
                        sampling_batch: SamplingBatch) -> list[Req]:
@@ -102,7 +94,7 @@ class OutputProcessor:
         its output budget and the context, and owes no prompt logprobs). Returns the
         requests that end."""
         logits = self.compute_logits(hidden)  # (B, V)
-        return self._sample(logits, [], reqs, range(len(reqs)), sampler, sampling_batch)
+        return self._sample(logits, reqs, sampler, sampling_batch)
 
     def prepare(self, req: Req) -> None:
         """Sets what the stop checks read on every token of ``req``: its stop tokens and
@@ -143,58 +135,46 @@ class OutputProcessor:
                 jumped.append(req)
         return ended
 
-    def _sample(self, logits: torch.Tensor, owed: list[tuple[Req, int, int, int]],
-                to_sample: list[Req], sample_rows: Sequence[int], sampler: Sampler,
+    def _sample(self, logits: torch.Tensor, to_sample: list[Req], sampler: Sampler,
                 sampling_batch: SamplingBatch) -> list[Req]:
-        """Samples ``to_sample``'s next tokens from ``logits`` rows ``sample_rows``, adds the
-        logprobs owed and wanted, and appends the tokens; returns the requests they end."""
-        next_ids = None  # (S,) on the logits' device
-        if to_sample:
-            sample_logits = logits  # (S, V): every row when sample_rows is 0 .. N - 1
-            if len(sample_rows) < logits.shape[0]:
-                sample_logits = logits.index_select(
-                    0, to_device(sample_rows, torch.int64, logits.device))
-            sampling_batch.add(to_sample)
-            rows_sampled = sampling_batch.select(to_sample)
-            next_ids = sampler.sample(sample_logits, rows_sampled)
-            rows_sampled.record_sampled(next_ids)
-        self._add_logprobs(logits, owed, to_sample, sample_rows, next_ids)
-        if next_ids is None:
-            return []
+        """Samples ``to_sample``'s next tokens from ``logits`` (S, V), a row each, adds the
+        logprobs of those that want them, and appends the tokens; returns the requests they
+        end."""
+        sampling_batch.add(to_sample)
+        rows_sampled = sampling_batch.select(to_sample)
+        next_ids = sampler.sample(logits, rows_sampled)  # (S,) on the logits' device
+        rows_sampled.record_sampled(next_ids)
+        wanted = [i for i, req in enumerate(to_sample) if req.logprobs is not None]
+        if wanted:
+            device = logits.device
+            rows = to_device(wanted, torch.int64, device)
+            top_k = max(to_sample[i].logprobs.top_k for i in wanted)
+            found = Logprobs.compute(
+                logits.index_select(0, rows), next_ids.index_select(0, rows), top_k)
+            self.add_output_logprobs(
+                [(to_sample[i], row) for row, i in enumerate(wanted)], found)
         return self.append_tokens(to_sample, next_ids.tolist(), sampling_batch)
 
-    def _add_logprobs(self, logits: torch.Tensor, owed: list[tuple[Req, int, int, int]],
-                      sampled: list[Req], sample_rows: Sequence[int],
-                      next_ids: torch.Tensor | None) -> None:
-        """Appends the prompt logprobs ``owed`` and the logprobs of the sampled tokens of
-        requests that want them, computed together on the device and copied once."""
-        wanted = [i for i, req in enumerate(sampled) if req.logprobs is not None]
-        if not owed and not wanted:
-            return
-        rows: list[int] = []
-        targets: list[int] = []
-        for req, first, count, position in owed:
-            rows += range(first, first + count)
-            targets += req.input_ids[position + 1 : position + 1 + count]
-        input_count = len(rows)
-        rows += [sample_rows[i] for i in wanted]
-        device = logits.device
+    def _add_prompt_logprobs(self, hidden: torch.Tensor, owed: list[tuple[Req, int, int]],
+                             prompt_rows: list[int], targets: list[int]) -> None:
+        """Appends each request's owed prompt logprobs: ``prompt_rows`` of ``hidden``
+        predict ``targets``; ``owed`` names each request's span of them.
+
+        The LM head runs over ``PROMPT_LOGPROB_SLICE_ROWS`` rows at a time, so a long
+        prompt never holds rows x vocabulary logits at once (a 1,024-token chunk of a
+        49,152-token vocabulary would be 200 MB, and three such copies a step)."""
+        device = hidden.device
+        row_index = to_device(prompt_rows, torch.int64, device)  # (R,)
         token_ids = to_device(targets, torch.int64, device)  # (R,)
-        if wanted:
-            chosen = next_ids.index_select(0, to_device(wanted, torch.int64, device))
-            token_ids = torch.cat([token_ids, chosen])
-        top_k = max([req.logprobs.top_k for req, *_ in owed]
-                    + [sampled[i].logprobs.top_k for i in wanted])
-        found = Logprobs([], [], [], [])  # a prompt whose owed rows are all computed
-        if rows:
-            found = Logprobs.compute(
-                logits.index_select(0, to_device(rows, torch.int64, device)), token_ids, top_k)
-        start = 0
-        for req, _, count, _ in owed:
-            self._add_input_logprobs(req, found, start, count)
-            start += count
-        self.add_output_logprobs(
-            [(sampled[i], row) for row, i in enumerate(wanted, start=input_count)], found)
+        top_k = max(req.logprobs.top_k for req, _, _ in owed)
+        found = Logprobs([], [], [], [])
+        for start in range(0, len(prompt_rows), PROMPT_LOGPROB_SLICE_ROWS):
+            stop = start + PROMPT_LOGPROB_SLICE_ROWS
+            logits = self.compute_logits(hidden.index_select(0, row_index[start:stop]))
+            found.extend(Logprobs.compute(logits, token_ids[start:stop], top_k))
+            del logits
+        for req, first, count in owed:
+            self._add_input_logprobs(req, found, first, count)
 
     def add_output_logprobs(self, wanted: list[tuple[Req, int]], found: Logprobs) -> None:
         """Appends to each request of ``wanted`` its sampled token's entry (and top

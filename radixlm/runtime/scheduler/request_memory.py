@@ -130,6 +130,16 @@ class RequestMemory:
         req.req_pool_idx, req.kv_len, req.last_slot = None, 0, -1
         req.prefix_indices, req.last_node = None, None
 
+    def discard(self, req: Req) -> None:
+        """Frees what the request holds without caching any of it (its KV is not known to
+        be computed: a disaggregated request whose KV never arrived)."""
+        slots = self.req_to_token[req.req_pool_idx, len(req.prefix_indices) : req.kv_len]
+        self.allocator.free(slots.clone())
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.kv_len, req.last_slot = None, 0, -1
+        req.prefix_indices, req.last_node = None, None
+
     def _free_duplicates(self, req: Req, slots: torch.Tensor, already_cached: int) -> None:
         """Frees the request's own slots for tokens another request cached first."""
         start = len(req.prefix_indices)

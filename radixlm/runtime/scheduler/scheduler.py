@@ -29,20 +29,21 @@ step then returns the requests of the decode step before it.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.allocator import pages_for
 from radixlm.kv_cache.base import MatchResult
+from radixlm.runtime.disaggregation.decode_handoff import DecodeHandoff
+from radixlm.runtime.disaggregation.prefill_handoff import PrefillHandoff
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.scheduler.grammar_queue import GrammarQueue
+from radixlm.runtime.scheduler.handoff_steps import HandoffSteps
 from radixlm.runtime.scheduler.output_processor import OutputProcessor
 from radixlm.runtime.scheduler.overlap import (
     DecodeInFlight,
@@ -53,27 +54,11 @@ from radixlm.runtime.scheduler.prefill_adder import PrefillAdder, decode_reserve
 from radixlm.runtime.scheduler.prefill_pace import PrefillPace
 from radixlm.runtime.scheduler.request_memory import RequestMemory
 from radixlm.runtime.scheduler.schedule_policy import SchedulePolicy
+from radixlm.runtime.scheduler.scheduler_info import SchedulerStats, describe
 from radixlm.runtime.server_args import ServerArgs
 
 
-@dataclass
-class SchedulerStats:
-    """Counters since the scheduler started."""
-
-    forward_steps: int = 0
-    extend_steps: int = 0
-    decode_steps: int = 0
-    """Steps that extend running requests (one token each, or their jumped tokens)."""
-    jump_forward_steps: int = 0
-    """Decode steps run as an extend because some request had jumped tokens."""
-    overlapped_steps: int = 0
-    """Decode steps queued behind the one in flight, fed its tokens on the device."""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    retractions: int = 0
-
-
-class Scheduler(OverlapSteps):
+class Scheduler(OverlapSteps, HandoffSteps):
     """Runs requests to completion over the runner's pools.
 
     Invariants between steps: ``running`` requests have computed their whole prompt and
@@ -91,13 +76,17 @@ class Scheduler(OverlapSteps):
     """
 
     def __init__(self, runner: ModelRunner, memory: RequestMemory,
-                 output_processor: OutputProcessor, sampler: Sampler, args: ServerArgs):
+                 output_processor: OutputProcessor, sampler: Sampler, args: ServerArgs,
+                 prefill_handoff: PrefillHandoff | None = None,
+                 decode_handoff: DecodeHandoff | None = None):
+        """The handoffs: on a prefill or a decode server (``handoff_steps.py``)."""
         self.runner = runner
         self.memory = memory
         self.output_processor = output_processor
         self.sampler = sampler
         self.sampling_batch = sampler.new_batch(runner.device)
         self.args = args
+        self.prefill_handoff, self.decode_handoff = prefill_handoff, decode_handoff
         self.policy = SchedulePolicy(args.schedule_policy, memory.tree_cache, args.random_seed)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -125,35 +114,47 @@ class Scheduler(OverlapSteps):
         """Queues ``req``; a constrained one waits for its grammar first (a failed
         grammar finishes it, reported at the next step)."""
         self.output_processor.prepare(req)
+        if req.handoff in ("send", "fake"):  # a prefill server's part ends at one token
+            req.output_limit = min(req.output_limit, 1)
         if req.grammar_key is not None and req.grammar is None:
             if not self.grammar_queue.add(req):
                 return
             if req.finished:
                 self._failed.append(req)
                 return
-        self.waiting.append(req)
+        self._enqueue(req)
 
     def shutdown(self) -> None:
         """Stops the threads the scheduler started (the decode worker, grammar compiles)."""
         if self.decode_worker is not None:
             self.decode_worker.shutdown()
         self.sampler.grammar_backend.shutdown()
+        self._close_handoffs()
 
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked is not None
+        return not (self.has_work_to_run() or self._handing_off())
+
+    def has_work_to_run(self) -> bool:
+        """Whether a step would compute or report something now (else it only waits: for
+        requests, or for a peer server's KV messages)."""
+        return bool(self.waiting or self.running or self.chunked is not None
                     or self.grammar_queue or self._failed or self.in_flight is not None
                     or self._drained)
 
     def requests(self) -> list[Req]:
         """Every request not yet finished."""
         chunked = [self.chunked] if self.chunked is not None else []
-        return self.grammar_queue.reqs() + self.waiting + chunked + self.running
+        return (self.grammar_queue.reqs() + self.waiting + chunked + self.running
+                + self._handoff_reqs())
 
     def step(self) -> list[Req]:
         """One forward pass. Returns the requests that took part in it (with a decode step
         in flight: in the one before it), those whose grammar failed to compile (now
         finished) and those a ``drain`` processed since the last step."""
-        ended = self._move_compiled() + self._drained
+        handed = []
+        if self.prefill_handoff is not None or self.decode_handoff is not None:
+            handed = self._step_handoffs()
+        ended = handed + self._move_compiled() + self._drained
         self._drained = []
         if self.in_flight is not None:
             return ended + self._step_overlapped()
@@ -181,7 +182,7 @@ class Scheduler(OverlapSteps):
             self._drained.remove(req)
         if req.finished:  # with the step that was in flight
             return
-        if self.grammar_queue.remove(req):
+        if self.grammar_queue.remove(req) or self._abort_handoff(req):
             pass
         elif req in self.waiting:
             self.waiting.remove(req)
@@ -196,30 +197,7 @@ class Scheduler(OverlapSteps):
 
     def server_info(self) -> dict:
         """The pool, the cache and the queues, as plain data."""
-        runner, memory = self.runner, self.memory
-        return {
-            "context_length": runner.context_length,
-            "max_total_tokens": runner.max_total_tokens,
-            "kv_bytes_per_token": runner.kv_pool.bytes_per_token(),
-            "kv_memory_budget_bytes": runner.kv_memory_budget,
-            "free_kv_tokens": memory.allocator.available_size(),
-            "cache_tokens": memory.tree_cache.total_size(),
-            "cache_protected_tokens": memory.tree_cache.protected_size(),
-            "request_rows": memory.req_to_token_pool.size,
-            "free_request_rows": memory.req_to_token_pool.available_size(),
-            "page_size": memory.page_size,
-            "num_running": len(self.running) + (self.chunked is not None),
-            "num_waiting": len(self.waiting),
-            "dtype": str(runner.dtype).removeprefix("torch."),
-            "device": str(runner.device),
-            "attention_backend": runner.attention_backend_name,
-            "cuda_graph": runner.cuda_graph_runner is not None,
-            "fused_moe": runner.fused_moe,
-            "vocab_size": runner.model_config.vocab_size,
-            "stats": dataclasses.asdict(self.stats),
-            **{k: getattr(self.args, k) for k in ("schedule_policy", "batching",
-                                                  "chunked_prefill_size", "disable_radix_cache")},
-        }
+        return describe(self)
 
     # Admission ---------------------------------------------------------------------------
 
@@ -231,7 +209,7 @@ class Scheduler(OverlapSteps):
             if req.finished:
                 failed.append(req)
             else:
-                self.waiting.append(req)
+                self._enqueue(req)
         return failed
 
     def _admit(self) -> PrefillAdder | None:
@@ -383,7 +361,7 @@ class Scheduler(OverlapSteps):
                     self.chunked = None
                 else:
                     self.running.remove(req)
-                self.memory.release(req)
+                self._release_ended_prefill(req)
             elif share_prefixes and extend > 1:
                 self.memory.cache_unfinished(req)
         self.sampling_batch.remove(finished)

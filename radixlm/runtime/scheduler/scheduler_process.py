@@ -22,6 +22,9 @@ from radixlm.runtime.detokenizer.incremental_detokenizer import (
     CONTEXT_TOKENS,
     IncrementalDetokenizer,
 )
+from radixlm.runtime.disaggregation.handoffs import build_handoffs
+from radixlm.runtime.disaggregation.transfer_backend import FAKE_BOOTSTRAP_HOST
+from radixlm.runtime.free_memory import IdleTrim
 from radixlm.runtime.grammar.factory import make_grammar_backend
 from radixlm.runtime.grammar.jump_forward import JumpForward
 from radixlm.runtime.model_executor.model_runner import ModelRunner
@@ -36,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500
 """How long an idle scheduler waits for a request before checking that its parent lives."""
+HANDOFF_POLL_MS = 2
+"""How long a scheduler with nothing to run but KV to await from (or for) a peer server
+waits for a request before it looks at the peers' messages again."""
 HEARTBEAT_S = 1.0
 """Most time between two ``Heartbeat`` messages while the loop turns."""
 
@@ -57,7 +63,9 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
         tokenizer, runner.compute_logits, model_config.eos_token_ids, runner.context_length,
         jump_forward=None if args.disable_jump_forward else JumpForward(tokenizer),
     )
-    return Scheduler(runner, memory, processor, sampler, args)
+    prefill_handoff, decode_handoff = build_handoffs(args, memory,
+                                                     runner.kv_pool.layer_buffers())
+    return Scheduler(runner, memory, processor, sampler, args, prefill_handoff, decode_handoff)
 
 
 def freeze_startup_objects() -> None:
@@ -78,8 +86,14 @@ def thaw_startup_objects() -> None:
     gc.unfreeze()
 
 
-def make_req(msg: io.GenerateReq, tokenizer, leaders: dict[str, Req]) -> Req:
+def make_req(msg: io.GenerateReq, tokenizer, leaders: dict[str, Req],
+             disaggregation_mode: str = "null", transfer_backend: str = "tcp") -> Req:
     params = msg.sampling  # validated where the request entered
+    handoff = None
+    if msg.bootstrap_room is not None and disaggregation_mode != "null":
+        handoff = {"prefill": "send", "decode": "receive"}[disaggregation_mode]
+        if transfer_backend == "fake" or msg.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+            handoff = "fake" if handoff == "send" else None  # the pair moves no KV
     detokenizer = None
     if params.stop or params.stop_regex:  # stop strings are matched on text
         detokenizer = IncrementalDetokenizer(
@@ -87,13 +101,15 @@ def make_req(msg: io.GenerateReq, tokenizer, leaders: dict[str, Req]) -> Req:
             params.spaces_between_special_tokens,
         )
     logprobs = None
-    if msg.return_logprob:
-        logprobs = LogprobRequest(msg.logprob_start, msg.top_logprobs_num,
-                                  msg.return_text_in_logprobs)
+    if msg.return_logprob:  # (a decode server's half computes no prompt logprobs)
+        logprobs = LogprobRequest(None if handoff == "receive" else msg.logprob_start,
+                                  msg.top_logprobs_num, msg.return_text_in_logprobs)
     return Req(
         rid=msg.rid, input_ids=msg.input_ids, sampling=params, detokenizer=detokenizer,
         logprobs=logprobs, extra_key=msg.extra_key,
         prefill_leader=leaders.get(msg.prefill_leader) if msg.prefill_leader else None,
+        handoff=handoff, bootstrap_room=msg.bootstrap_room,
+        bootstrap_address=f"{msg.bootstrap_host}:{msg.bootstrap_port}",
     )
 
 
@@ -114,14 +130,20 @@ class SchedulerLoop:
         self.parent = os.getppid()
         self.steps = 0
         self.last_heartbeat = 0.0
+        self.trim = IdleTrim()
 
     def run(self) -> None:
         while True:
-            if not self._receive(block=self.scheduler.is_idle()):
+            scheduler = self.scheduler
+            wait_ms = 0 if scheduler.has_work_to_run() else (
+                IDLE_POLL_MS if scheduler.is_idle() else HANDOFF_POLL_MS)
+            if not self._receive(wait_ms):
                 return
             self._heartbeat()
-            if self.scheduler.is_idle():
+            if scheduler.is_idle():
+                self.trim.idle()
                 continue
+            self.trim.busy()
             self.steps += 1
             try:
                 stepped = self.scheduler.step()
@@ -139,9 +161,9 @@ class SchedulerLoop:
             self.last_heartbeat = now
             self.to_tokenizer_manager.send(io.encode(io.Heartbeat(self.steps)))
 
-    def _receive(self, block: bool) -> bool:
-        """Handles every waiting message; False when told to shut down (or orphaned)."""
-        timeout = IDLE_POLL_MS if block else 0
+    def _receive(self, timeout: int) -> bool:
+        """Handles every message that comes within ``timeout`` ms (and those right after
+        it); False when told to shut down (or orphaned)."""
         while self.inbox.poll(timeout):
             timeout = 0
             msg = self._decode(self.inbox.recv())
@@ -157,7 +179,9 @@ class SchedulerLoop:
 
     def _add(self, msg: io.GenerateReq) -> None:
         try:
-            req = make_req(msg, self.tokenizer, self.by_rid)
+            args = self.scheduler.args
+            req = make_req(msg, self.tokenizer, self.by_rid, args.disaggregation_mode,
+                           args.disaggregation_transfer_backend)
         except (ValueError, TypeError) as err:  # the Engine validates; this is a last guard
             self._refuse(msg.rid, f"invalid request: {err}")
             return

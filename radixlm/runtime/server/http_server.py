@@ -34,8 +34,7 @@ from radixlm.runtime.server.server_sent_events import server_sent_events
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 2**20
-SCALE_OUT_INFO = {"tp_size": 1, "dp_size": 1, "disaggregation_mode": "null",
-                  "load_balance_method": "round_robin"}
+SCALE_OUT_INFO = {"tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin"}
 
 
 class AbortRequest(BaseModel):
@@ -127,7 +126,8 @@ def create_app(
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        # What SGLang's router reads of a worker: one replica, no disaggregation.
+        # What SGLang's router reads of a worker: one replica (the scheduler's info
+        # carries the disaggregation mode).
         return {**await engine.async_get_server_info(), **SCALE_OUT_INFO}
 
     @app.get("/get_load")

@@ -146,6 +146,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
             return_logprob=want_logprobs, top_logprobs_num=body.logprobs,
             logprob_start_len=0 if want_logprobs and body.echo else None,
             return_text_in_logprobs=True, rid=body.rid, extra_key=body.extra_key,
+            **_bootstrap(body),
         )
         result = await (engine.stream_deltas(request) if body.stream
                         else engine.generate_request(request))
@@ -194,6 +195,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
             input_ids=[ids], sampling_params=params, return_logprob=body.logprobs,
             top_logprobs_num=body.top_logprobs if body.logprobs else None,
             return_text_in_logprobs=True, rid=body.rid, extra_key=body.extra_key,
+            **_bootstrap(body),
         )
         result = await (engine.stream_deltas(request) if body.stream
                         else engine.generate_request(request))
@@ -233,6 +235,12 @@ _SAMPLING_NAMES = {
 def _given(body: BaseModel) -> dict[str, Any]:
     """The fields ``body`` was sent with."""
     return {name: getattr(body, name) for name in body.model_fields_set}
+
+
+def _bootstrap(body: SamplingExtras) -> dict:
+    """The fields pairing a disaggregated request's halves (``GenerateInput``'s)."""
+    return {name: getattr(body, name)
+            for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}
 
 
 def _sampling_params(body: SamplingExtras, max_tokens: int | None) -> dict[str, Any]:

@@ -70,6 +70,10 @@ class SamplingExtras(_Request):
     response_format: ResponseFormat | None = None
     rid: str | list[str] | None = None
     extra_key: str | None = None
+    # Set by SGLang's router for prefill/decode disaggregation (``GenerateInput``'s).
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | None | list[int | None] = None
+    bootstrap_room: int | list[int] | None = None
 
 
 class CompletionRequest(fields_model("_CompletionFields", COMPLETION_FIELDS, SamplingExtras)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from workloads import PROMPTS, greedy
 
-pytestmark = pytest.mark.triton
+pytestmark = [pytest.mark.triton, pytest.mark.slow]  # interpreted Triton: CI's last stage
 
 # Longer than two pages of 16 tokens, so its hits are page-aligned and non-empty.
 SHARED = (

@@ -8,6 +8,8 @@ import nbclient
 import nbformat
 import pytest
 
+pytestmark = pytest.mark.slow  # a whole notebook in a kernel: CI's last stage
+
 NOTEBOOK = Path(__file__).parents[3] / "docs" / "engine_quickstart.ipynb"
 
 

@@ -43,6 +43,7 @@ def validate_json(text: str, schema: dict) -> None:
     validator.validate(json.loads(text))
 
 
+@pytest.mark.slow  # every corpus grammar, sampled: CI's last stage
 def test_every_corpus_output_validates_at_temperature_0_7(engine):
     prompts = [chat(engine, json_prompt(what)) for what, _ in JSON_SCHEMAS]
     prompts += [chat(engine, regex_prompt(what)) for what, _ in REGEXES]

@@ -235,3 +235,39 @@ def test_running_requests_decode_between_the_chunks_of_a_long_prompt(scheduler_f
         scheduler.step()
     assert running.finish_reason == {"type": "length", "length": 40}
     assert_pool_idle(scheduler.server_info())
+
+
+def test_prompt_logprobs_of_a_long_unchunked_prefill_go_through_the_lm_head_in_slices(
+    scheduler_for, monkeypatch
+):
+    """A step owing many prompt logprobs never holds rows x vocabulary logits at once: the
+    LM head sees at most ``PROMPT_LOGPROB_SLICE_ROWS`` rows per call, and the sliced
+    results equal those of one pass (the whole prompt fits a single slice here)."""
+    from radixlm.runtime.scheduler import output_processor
+
+    whole = scheduler_for(chunked_prefill_size=None)
+    prompts = [random_ids(20, 300), random_ids(21, 90)]
+    fields = dict(return_logprob=True, logprob_start=0, top_logprobs_num=2)
+    monkeypatch.setattr(output_processor, "PROMPT_LOGPROB_SLICE_ROWS", 1024)
+    want = run(whole, prompts, [greedy(4), greedy(4)], **fields)
+    monkeypatch.setattr(output_processor, "PROMPT_LOGPROB_SLICE_ROWS", 64)
+    head_rows: list[int] = []
+    processor = whole.output_processor
+    compute = processor.compute_logits
+
+    def recording_compute(hidden):
+        head_rows.append(hidden.shape[0])
+        return compute(hidden)
+
+    monkeypatch.setattr(processor, "compute_logits", recording_compute)
+    got = run(whole, prompts, [greedy(4), greedy(4)], **fields)
+    assert max(head_rows) <= 64
+    assert sum(head_rows) >= 300 + 90 - 2  # every owed row went through the head
+    for ours, theirs in zip(got, want):
+        assert_same_results(ours, theirs)
+        tops = [(ours_row, theirs_row) for ours_row, theirs_row
+                in zip(ours.input_top_logprobs[1:], theirs.input_top_logprobs[1:], strict=True)]
+        assert [[e[1] for e in a] for a, _ in tops] == [[e[1] for e in b] for _, b in tops]
+        torch.testing.assert_close(torch.tensor([[e[0] for e in a] for a, _ in tops]),
+                                   torch.tensor([[e[0] for e in b] for _, b in tops]),
+                                   atol=1e-5, rtol=0)

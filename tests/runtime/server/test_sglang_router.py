@@ -5,28 +5,22 @@ straight from a server."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import time
 
 import httpx
 import pytest
 from live_server import LiveServer, free_port, stop_process
+from router_checks import CHAT_TEMPLATE, NEEDS_SMG, sse_data, wait_until_ready
 
 import radixlm
 from radixlm.runtime.server.http_server import create_app
 
 pytestmark = [
     pytest.mark.slow,  # two engines and two routers: CI's last stage
-    pytest.mark.skipif(shutil.which("smg") is None,
-                       reason="sglang-router (the smg command) is not installed"),
+    NEEDS_SMG,
 ]
 
 MODEL = "tiny"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
@@ -58,17 +52,8 @@ def start_router(worker_urls: list[str], policy: str) -> tuple[subprocess.Popen,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/get_model_info", timeout=2).status_code == 200:
-                return router, url
-        except httpx.TransportError:
-            pass
-        if router.poll() is not None or time.monotonic() > deadline:
-            router.kill()
-            raise AssertionError("the router did not start")
-        time.sleep(0.2)
+    wait_until_ready(router, url, "/get_model_info")  # a worker registered
+    return router, url
 
 
 @pytest.fixture(scope="module", params=["round_robin", "cache_aware"])
@@ -79,10 +64,6 @@ def router(request, workers):
     finally:
         stop_process(process, 10)
 
-
-def sse_events(reply: httpx.Response) -> list[str]:
-    return [line[len("data: "):] for line in reply.text.splitlines()
-            if line.startswith("data: ")]
 
 
 def test_generate_through_the_router_matches_a_server(router, workers):
@@ -98,7 +79,7 @@ def test_generate_through_the_router_matches_a_server(router, workers):
 def test_a_stream_through_the_router(router, workers):
     body = {"text": "The quick brown fox", "sampling_params": GREEDY, "stream": True}
     reply = httpx.post(f"{router}/generate", json=body, timeout=60)
-    events = sse_events(reply)
+    events = sse_data(reply)
     assert reply.status_code == 200 and events[-1] == "[DONE]"
     want = httpx.post(f"{workers[1]}/generate", json={**body, "stream": False}, timeout=60)
     assert json.loads(events[-2])["text"] == want.json()["text"]
@@ -116,7 +97,7 @@ def test_openai_routes_through_the_router(router, workers):
         key = "text" if route == "/v1/completions" else "message"
         assert got.json()["choices"][0][key] == want["choices"][0][key]
         streamed = httpx.post(f"{router}{route}", json={**body, "stream": True}, timeout=60)
-        assert streamed.status_code == 200 and sse_events(streamed)[-1] == "[DONE]"
+        assert streamed.status_code == 200 and sse_data(streamed)[-1] == "[DONE]"
 
 
 def test_control_routes_through_the_router(router):

@@ -1,0 +1,52 @@
+"""Builds a scheduler's side of prefill/decode disaggregation from the server's options:
+on a prefill server, the transfer link, the bootstrap service (registered in it the way
+SGLang's prefill ranks register) and the ``PrefillHandoff``; on a decode server, the
+link and the ``DecodeHandoff``."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from radixlm.runtime.disaggregation.bootstrap import BootstrapServer, register
+from radixlm.runtime.disaggregation.decode_handoff import DecodeHandoff
+from radixlm.runtime.disaggregation.kv_rows import KVLayout
+from radixlm.runtime.disaggregation.prefill_handoff import PrefillHandoff
+from radixlm.runtime.disaggregation.transfer_backend import decode_link, prefill_link
+from radixlm.runtime.scheduler.request_memory import RequestMemory
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def build_handoffs(args: ServerArgs, memory: RequestMemory, buffers: list[torch.Tensor]
+                   ) -> tuple[PrefillHandoff | None, DecodeHandoff | None]:
+    """(prefill handoff, decode handoff): the one of this server's mode, or neither.
+    Raises ``ValueError`` when the bootstrap port cannot be bound."""
+    mode, backend = args.disaggregation_mode, args.disaggregation_transfer_backend
+    if mode == "null":
+        return None, None
+    layout = KVLayout.of(buffers, memory.page_size)
+    timeout = args.disaggregation_timeout
+    if mode == "decode":
+        return None, DecodeHandoff(decode_link(backend), memory, buffers, layout, timeout)
+    link = prefill_link(backend, args.host)
+    bootstrap = None
+    if link.waits_for_decode:
+        port = args.disaggregation_bootstrap_port
+        try:
+            bootstrap = BootstrapServer(args.host, port, layout)
+        except OSError as err:
+            link.close()
+            raise ValueError(f"the bootstrap service cannot listen on {args.host}:{port} "
+                             f"(--disaggregation-bootstrap-port): {err}") from None
+        ip, rank_port = link.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        register(f"{args.host}:{port}", {
+            "role": "Prefill", "attn_tp_size": 1, "attn_tp_rank": 0, "attn_dp_size": 1,
+            "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
+            "system_dp_rank": 0, "rank_ip": ip, "rank_port": int(rank_port),
+        })
+        logger.info("bootstrap service on %s:%d; KV requests at %s", args.host, port,
+                    link.endpoint)
+    return PrefillHandoff(link, memory, buffers, layout, timeout, bootstrap=bootstrap), None

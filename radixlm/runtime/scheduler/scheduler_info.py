@@ -1,0 +1,55 @@
+"""What a scheduler reports of itself (``/server_info``): its counters, and a snapshot of its
+pool, cache, queues and options."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler started."""
+
+    forward_steps: int = 0
+    extend_steps: int = 0
+    decode_steps: int = 0
+    """Steps that extend running requests (one token each, or their jumped tokens)."""
+    jump_forward_steps: int = 0
+    """Decode steps run as an extend because some request had jumped tokens."""
+    overlapped_steps: int = 0
+    """Decode steps queued behind the one in flight, fed its tokens on the device."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    retractions: int = 0
+
+
+def describe(scheduler) -> dict:
+    """A ``Scheduler``'s pool, cache, queues, counters and options, as plain data (the
+    scheduler is not imported here: it imports this module)."""
+    runner, memory = scheduler.runner, scheduler.memory
+    return {
+        "context_length": runner.context_length,
+        "max_total_tokens": runner.max_total_tokens,
+        "kv_bytes_per_token": runner.kv_pool.bytes_per_token(),
+        "kv_memory_budget_bytes": runner.kv_memory_budget,
+        "free_kv_tokens": memory.allocator.available_size(),
+        "cache_tokens": memory.tree_cache.total_size(),
+        "cache_protected_tokens": memory.tree_cache.protected_size(),
+        "request_rows": memory.req_to_token_pool.size,
+        "free_request_rows": memory.req_to_token_pool.available_size(),
+        "page_size": memory.page_size,
+        "num_running": len(scheduler.running) + (scheduler.chunked is not None),
+        "num_waiting": len(scheduler.waiting),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "device": str(runner.device),
+        "attention_backend": runner.attention_backend_name,
+        "cuda_graph": runner.cuda_graph_runner is not None,
+        "fused_moe": runner.fused_moe,
+        "vocab_size": runner.model_config.vocab_size,
+        "stats": dataclasses.asdict(scheduler.stats),
+        "disaggregation_mode": scheduler.args.disaggregation_mode,
+        "disaggregation": scheduler.handoff_stats(),
+        **{k: getattr(scheduler.args, k) for k in ("schedule_policy", "batching",
+                                                  "chunked_prefill_size", "disable_radix_cache")},
+    }
