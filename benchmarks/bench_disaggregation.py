@@ -143,7 +143,7 @@ def transfer_speed(tokens: int, layers: int, kv_heads: int, head_dim: int,
     try:
         for room in range(repeats):
             start = time.perf_counter()
-            receiver.want(sender.endpoint, wire.KVWanted(room, tokens, 0, layout))
+            receiver.send(sender.endpoint, wire.KVWanted(room, tokens, 0, layout))
             while not (asked := sender.poll()):
                 time.sleep(0)
             peer = asked[0][0]

@@ -31,8 +31,6 @@ LOOKING_UP, NEEDS_MEMORY, ASKED = "looking up", "needs memory", "asked"
 @dataclass
 class AwaitedKV:
     req: Req
-    address: str
-    """The prefill server's bootstrap service, ``host:port``."""
     since: float
     state: str = LOOKING_UP
     peer: PrefillPeer | None = None
@@ -71,7 +69,7 @@ class DecodeHandoff:
         """Awaits ``req``'s KV; False (and nothing kept) if its room is awaited already."""
         if req.bootstrap_room in self.awaited:
             return False
-        self.awaited[req.bootstrap_room] = AwaitedKV(req, req.bootstrap_address, self.clock())
+        self.awaited[req.bootstrap_room] = AwaitedKV(req, self.clock())
         return True
 
     def __bool__(self) -> bool:
@@ -91,13 +89,13 @@ class DecodeHandoff:
         failed: list[Req] = []
         for room, awaited in list(self.awaited.items()):
             if awaited.state == LOOKING_UP:
-                peer = self.directory.peer(awaited.address)
+                peer = self.directory.peer(awaited.req.bootstrap_address)
                 if isinstance(peer, str):
                     failed.append(self._fail(room, peer))
                 elif peer is not None:
                     problem = peer.layout.mismatch(self.layout)
                     if problem is not None:
-                        self.link.want(peer.endpoint, wire.KVCancel(room, problem))
+                        self.link.send(peer.endpoint, wire.KVCancel(room, problem))
                         failed.append(self._fail(room, problem))
                     else:
                         awaited.peer, awaited.state = peer, NEEDS_MEMORY
@@ -109,7 +107,7 @@ class DecodeHandoff:
             if awaited is None or awaited.state != ASKED:
                 continue  # a room that failed here already (its KV comes late)
             error = header.error or self._write(awaited.req, header, frames)
-            self.link.want(awaited.peer.endpoint, wire.KVReceived(header.room, error))
+            self.link.send(awaited.peer.endpoint, wire.KVReceived(header.room, error))
             if error is not None:
                 failed.append(self._fail(header.room, error))
             else:
@@ -119,8 +117,9 @@ class DecodeHandoff:
         now = self.clock()
         for room, awaited in list(self.awaited.items()):
             if now - awaited.since > self.timeout:
+                address = awaited.req.bootstrap_address
                 failed.append(self._fail(room, f"no KV came from the prefill server at "
-                                               f"{awaited.address} within {self.timeout} s "
+                                               f"{address} within {self.timeout} s "
                                                f"({awaited.state})"))
         return joined, failed
 
@@ -155,7 +154,7 @@ class DecodeHandoff:
         memory.alloc(req, need)
         req.kv_len = prompt_len
         awaited.state = ASKED
-        self.link.want(awaited.peer.endpoint,
+        self.link.send(awaited.peer.endpoint,
                        wire.KVWanted(req.bootstrap_room, prompt_len, start, self.layout))
         return need
 
@@ -189,7 +188,7 @@ class DecodeHandoff:
         self.memory.cache_unfinished(req)
 
     def _fail(self, room: int, message: str) -> Req:
-        address = self.awaited[room].address
+        address = self.awaited[room].req.bootstrap_address
         req = self._drop(room)
         self.directory.forget(address)  # the prefill server may have moved
         req.finish_reason = finish_abort(f"KV transfer failed: {message}")
@@ -203,5 +202,5 @@ class DecodeHandoff:
         if awaited.state == ASKED:
             self.memory.discard(awaited.req)
         if awaited.peer is not None:
-            self.link.want(awaited.peer.endpoint, wire.KVCancel(room))
+            self.link.send(awaited.peer.endpoint, wire.KVCancel(room))
         return awaited.req

@@ -13,7 +13,7 @@ from radixlm.runtime.disaggregation.bootstrap import BootstrapServer, register
 from radixlm.runtime.disaggregation.decode_handoff import DecodeHandoff
 from radixlm.runtime.disaggregation.kv_rows import KVLayout
 from radixlm.runtime.disaggregation.prefill_handoff import PrefillHandoff
-from radixlm.runtime.disaggregation.transfer_backend import decode_link, prefill_link
+from radixlm.runtime.disaggregation.transfer_backend import TcpDecodeLink, TcpPrefillLink
 from radixlm.runtime.scheduler.request_memory import RequestMemory
 from radixlm.runtime.server_args import ServerArgs
 
@@ -22,31 +22,30 @@ logger = logging.getLogger(__name__)
 
 def build_handoffs(args: ServerArgs, memory: RequestMemory, buffers: list[torch.Tensor]
                    ) -> tuple[PrefillHandoff | None, DecodeHandoff | None]:
-    """(prefill handoff, decode handoff): the one of this server's mode, or neither.
+    """(prefill handoff, decode handoff): the one of this server's mode, or neither (a
+    unified server; the ``fake`` backend, whose pairs the scheduler serves unpaired).
     Raises ``ValueError`` when the bootstrap port cannot be bound."""
-    mode, backend = args.disaggregation_mode, args.disaggregation_transfer_backend
-    if mode == "null":
+    mode = args.disaggregation_mode
+    if mode == "null" or args.disaggregation_transfer_backend == "fake":
         return None, None
     layout = KVLayout.of(buffers, memory.page_size)
     timeout = args.disaggregation_timeout
     if mode == "decode":
-        return None, DecodeHandoff(decode_link(backend), memory, buffers, layout, timeout)
-    link = prefill_link(backend, args.host)
-    bootstrap = None
-    if link.waits_for_decode:
-        port = args.disaggregation_bootstrap_port
-        try:
-            bootstrap = BootstrapServer(args.host, port, layout)
-        except OSError as err:
-            link.close()
-            raise ValueError(f"the bootstrap service cannot listen on {args.host}:{port} "
-                             f"(--disaggregation-bootstrap-port): {err}") from None
-        ip, rank_port = link.endpoint.removeprefix("tcp://").rsplit(":", 1)
-        register(f"{args.host}:{port}", {
-            "role": "Prefill", "attn_tp_size": 1, "attn_tp_rank": 0, "attn_dp_size": 1,
-            "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
-            "system_dp_rank": 0, "rank_ip": ip, "rank_port": int(rank_port),
-        })
-        logger.info("bootstrap service on %s:%d; KV requests at %s", args.host, port,
-                    link.endpoint)
+        return None, DecodeHandoff(TcpDecodeLink(), memory, buffers, layout, timeout)
+    link = TcpPrefillLink(args.host)
+    port = args.disaggregation_bootstrap_port
+    try:
+        bootstrap = BootstrapServer(args.host, port, layout)
+    except OSError as err:
+        link.close()
+        raise ValueError(f"the bootstrap service cannot listen on {args.host}:{port} "
+                         f"(--disaggregation-bootstrap-port): {err}") from None
+    ip, rank_port = link.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    register(f"{args.host}:{port}", {
+        "role": "Prefill", "attn_tp_size": 1, "attn_tp_rank": 0, "attn_dp_size": 1,
+        "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
+        "system_dp_rank": 0, "rank_ip": ip, "rank_port": int(rank_port),
+    })
+    logger.info("bootstrap service on %s:%d; KV requests at %s", args.host, port,
+                link.endpoint)
     return PrefillHandoff(link, memory, buffers, layout, timeout, bootstrap=bootstrap), None

@@ -9,6 +9,7 @@ their layouts (``KVLayout``) are equal. Nothing but tensor bytes crosses the wir
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import msgspec
@@ -29,8 +30,8 @@ class KVLayout(msgspec.Struct, frozen=True):
                    [list(b.shape[1:]) for b in buffers], page_size)
 
     def bytes_per_token(self) -> int:
-        size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return sum(size * _count(shape) for shape in self.row_shapes)
+        size = getattr(torch, self.dtype).itemsize
+        return sum(size * math.prod(shape) for shape in self.row_shapes)
 
     def mismatch(self, other: KVLayout) -> str | None:
         """Why KV cannot move between pools of these layouts, or None when it can."""
@@ -66,7 +67,7 @@ def scatter_rows(buffers: list[torch.Tensor], slots: torch.Tensor,
     count = len(slots)
     for buffer, frame in zip(buffers, frames):
         row = buffer.shape[1:]
-        want = count * _count(row) * buffer.element_size()
+        want = count * math.prod(row) * buffer.element_size()
         if len(frame) != want:
             raise ValueError(f"a KV frame of {len(frame)} bytes where {want} were expected")
         if not want:
@@ -77,9 +78,3 @@ def scatter_rows(buffers: list[torch.Tensor], slots: torch.Tensor,
         rows = raw.view(buffer.dtype).view(count, *row)
         buffer.index_copy_(0, index, rows.to(buffer.device))
 
-
-def _count(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -71,9 +71,9 @@ class PrefillHandoff:
 
     def hold(self, req: Req) -> list[Req]:
         """Takes a request whose prefill just ended (``finish_reason`` set, KV still held);
-        returns it if it ends here at once (fake backend, or no output wanted)."""
-        if not self.link.waits_for_decode or not req.output_ids:  # (no output budget:
-            # the decode side computes nothing either)
+        returns it if it ends here at once (no output wanted: the decode side asks for
+        nothing then)."""
+        if not req.output_ids:
             self.memory.release(req)
             return [req]
         room = req.bootstrap_room

@@ -6,9 +6,9 @@ request's KV (``transfer_messages``), behind one interface per side.
   prefill endpoint. KV rows leave as frames that point at the gathered tensors' memory (no
   copy on the send side) and are written into the decode pool's slots on arrival. Works
   between any two machines, for any pool layout (MHA or the MLA latent).
-- ``fake``: moves nothing; the prefill side does not wait for a decode side, and the
-  decode side computes the prompt itself (warm-up and health requests only; the
-  scheduler serves such requests unpaired, ``scheduler_process.make_req``).
+- ``fake``: moves nothing, so it needs no link: the scheduler serves such pairs unpaired
+  (``scheduler_process.make_req``): the prefill half ends after its prompt, the decode
+  half computes the prompt itself (warm-up and health requests only).
 
 Both sides poll: ``poll()`` returns what arrived since the last call, never blocking.
 """
@@ -40,9 +40,6 @@ class PrefillLink:
     sending a request's KV back to one of them."""
 
     endpoint: str = ""
-    waits_for_decode: bool = True
-    """False (fake): a prefill request ends as soon as its prompt is computed (no
-    bootstrap service either)."""
 
     def poll(self) -> list[tuple[bytes, wire.TransferMessage]]:
         """(peer, message) pairs that arrived since the last call."""
@@ -58,7 +55,7 @@ class PrefillLink:
 class DecodeLink:
     """The decode side of a backend: asking prefill endpoints for KV, and what arrived."""
 
-    def want(self, endpoint: str, message: wire.KVWanted | wire.KVReceived | wire.KVCancel
+    def send(self, endpoint: str, message: wire.KVWanted | wire.KVReceived | wire.KVCancel
              ) -> None:
         """Sends ``message`` to the prefill side at ``endpoint``."""
 
@@ -106,7 +103,7 @@ class TcpDecodeLink(DecodeLink):
         self.sockets: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
 
-    def want(self, endpoint: str, message) -> None:
+    def send(self, endpoint: str, message) -> None:
         peer = self.sockets.get(endpoint)
         if peer is None:
             peer = self.sockets[endpoint] = self.context.socket(zmq.DEALER)
@@ -138,22 +135,6 @@ class TcpDecodeLink(DecodeLink):
         for peer in self.sockets.values():
             peer.close(linger=0)
         self.sockets.clear()
-
-
-class FakePrefillLink(PrefillLink):
-    waits_for_decode = False
-
-
-class FakeDecodeLink(DecodeLink):
-    """Never used for a request (``fake`` requests are served unpaired)."""
-
-
-def prefill_link(backend: str, host: str) -> PrefillLink:
-    return TcpPrefillLink(host) if backend == "tcp" else FakePrefillLink()
-
-
-def decode_link(backend: str) -> DecodeLink:
-    return TcpDecodeLink() if backend == "tcp" else FakeDecodeLink()
 
 
 def _reachable(host: str) -> str:

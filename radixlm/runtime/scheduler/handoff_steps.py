@@ -24,7 +24,8 @@ from radixlm.runtime.scheduler.prefill_adder import decode_reserve
 
 class HandoffSteps:
     """Uses the scheduler's ``running``, ``waiting``, ``memory``, ``output_processor``,
-    ``sampling_batch``, ``new_token_ratio``, ``_failed`` and ``drain``."""
+    ``sampling_batch``, ``new_token_ratio``, ``_failed``, ``_running_reserve`` and
+    ``drain``."""
 
     prefill_handoff: PrefillHandoff | None = None
     decode_handoff: DecodeHandoff | None = None
@@ -41,8 +42,8 @@ class HandoffSteps:
             self.waiting.append(req)
 
     def _handoff_reqs(self) -> list[Req]:
-        held = self.prefill_handoff.reqs() if self.prefill_handoff else []
-        return held + (self.decode_handoff.reqs() if self.decode_handoff else [])
+        return [req for handoff in (self.prefill_handoff, self.decode_handoff)
+                if handoff is not None for req in handoff.reqs()]
 
     def _handing_off(self) -> bool:
         return bool(self.prefill_handoff) or bool(self.decode_handoff)
@@ -56,13 +57,13 @@ class HandoffSteps:
             self.prefill_handoff.abandon(req.bootstrap_room, "the prefill half was aborted")
         return bool(self.decode_handoff and self.decode_handoff.abort(req))
 
-    def _release_ended_prefill(self, req: Req) -> list[Req]:
+    def _release_ended_prefill(self, req: Req) -> None:
         """A request whose prefill ended: released, or held for its decode side (then it is
-        reported finished later). Returns it if it ended for good now."""
+        reported finished later)."""
         if req.handoff == "send":
-            return self.prefill_handoff.hold(req)
-        self.memory.release(req)
-        return [req]
+            self.prefill_handoff.hold(req)
+        else:
+            self.memory.release(req)
 
     def handoff_stats(self) -> dict:
         """KV moved to or from peer servers (empty unless disaggregated)."""
@@ -81,13 +82,11 @@ class HandoffSteps:
         """Moves KV that arrived or left; returns the requests that ended meanwhile or
         joined the running batch (to report their first token)."""
         stepped: list[Req] = []
-        if self.prefill_handoff:
-            stepped += self.prefill_handoff.step()
-        if self.decode_handoff:
-            running = self.running
-            reserved = sum(decode_reserve(r, self.new_token_ratio) for r in running)
+        if self.prefill_handoff is not None:  # (also idle: decode sides' messages may come
+            stepped += self.prefill_handoff.step()  # before their prefill halves)
+        if self.decode_handoff:  # requests await KV
             joined, failed = self.decode_handoff.step(
-                self.memory.available_tokens() - reserved,
+                self.memory.available_tokens() - self._running_reserve(),
                 lambda r: decode_reserve(r, self.new_token_ratio))
             stepped += failed
             if joined:
@@ -99,11 +98,9 @@ class HandoffSteps:
         """Appends each request's first token (stop checks, grammar and jump-forward as for
         any sampled token) and runs the requests it does not end."""
         for req, first_token in joined:
-            self.running.append(req)
-            jumped: list[Req] = []
-            if self.output_processor.append_tokens([req], [first_token], None, jumped):
-                self.running.remove(req)
+            if self.output_processor.append_tokens([req], [first_token], None):
                 self.memory.release(req)
-            else:
+            else:  # (its sampling row is built from its outputs, jumped tokens included)
+                self.running.append(req)
                 self.sampling_batch.add([req])
         return [req for req, _ in joined]

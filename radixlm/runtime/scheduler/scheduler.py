@@ -220,10 +220,7 @@ class Scheduler(OverlapSteps, HandoffSteps):
         args = self.args
         adder = PrefillAdder(
             memory=self.memory,
-            # Running requests hold back their expected output, plus the jumped tokens
-            # (jump-forward) that have no KV yet.
-            reserved=sum(decode_reserve(r, self.new_token_ratio) + r.seq_len - r.kv_len - 1
-                         for r in self.running),
+            reserved=self._running_reserve(),
             prefill_tokens=args.max_prefill_tokens,
             chunk_tokens=self.prefill_pace.chunk_tokens(),
             rows=self.memory.req_to_token_pool.available_size(),
@@ -252,6 +249,12 @@ class Scheduler(OverlapSteps, HandoffSteps):
                 self.stats.prompt_tokens += len(req.input_ids)
                 self.stats.cached_tokens += req.cached_tokens
         return adder
+
+    def _running_reserve(self) -> int:
+        """KV slots the running requests hold back: their expected output, plus the jumped
+        tokens (jump-forward) that have no KV yet."""
+        ratio = self.new_token_ratio
+        return sum(decode_reserve(r, ratio) + r.seq_len - r.kv_len - 1 for r in self.running)
 
     def _admissible(self, adder: PrefillAdder) -> Iterator[tuple[Req, MatchResult | None]]:
         """The waiting requests in policy order, but for those ``adder`` admitted already

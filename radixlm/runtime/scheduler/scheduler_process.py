@@ -109,7 +109,8 @@ def make_req(msg: io.GenerateReq, tokenizer, leaders: dict[str, Req],
         logprobs=logprobs, extra_key=msg.extra_key,
         prefill_leader=leaders.get(msg.prefill_leader) if msg.prefill_leader else None,
         handoff=handoff, bootstrap_room=msg.bootstrap_room,
-        bootstrap_address=f"{msg.bootstrap_host}:{msg.bootstrap_port}",
+        bootstrap_address=(f"{msg.bootstrap_host}:{msg.bootstrap_port}"
+                           if handoff == "receive" else None),
     )
 
 

@@ -45,6 +45,7 @@ def test_the_directory_looks_up_off_the_callers_thread(service):
     register(service, {"rank_ip": "10.0.0.2", "rank_port": 9000})
     directory = BootstrapDirectory()
     try:
+        assert directory.peer(service) is None  # asked: the answer comes from a thread
         deadline = time.monotonic() + 10
         while (peer := directory.peer(service)) is None:
             assert time.monotonic() < deadline
