@@ -123,18 +123,32 @@ def pct(values: list[float], q: float) -> float:
 
 
 def transfer_speed(tokens: int, layers: int, kv_heads: int, head_dim: int,
-                   dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
-    """(GB/s of gather + ZMQ/TCP + scatter, GB/s of a plain copy of the same bytes)."""
+                   dtype: torch.dtype, backend: str = "tcp", run: int = 64,
+                   repeats: int = 5) -> tuple[float, float]:
+    """(GB/s of a transfer through ``backend``'s links: the request, the KV moved from
+    scattered runs of ``run`` consecutive slots into other such runs, the receipt; GB/s of
+    a plain copy of the same bytes)."""
     from radixlm.kv_cache.memory_pool import MHATokenToKVPool
     from radixlm.runtime.disaggregation import transfer_messages as wire
-    from radixlm.runtime.disaggregation.kv_rows import KVLayout, gather_rows, scatter_rows
+    from radixlm.runtime.disaggregation.kv_rows import KVLayout
+    from radixlm.runtime.disaggregation.mooncake_backend import (
+        MooncakeDecodeLink,
+        MooncakePrefillLink,
+    )
     from radixlm.runtime.disaggregation.transfer_backend import TcpDecodeLink, TcpPrefillLink
 
     source = MHATokenToKVPool(tokens + 1, layers, kv_heads, head_dim, dtype, "cpu")
     target = MHATokenToKVPool(tokens + 1, layers, kv_heads, head_dim, dtype, "cpu")
-    slots = torch.randperm(tokens)[:tokens] + 1
+    for buffer in source.layer_buffers():
+        buffer.copy_(torch.randn(buffer.shape))
+    sent, received = scattered_slots(tokens, run), scattered_slots(tokens, run)
     layout = KVLayout.of(source.layer_buffers(), 1)
-    sender, receiver = TcpPrefillLink(HOST), TcpDecodeLink()
+    if backend == "mooncake":
+        sender = MooncakePrefillLink(HOST, source.layer_buffers())
+        receiver = MooncakeDecodeLink(HOST, target.layer_buffers())
+    else:
+        sender, receiver = TcpPrefillLink(HOST, source.layer_buffers()), TcpDecodeLink(
+            target.layer_buffers())
     nbytes = tokens * source.bytes_per_token()
     plain = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     destination = torch.empty_like(plain)
@@ -143,15 +157,15 @@ def transfer_speed(tokens: int, layers: int, kv_heads: int, head_dim: int,
     try:
         for room in range(repeats):
             start = time.perf_counter()
-            receiver.send(sender.endpoint, wire.KVWanted(room, tokens, 0, layout))
+            wanted = wire.KVWanted(room, tokens, 0, layout, receiver.target(received))
+            receiver.send(sender.endpoint, wanted)
             while not (asked := sender.poll()):
                 time.sleep(0)
-            peer = asked[0][0]
-            sender.send_kv(peer, wire.KVSent(room, 0, tokens),
-                           gather_rows(source.layer_buffers(), slots))
+            peer, wanted = asked[0]
+            assert sender.send_kv(peer, wire.KVSent(room, 0, tokens), wanted, sent) is None
             while not (arrived := receiver.poll()):
                 time.sleep(0)
-            scatter_rows(target.layer_buffers(), slots, arrived[0][1])
+            assert receiver.receive(*arrived[0], received) is None
             moved.append(time.perf_counter() - start)
             start = time.perf_counter()
             destination.copy_(plain)
@@ -159,9 +173,16 @@ def transfer_speed(tokens: int, layers: int, kv_heads: int, head_dim: int,
     finally:
         sender.close()
         receiver.close()
-    assert all(torch.equal(a[slots], b[slots]) for a, b in
+    assert all(torch.equal(a[sent], b[received]) for a, b in
                zip(source.layer_buffers(), target.layer_buffers()))
     return nbytes / statistics.median(moved) / 1e9, nbytes / statistics.median(copied) / 1e9
+
+
+def scattered_slots(tokens: int, run: int) -> torch.Tensor:
+    """Slots 1..``tokens`` in shuffled runs of ``run`` consecutive slots (a pool that has
+    served a while)."""
+    runs = torch.arange(tokens).split(run)
+    return torch.cat([runs[i] for i in torch.randperm(len(runs))]) + 1
 
 
 def cpu_flags() -> str:
@@ -225,9 +246,15 @@ def main() -> None:
           f"({moved['kv_bytes_per_token']} B per token)")
     shape = model_kv_shape(args.model_path)
     dtype = getattr(torch, info["dtype"])
-    tcp, copy = transfer_speed(LONG_PROMPT * 4, *shape, dtype)
-    print(f"transfer of {LONG_PROMPT * 4} tokens' KV: tcp {tcp:.2f} GB/s, plain copy "
-          f"{copy:.2f} GB/s ({tcp / copy:.2f}x)")
+    tokens = LONG_PROMPT * 4
+    for backend, run in (("tcp", 64), ("tcp", 1), ("mooncake", 64), ("mooncake", 1)):
+        try:
+            speed, copy = transfer_speed(tokens, *shape, dtype, backend, run)
+        except ValueError as err:  # Mooncake's engine is not installed
+            print(f"transfer through {backend}: skipped ({err})")
+            continue
+        print(f"transfer of {tokens} tokens' KV in runs of {run} slots: {backend} "
+              f"{speed:.2f} GB/s, plain copy {copy:.2f} GB/s ({speed / copy:.2f}x)")
 
 
 def model_kv_shape(model_path: str | None) -> tuple[int, int, int]:

@@ -7,13 +7,15 @@ seconds: normal requests (``/generate`` plain and streamed, ``/v1/chat/completio
 ``--abuse-share``, the abusive kinds of ``EXPECTED`` in turn: each once hurt the server, and
 must now get its expected answer without stalling the rest. Reports the outcomes per (kind,
 status), p50/p99 latency of normal requests against the baseline, every server process's RSS
-after the baseline (taken once the KV pool has been filled once, ``fill_pool``, and one
-request of each kind has run, so that what is measured is growth with traffic, not one-time
-costs) and after the load (plus 10 s of settling), and whether the KV pool is
-idle at the end. Exits non-zero if it is not, if ``/health`` is not 200, on any 5xx, on any
-outcome outside its kind's expected set, or if the server needs SIGKILL to stop.
+after the baseline (taken once the KV pool has been filled once, ``fill_pool``, prompts of
+many lengths have filled the matmul kernel cache, ``warm_shapes``, and one request of each
+kind has run, so that what is measured is growth with traffic, not one-time costs) and
+after the load (plus 10 s of settling), and whether the KV pool is idle at the end. Exits
+non-zero if it is not, if ``/health`` is not 200, on any 5xx, on any outcome outside its
+kind's expected set, or if the server needs SIGKILL to stop.
 
-    python benchmarks/bench_soak.py --duration 600 [--rate 1] [--abuse-share 0.3] [--json out.json]
+    python benchmarks/bench_soak.py --duration 600 [--rate 0.5] [--abuse-share 0.3] \
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ SETTLE_S = 10.0
 FILL_PROMPT_TOKENS = 4000
 RSS_SAMPLE_S = 60.0
 BASELINE_REQUESTS = 20
+WARM_ROUNDS = 16
 NORMAL_ROUTES = ("generate", "generate_stream", "chat", "completions")
 EXPECTED = {
     "stop_regex_backtracking": {"200"},
@@ -306,6 +309,24 @@ async def fill_pool(client: httpx.AsyncClient, info: dict) -> None:
         reply.raise_for_status()
 
 
+async def warm_shapes(client: httpx.AsyncClient, info: dict) -> None:
+    """Prompts of many lengths, several at a time, before the start RSS is taken: the
+    scheduler's matmul library compiles a kernel per shape and keeps a bounded cache of
+    them (``runtime_processes.ONEDNN_PRIMITIVE_CACHE``), which fills with the first few
+    hundred shapes and is no leak either."""
+    rng = random.Random(-300)
+
+    async def one(length: int) -> None:
+        reply = await client.post("/generate", json={
+            "input_ids": random_ids(rng, length, info["vocab_size"]),
+            "sampling_params": greedy(rng.randint(1, 8), ignore_eos=True)},
+            timeout=CLIENT_TIMEOUT_S * 5)
+        reply.raise_for_status()
+
+    for _ in range(WARM_ROUNDS):
+        await asyncio.gather(*(one(rng.randint(8, 800)) for _ in range(rng.randint(1, 8))))
+
+
 async def measure(args, port: int, server_pid: int) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=f"http://{HOST}:{port}", limits=limits) as client:
@@ -313,6 +334,7 @@ async def measure(args, port: int, server_pid: int) -> dict:
         info = (await client.get("/get_server_info")).json()
         target = Target(client, model, info["vocab_size"])
         await fill_pool(client, info)
+        await warm_shapes(client, info)
         for i, kind in enumerate(ABUSIVE_KINDS + NORMAL_KINDS):  # one-time costs (caches,
             await timed(target, kind, random.Random(-200 - i))  # arenas) before the start
         baseline = [await timed(target, NORMAL_KINDS[i % len(NORMAL_KINDS)],
@@ -397,9 +419,10 @@ def report(args, found: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
-    parser.add_argument("--rate", type=float, default=1.0,
+    parser.add_argument("--rate", type=float, default=0.5,
                         help="requests per second (keep it under the server's capacity: on "
-                             "two CPU cores the 7,000-token prefills alone take ~30 s each)")
+                             "two CPU cores the 7,000-token prefills alone take ~30 s each, "
+                             "and at 1/s they arrive every 40 s)")
     parser.add_argument("--abuse-share", type=float, default=0.3)
     parser.add_argument("--model-path", default=None, help="default: the default model")
     parser.add_argument("--port", type=int, default=None, help="default: a free port")

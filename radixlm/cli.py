@@ -147,6 +147,8 @@ def _serve(args: argparse.Namespace) -> int:
     from radixlm.runtime.server_args import ServerArgs
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}
+    if options["node_rank"] > 0:  # another machine's share of the model's ranks only
+        return _serve_ranks(ServerArgs(**options))
     api_key = resolve_api_key(options["api_key"], options["api_key_file"])
     with Engine(**options) as engine:
         server_args = engine.server_args
@@ -162,6 +164,17 @@ def _serve(args: argparse.Namespace) -> int:
                                 log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
         DrainingServer(config, engine, server_args.shutdown_timeout).run()
     return 0
+
+
+def _serve_ranks(server_args) -> int:
+    from radixlm.models.default_model import resolve_model_path
+    from radixlm.runtime.model_executor.rank_processes import serve_node
+
+    path = resolve_model_path(server_args.model_path)
+    print(f"radixlm: node {server_args.node_rank} of {server_args.nnodes} hosts its share of "
+          f"{server_args.tp_size} ranks of {path}, meeting at {server_args.dist_init_addr}",
+          flush=True)
+    return serve_node(server_args, str(path))
 
 
 def main(argv: list[str] | None = None) -> int:

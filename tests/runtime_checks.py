@@ -47,3 +47,13 @@ def run_to_completion(scheduler: Scheduler, reqs: list[Req], max_steps: int = 10
         scheduler.abort(req)
     raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
+
+
+def mooncake_missing() -> str | None:
+    """Why Mooncake's transfer engine cannot load here (its wheel needs the system's
+    libibverbs1), or None when it can."""
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as err:
+        return f"Mooncake's transfer engine cannot load: {err}"
+    return None

@@ -30,6 +30,13 @@ class ReqToTokenPool:
             (max_requests, max_context_len), dtype=torch.int64, device=device
         )
         self._free_rows = list(range(max_requests - 1, -1, -1))
+        self.rewritten: dict[int, int] = {}
+        """Rows whose first n slots were replaced in place (row -> n) since the last
+        forward pass took note: a row otherwise only grows, at the slots a pass writes,
+        which is what tensor-parallel ranks mirror (``tensor_parallel_ranks``)."""
+
+    def mark_rewritten(self, row: int, length: int) -> None:
+        self.rewritten[row] = max(length, self.rewritten.get(row, 0))
 
     def available_size(self) -> int:
         return len(self._free_rows)

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.models.layers.layernorm import RMSNorm
 from radixlm.models.layers.rotary_embedding import RotaryEmbedding
+from radixlm.models.layers.vocab_parallel import VocabParallelEmbedding
 from radixlm.models.model_config import rope_parameters
 
 
@@ -28,7 +29,7 @@ class DecoderOnlyLM(nn.Module):
         super().__init__()
         self.config = config
         self.max_position = max_position  # the serving context (RoPE tables cover it)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.make_layer(config, i) for i in range(config.num_hidden_layers)
         )
@@ -41,7 +42,7 @@ class DecoderOnlyLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
 
     def make_layer(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
         """Decoder layer ``layer_id`` (see the layer contract above)."""
@@ -60,6 +61,7 @@ class DecoderOnlyLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, hidden) -> float32 logits (N, vocab)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
+        """hidden: (N, hidden) -> float32 logits (N, vocab); under tensor parallelism a
+        collective, which every rank calls with the same rows."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)

@@ -15,11 +15,13 @@ from transformers import PretrainedConfig
 
 from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.models.decoder_lm import DecoderOnlyLM
+from radixlm.models.layers import tensor_parallel
 from radixlm.models.layers.attention import PagedAttention
 from radixlm.models.layers.layernorm import RMSNorm
-from radixlm.models.layers.linear import StackedLinear
+from radixlm.models.layers.linear import RowParallelLinear, StackedLinear
 from radixlm.models.layers.mlp import GatedMLP
 from radixlm.models.layers.rotary_embedding import apply_rotary
+from radixlm.models.layers.tensor_parallel import head_share
 from radixlm.models.weight_loading import load_named_weights
 
 
@@ -30,16 +32,22 @@ class LlamaAttention(nn.Module):
     ):
         """``qkv_bias``/``qk_norm``: Qwen2's projection bias, Qwen3's per-head norms."""
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_dim = d = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        tp = tensor_parallel.current()
+        share = head_share(tp, num_heads, num_kv_heads)  # this rank's heads
+        self.num_heads, self.num_kv_heads = share.q_count, share.kv_count
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = StackedLinear(
-            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+            config.hidden_size,
+            {"q": share.q_count * d, "k": share.kv_count * d, "v": share.kv_count * d},
             bias=qkv_bias or attention_bias,
+            shard_starts={"q": share.q_start * d, "k": share.kv_start * d,
+                          "v": share.kv_start * d} if tp.size > 1 else None,
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=attention_bias)
+        self.o_proj = RowParallelLinear(num_heads * d, config.hidden_size, attention_bias, tp,
+                                        share.q_start * d, share.q_count * d)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = PagedAttention(
@@ -51,7 +59,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """rope: the (cos, sin) of each token's position; x: (T, hidden) -> (T, hidden)."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, -1, self.head_dim)  # (T, H + 2 H_kv, D)
+        qkv = self.qkv_proj(x).view(t, -1, self.head_dim)  # (T, H + 2 H_kv, D), this rank's
         h, h_kv = self.num_heads, self.num_kv_heads
         if self.q_norm is not None:
             q, k, v = qkv.split([h, h_kv, h_kv], dim=1)

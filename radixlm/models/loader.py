@@ -5,22 +5,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixlm.models.layers.tensor_parallel import SINGLE, TensorParallel, building
 from radixlm.models.model_config import ModelConfig
 from radixlm.models.registry import model_class
 from radixlm.models.weight_loading import iterate_safetensors, safetensors_files
 
 
 def load_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int,
+    tp: TensorParallel = SINGLE,
 ) -> nn.Module:
     """The model of ``config.architecture`` with its checkpoint weights, in eval mode.
 
     ``max_position`` bounds the positions the model will see (the serving context length);
-    RoPE tables are sized by it.
+    RoPE tables are sized by it. ``tp``: the share of a tensor-parallel rank (a size that
+    does not divide the model's heads or intermediate sizes is a ``ValueError``).
     """
     cls = model_class(config.architecture)
     files = safetensors_files(config.path)
-    with torch.device(device):
+    with torch.device(device), building(tp):
         model = cls(config.hf_config, max_position=max_position)
     model.load_weights(iterate_safetensors(files))
     # RoPE tables stay float32; parameters take the serving dtype, except those marked
@@ -29,3 +32,11 @@ def load_model(
         if not getattr(param, "keep_float32", False):
             param.data = param.data.to(dtype)
     return model.train(False).requires_grad_(False)
+
+
+def validate_split(config: ModelConfig, tp_size: int) -> None:
+    """Raises ``ValueError`` naming what stops the model from splitting into ``tp_size``
+    tensor-parallel shares (head counts or intermediate sizes the size does not divide):
+    builds rank 0's share without memory (on the meta device), as every rank will."""
+    with torch.device("meta"), building(TensorParallel(0, tp_size)):
+        model_class(config.architecture)(config.hf_config, max_position=1)

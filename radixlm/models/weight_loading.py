@@ -64,7 +64,9 @@ def load_named_weights(
     A tensor named ``<path>.experts.<e>.<proj>.weight`` whose ``<path>.experts`` module has
     ``load_expert_weight`` (stacked MoE experts) goes there: the module copies it into
     expert e's slice and returns the shard key it filled; the module's
-    ``checkpoint_shards(param_name)`` lists the keys a complete checkpoint fills.
+    ``checkpoint_shards(param_name)`` lists the keys a complete checkpoint fills. A module
+    with ``load_weight(param_name, tensor)`` (a layer holding a tensor-parallel slice) takes
+    its tensors through it.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -90,6 +92,14 @@ def load_named_weights(
             continue
         if name not in params:
             raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of the model")
+        owner = model.get_submodule(module_path) if module_path else model
+        if hasattr(owner, "load_weight"):  # a layer that holds a slice (tensor parallelism)
+            try:
+                owner.load_weight(param_name, tensor)
+            except ValueError as err:
+                raise ValueError(f"checkpoint tensor {hf_name!r}: {err}") from None
+            loaded.add(name)
+            continue
         param = params[name]
         if param.shape != tensor.shape:
             raise ValueError(

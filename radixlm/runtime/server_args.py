@@ -12,7 +12,8 @@ BATCHING_MODES = ("continuous", "static")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 GRAMMAR_BACKENDS = ("xgrammar",)
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-TRANSFER_BACKENDS = ("tcp", "fake")
+TRANSFER_BACKENDS = ("tcp", "mooncake", "fake")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
 REQUEST_CAPS = ("max_logprobs", "max_n", "max_samples_per_request", "max_prompt_logprob_entries",
                 "max_stop_strings", "max_stop_chars", "max_logit_bias", "max_constraint_chars")
 """The fields that bound what one request may ask for (``engine/request_caps.py``)."""
@@ -118,11 +119,27 @@ class ServerArgs:
     """Where a prefill server's bootstrap service listens (on ``host``): decode servers
     ask it where to fetch KV from."""
     disaggregation_transfer_backend: str = "tcp"
-    """``tcp``: KV rows as ZMQ frames, between any two machines; ``fake``: nothing moves
-    (the router's warm-up and health requests only)."""
+    """``tcp``: KV rows as ZMQ frames, between any two machines; ``mooncake``: written
+    into the decode pool by Mooncake's transfer engine (optional dependency); ``fake``:
+    nothing moves (the router's warm-up and health requests only)."""
+    disaggregation_ib_device: str = ""
+    """The InfiniBand device(s) the ``mooncake`` backend writes over (RDMA); empty: TCP."""
     disaggregation_timeout: float = 30.0
     """Seconds one half of a disaggregated request waits for the other (the decode
     side's slots, or the prefill side's KV) before it fails and frees what it holds."""
+    tp_size: int = 1
+    """Tensor parallelism: model ranks the model is split across (heads and MLP
+    columns; ``model_executor/tensor_parallel_ranks``), each with its share of the KV."""
+    nnodes: int = 1
+    """Machines the ``tp_size`` ranks span (an equal share on each)."""
+    node_rank: int = 0
+    """This machine's place among ``nnodes``: node 0 serves; the others only host ranks."""
+    dist_init_addr: str | None = None
+    """host:port where the ranks meet (node 0's address); None on one node: a free
+    loopback port."""
+    dist_backend: str = "auto"
+    """torch.distributed backend of the ranks' collectives: ``auto`` (NCCL on CUDA, gloo
+    on CPUs), ``gloo`` or ``nccl``."""
     disable_overlap_schedule: bool = False
     """Run each decode step's forward pass, then its processing, strictly in turn, instead
     of processing one step while the next computes (see ``scheduler/overlap.py``)."""
@@ -159,6 +176,7 @@ class ServerArgs:
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
                     seconds >= 0):
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {seconds!r}")
+        self._check_parallelism()
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         _check_positive("max_running_requests", self.max_running_requests)
@@ -198,6 +216,27 @@ class ServerArgs:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
             )
+
+    def _check_parallelism(self) -> None:
+        for name in ("tp_size", "nnodes"):
+            _check_positive(name, getattr(self, name))
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size ({self.tp_size}) must be a multiple of nnodes "
+                             f"({self.nnodes}): each node hosts an equal share of the ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if self.dist_backend not in DIST_BACKENDS:
+            raise ValueError(f"dist_backend must be one of {DIST_BACKENDS}, "
+                             f"got {self.dist_backend!r}")
+        if self.tp_size > 1 and self.disaggregation_mode != "null":
+            raise ValueError("tensor parallelism (tp_size > 1) and disaggregation_mode "
+                             f"{self.disaggregation_mode!r} do not combine yet")
 
     @classmethod
     def from_kwargs(cls, model_path: str | None = None, **options) -> ServerArgs:

@@ -1,39 +1,105 @@
-"""Linear layers whose weight is several checkpoint tensors stacked along the output dim.
+"""Linear layers split across tensor-parallel ranks, and fused from several checkpoint tensors.
 
 Fusing q/k/v (and gate/up) into one matmul saves a kernel launch and a read of the input
 per layer. The checkpoint keeps them apart, so each stacked layer knows where each named
-shard goes and loads it there.
+shard goes and loads it there. Under tensor parallelism (``tensor_parallel``) a stacked
+layer is column-parallel: each rank holds a slice of every shard's rows; ``RowParallelLinear``
+holds the matching slice of the next projection's columns and sums the partial outputs.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from radixlm.models.layers.tensor_parallel import TensorParallel
 
 
 class StackedLinear(nn.Linear):
     """``nn.Linear`` whose output rows are the concatenation of named shards.
 
-    ``shard_sizes`` maps a shard name (e.g. "q", "k", "v") to its number of output rows, in
-    the order they are stacked.
+    ``shard_sizes`` maps a shard name (e.g. "q", "k", "v") to its number of output rows
+    here, in the order they are stacked; ``shard_starts`` maps it to the first row of the
+    checkpoint tensor those rows are (0 for all: the whole tensor, as without parallelism).
     """
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool,
+                 shard_starts: dict[str, int] | None = None):
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
+        self.shard_starts = shard_starts or {}
         offset = 0
         for name, size in shard_sizes.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
 
     def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
-        """Copies checkpoint tensor ``tensor`` into the rows of ``shard`` of ``param_name``."""
+        """Copies this layer's rows of checkpoint tensor ``tensor`` into the rows of
+        ``shard`` of ``param_name``."""
         offset, size = self.shard_offsets[shard]
+        start = self.shard_starts.get(shard, 0)
         target = getattr(self, param_name)
-        if tensor.shape[0] != size or tensor.shape[1:] != target.shape[1:]:
+        whole = not self.shard_starts  # (else: this rank's rows of a longer tensor)
+        fits = tensor.shape[0] == size if whole else tensor.shape[0] >= start + size
+        if not fits or tensor.shape[1:] != target.shape[1:]:
             raise ValueError(
-                f"shard {shard!r} of {param_name}: expected {(size, *target.shape[1:])}, "
-                f"got {tuple(tensor.shape)}"
+                f"shard {shard!r} of {param_name}: expected {(size, *target.shape[1:])}"
+                f"{'' if whole else ' (of more rows)'}, got {tuple(tensor.shape)}"
             )
         with torch.no_grad():
-            target[offset : offset + size].copy_(tensor)
+            target[offset : offset + size].copy_(tensor[start : start + size])
+
+
+class ColumnParallelLinear(nn.Linear):
+    """A (out, in) projection of which this rank holds output rows [out_start, out_start +
+    out_count) (and their bias): its output is this rank's share, e.g. its heads. With one
+    rank it is ``nn.Linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 out_start: int = 0, out_count: int | None = None):
+        out_count = out_features if out_count is None else out_count
+        super().__init__(in_features, out_count, bias=bias)
+        self.out_start, self.out_features_total = out_start, out_features
+
+    def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
+        """Copies this rank's rows of the checkpoint's ``param_name``."""
+        target = getattr(self, param_name)
+        full = (self.out_features_total, *target.shape[1:])
+        if tensor.shape != full:
+            raise ValueError(f"{param_name}: expected {full}, got {tuple(tensor.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor[self.out_start : self.out_start + target.shape[0]])
+
+
+class RowParallelLinear(nn.Linear):
+    """A (out, in) projection of which this rank holds input columns [in_start, in_start +
+    in_count): its partial output is summed over the ranks, then the bias (held whole) is
+    added once. With one rank it is ``nn.Linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 tp: TensorParallel, in_start: int = 0, in_count: int | None = None):
+        in_count = in_features if in_count is None else in_count
+        super().__init__(in_count, out_features, bias=bias)
+        self.tp, self.in_start, self.in_features_total = tp, in_start, in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, in_count) -> (T, out), the same on every rank."""
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
+        """Copies this rank's columns of the checkpoint's ``param_name`` (the bias whole)."""
+        target = getattr(self, param_name)
+        if param_name == "weight":
+            full = (target.shape[0], self.in_features_total)
+            if tensor.shape != full:
+                raise ValueError(f"{param_name}: expected {full}, got {tuple(tensor.shape)}")
+            tensor = tensor[:, self.in_start : self.in_start + target.shape[1]]
+        elif tensor.shape != target.shape:
+            raise ValueError(f"{param_name}: expected {tuple(target.shape)}, "
+                             f"got {tuple(tensor.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)

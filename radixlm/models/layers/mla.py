@@ -17,6 +17,9 @@ H x (nope + rope + v) numbers. This layer runs every pass (prefill and decode) a
 through the attention backend, so the radix cache, chunked prefill and retraction see one
 ordinary pool.
 
+Under tensor parallelism each rank holds its share of the heads (q, W_UK, W_UV and the
+output projection's columns) and the whole latent projection and pool.
+
 Weights are prepared once, after loading (``process_weights_after_loading``):
 ``kv_b_proj`` (H (nope + v), R) is split into ``w_uk`` (H, nope, R) and ``w_uv``
 (H, R, v); and DeepSeek's interleaved RoPE pairs ((x0, x1), (x2, x3), ...) are permuted
@@ -31,8 +34,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.models.layers import tensor_parallel
 from radixlm.models.layers.attention import PagedAttention
 from radixlm.models.layers.layernorm import RMSNorm
+from radixlm.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from radixlm.models.layers.rope_scaling import yarn_softmax_scale
 from radixlm.models.layers.rotary_embedding import apply_rotary
 from radixlm.models.model_config import rope_parameters
@@ -57,7 +62,10 @@ class MultiHeadLatentAttention(nn.Module):
     ):
         """``rope_interleaved``: the checkpoint rotates adjacent pairs (DeepSeek's layout)."""
         super().__init__()
-        self.num_heads = h = config.num_attention_heads
+        tp = tensor_parallel.current()  # this rank's heads; the latent is every rank's
+        start, self.num_heads = tp.part(config.num_attention_heads, "attention heads")
+        heads = config.num_attention_heads
+        h = self.num_heads
         self.kv_lora_rank = r = config.kv_lora_rank
         self.nope_dim = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
@@ -67,15 +75,20 @@ class MultiHeadLatentAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.q_lora_rank = config.q_lora_rank
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(config.hidden_size, h * qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(config.hidden_size, heads * qk_head_dim, False,
+                                               start * qk_head_dim, h * qk_head_dim)
         else:
             self.q_a_proj = nn.Linear(config.hidden_size, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, h * qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk_head_dim, False,
+                                                 start * qk_head_dim, h * qk_head_dim)
         self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, r + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(r, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(r, h * (self.nope_dim + self.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_head_dim, config.hidden_size, bias=bias)
+        kv_b_rows = self.nope_dim + self.v_head_dim
+        self.kv_b_proj = ColumnParallelLinear(r, heads * kv_b_rows, False, start * kv_b_rows,
+                                              h * kv_b_rows)
+        self.o_proj = RowParallelLinear(heads * self.v_head_dim, config.hidden_size, bias, tp,
+                                        start * self.v_head_dim, h * self.v_head_dim)
         # The softmax scale is that of the decompressed heads (nope + rope dims), with
         # DeepSeek's YaRN correction; absorption changes the dot products' length, not value.
         scaling = qk_head_dim**-0.5 * yarn_softmax_scale(rope_parameters(config), trained_context)

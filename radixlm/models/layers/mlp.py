@@ -6,19 +6,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.models.layers.linear import StackedLinear
+from radixlm.models.layers import tensor_parallel
+from radixlm.models.layers.linear import RowParallelLinear, StackedLinear
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. Under tensor
+    parallelism each rank holds a slice of the intermediate dimension."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
+        tp = tensor_parallel.current()
+        start, count = tp.part(intermediate_size, "MLP intermediate size")
         self.gate_up_proj = StackedLinear(
-            hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias=bias
+            hidden_size, {"gate": count, "up": count}, bias=bias,
+            shard_starts={"gate": start, "up": start} if tp.size > 1 else None,
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp, start,
+                                           count)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I / tp) each
         return self.down_proj(F.silu(gate) * up)

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.models.layers import tensor_parallel
+
 # Checkpoint names of an expert's projections -> (stacked parameter, shard).
 # Mixtral calls them w1 (gate), w3 (up), w2 (down); Qwen-MoE and DeepSeek use *_proj.
 EXPERT_PROJECTIONS = {
@@ -91,7 +93,8 @@ def naive_experts_per_token(
 
 
 class StackedExperts(nn.Module):
-    """E SwiGLU experts with stacked weights ``w13`` (E, 2 I, H) and ``w2`` (E, H, I).
+    """E SwiGLU experts with stacked weights ``w13`` (E, 2 I, H) and ``w2`` (E, H, I);
+    under tensor parallelism I is this rank's slice of every expert's intermediate size.
 
     Loading: checkpoints store experts one by one (``experts.{e}.gate_proj.weight``, ...);
     ``load_named_weights`` finds names matching ``<path>.experts.<e>.<proj>.weight`` and
@@ -105,18 +108,24 @@ class StackedExperts(nn.Module):
         computation: ExpertsComputation = grouped_experts_torch,
     ):
         super().__init__()
+        self.tp = tensor_parallel.current()  # each rank: a slice of every expert's I
+        self.shard_start, self.intermediate_size = self.tp.part(
+            intermediate_size, "MoE expert intermediate size")
+        self.full_intermediate_size = intermediate_size
         self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
+        i = self.intermediate_size
         # Filled by the loader; empty (not initialised) avoids work for large models.
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, i))
         self.computation = computation
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """x (T, H), topk_weights (T, k), topk_ids (T, k) -> (T, H)."""
-        return self.computation(x, self.w13, self.w2, topk_weights, topk_ids)
+        """x (T, H), topk_weights (T, k), topk_ids (T, k) -> (T, H), summed over the
+        ranks' slices."""
+        return self.tp.all_reduce(self.computation(x, self.w13, self.w2, topk_weights,
+                                                   topk_ids))
 
     def _shard_rows(self, shard: str) -> slice:
         i = self.intermediate_size
@@ -139,11 +148,16 @@ class StackedExperts(nn.Module):
             raise ValueError(f"expert id {expert_id} out of range [0, {self.num_experts})")
         param_name, shard = EXPERT_PROJECTIONS[proj]
         target = getattr(self, param_name)[expert_id, self._shard_rows(shard)]
-        if target.shape != tensor.shape:
+        i, start = self.full_intermediate_size, self.shard_start
+        full = (target.shape[0], i) if shard == "down" else (i, target.shape[1])
+        if tuple(tensor.shape) != full:
             raise ValueError(
-                f"expert {expert_id} {proj}: expected shape {tuple(target.shape)}, "
-                f"got {tuple(tensor.shape)}"
+                f"expert {expert_id} {proj}: expected shape {full}, got {tuple(tensor.shape)}"
             )
+        # This rank's slice of the intermediate dimension: rows of gate/up, columns of down.
+        count = self.intermediate_size
+        tensor = tensor[:, start : start + count] if shard == "down" else tensor[
+            start : start + count]
         with torch.no_grad():
             target.copy_(tensor)
         return f"{param_name}:{expert_id}.{shard}"

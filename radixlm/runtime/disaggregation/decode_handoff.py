@@ -16,11 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from radixlm.runtime.disaggregation import transfer_messages as wire
 from radixlm.runtime.disaggregation.bootstrap import BootstrapDirectory, PrefillPeer
-from radixlm.runtime.disaggregation.kv_rows import KVLayout, scatter_rows
+from radixlm.runtime.disaggregation.kv_rows import KVLayout
 from radixlm.runtime.disaggregation.transfer_backend import DecodeLink
 from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.scheduler.request_memory import RequestMemory
@@ -57,7 +55,6 @@ class DecodeHandoff:
 
     link: DecodeLink
     memory: RequestMemory
-    buffers: list[torch.Tensor]
     layout: KVLayout
     timeout: float
     directory: BootstrapDirectory = field(default_factory=BootstrapDirectory)
@@ -154,8 +151,9 @@ class DecodeHandoff:
         memory.alloc(req, need)
         req.kv_len = prompt_len
         awaited.state = ASKED
-        self.link.send(awaited.peer.endpoint,
-                       wire.KVWanted(req.bootstrap_room, prompt_len, start, self.layout))
+        slots = memory.req_to_token[req.req_pool_idx, start:prompt_len]
+        self.link.send(awaited.peer.endpoint, wire.KVWanted(
+            req.bootstrap_room, prompt_len, start, self.layout, self.link.target(slots)))
         return need
 
     def _write(self, req: Req, header: wire.KVSent, frames: list) -> str | None:
@@ -166,10 +164,9 @@ class DecodeHandoff:
             return (f"the prefill server sent positions {header.start}..{header.prompt_len}"
                     f" for {start}..{len(req.input_ids)}")
         slots = self.memory.req_to_token[req.req_pool_idx, start : len(req.input_ids)]
-        try:
-            scatter_rows(self.buffers, slots, frames)
-        except ValueError as err:
-            return str(err)
+        problem = self.link.receive(header, frames, slots)
+        if problem is not None:
+            return problem
         count = len(req.input_ids) - start
         self.stats.kv_transfers += 1
         self.stats.kv_tokens_received += count

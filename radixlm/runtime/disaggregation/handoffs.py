@@ -12,6 +12,10 @@ import torch
 from radixlm.runtime.disaggregation.bootstrap import BootstrapServer, register
 from radixlm.runtime.disaggregation.decode_handoff import DecodeHandoff
 from radixlm.runtime.disaggregation.kv_rows import KVLayout
+from radixlm.runtime.disaggregation.mooncake_backend import (
+    MooncakeDecodeLink,
+    MooncakePrefillLink,
+)
 from radixlm.runtime.disaggregation.prefill_handoff import PrefillHandoff
 from radixlm.runtime.disaggregation.transfer_backend import TcpDecodeLink, TcpPrefillLink
 from radixlm.runtime.scheduler.request_memory import RequestMemory
@@ -24,15 +28,20 @@ def build_handoffs(args: ServerArgs, memory: RequestMemory, buffers: list[torch.
                    ) -> tuple[PrefillHandoff | None, DecodeHandoff | None]:
     """(prefill handoff, decode handoff): the one of this server's mode, or neither (a
     unified server; the ``fake`` backend, whose pairs the scheduler serves unpaired).
-    Raises ``ValueError`` when the bootstrap port cannot be bound."""
+    Raises ``ValueError`` when the bootstrap port cannot be bound or the mooncake backend
+    cannot start."""
     mode = args.disaggregation_mode
     if mode == "null" or args.disaggregation_transfer_backend == "fake":
         return None, None
     layout = KVLayout.of(buffers, memory.page_size)
     timeout = args.disaggregation_timeout
+    mooncake = args.disaggregation_transfer_backend == "mooncake"
     if mode == "decode":
-        return None, DecodeHandoff(TcpDecodeLink(), memory, buffers, layout, timeout)
-    link = TcpPrefillLink(args.host)
+        link = (MooncakeDecodeLink(args.host, buffers, args.disaggregation_ib_device)
+                if mooncake else TcpDecodeLink(buffers))
+        return None, DecodeHandoff(link, memory, layout, timeout)
+    link = (MooncakePrefillLink(args.host, buffers, args.disaggregation_ib_device)
+            if mooncake else TcpPrefillLink(args.host, buffers))
     port = args.disaggregation_bootstrap_port
     try:
         bootstrap = BootstrapServer(args.host, port, layout)
@@ -48,4 +57,4 @@ def build_handoffs(args: ServerArgs, memory: RequestMemory, buffers: list[torch.
     })
     logger.info("bootstrap service on %s:%d; KV requests at %s", args.host, port,
                 link.endpoint)
-    return PrefillHandoff(link, memory, buffers, layout, timeout, bootstrap=bootstrap), None
+    return PrefillHandoff(link, memory, layout, timeout, bootstrap=bootstrap), None

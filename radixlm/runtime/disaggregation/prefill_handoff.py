@@ -14,11 +14,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from radixlm.runtime.disaggregation import transfer_messages as wire
 from radixlm.runtime.disaggregation.bootstrap import BootstrapServer
-from radixlm.runtime.disaggregation.kv_rows import KVLayout, gather_rows
+from radixlm.runtime.disaggregation.kv_rows import KVLayout
 from radixlm.runtime.disaggregation.transfer_backend import PrefillLink
 from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.scheduler.request_memory import RequestMemory
@@ -52,7 +50,6 @@ class PrefillHandoff:
 
     link: PrefillLink
     memory: RequestMemory
-    buffers: list[torch.Tensor]
     layout: KVLayout
     timeout: float
     bootstrap: BootstrapServer | None = None
@@ -105,7 +102,7 @@ class PrefillHandoff:
             if isinstance(message, wire.KVWanted):
                 if message.room in self.abandoned:
                     why, _ = self.abandoned.pop(message.room)
-                    self.link.send_kv(peer, wire.KVSent(message.room, error=why), [])
+                    self.link.send_header(peer, wire.KVSent(message.room, error=why))
                 elif message.room in self.held and not self.held[message.room].sent:
                     ended += self._send(message.room, peer, message)
                 elif message.room not in self.held:
@@ -152,7 +149,7 @@ class PrefillHandoff:
         (now if it has asked, else when it does) instead of waiting out its timeout."""
         early = self.early.pop(room, None)
         if early is not None:
-            self.link.send_kv(early[0], wire.KVSent(room, error=why), [])
+            self.link.send_header(early[0], wire.KVSent(room, error=why))
         else:
             self.abandoned[room] = (why, self.clock())
 
@@ -171,18 +168,19 @@ class PrefillHandoff:
         if problem is None and not 0 <= wanted.start < wanted.prompt_len:
             problem = f"the decode server asked for KV from position {wanted.start}"
         if problem is not None:
-            self.link.send_kv(peer, wire.KVSent(room, error=problem), [])
+            self.link.send_header(peer, wire.KVSent(room, error=problem))
             return [self._fail(room, problem)]
         slots = self.memory.req_to_token[req.req_pool_idx, wanted.start : wanted.prompt_len]
-        rows = gather_rows(self.buffers, slots)
         logprobs = req.logprobs is not None
-        self.link.send_kv(peer, wire.KVSent(
+        problem = self.link.send_kv(peer, wire.KVSent(
             room, wanted.start, wanted.prompt_len, first_token=req.output_ids[0],
             cached_tokens=req.cached_tokens,
             first_token_logprob=req.output_token_logprobs[0] if logprobs else None,
             first_top_logprobs=(req.output_top_logprobs[0] if logprobs and
                                 req.output_top_logprobs else None),
-        ), rows)
+        ), wanted, slots)
+        if problem is not None:
+            return [self._fail(room, problem)]
         count = wanted.prompt_len - wanted.start
         self.stats.kv_transfers += 1
         self.stats.kv_tokens_sent += count

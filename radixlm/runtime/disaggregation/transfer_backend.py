@@ -6,6 +6,8 @@ request's KV (``transfer_messages``), behind one interface per side.
   prefill endpoint. KV rows leave as frames that point at the gathered tensors' memory (no
   copy on the send side) and are written into the decode pool's slots on arrival. Works
   between any two machines, for any pool layout (MHA or the MLA latent).
+- ``mooncake`` (``mooncake_backend``): the same control messages; the KV itself is
+  written by Mooncake's transfer engine straight into the decode pool's slots.
 - ``fake``: moves nothing, so it needs no link: the scheduler serves such pairs unpaired
   (``scheduler_process.make_req``): the prefill half ends after its prompt, the decode
   half computes the prompt itself (warm-up and health requests only).
@@ -23,7 +25,7 @@ import torch
 import zmq
 
 from radixlm.runtime.disaggregation import transfer_messages as wire
-from radixlm.runtime.disaggregation.kv_rows import byte_views
+from radixlm.runtime.disaggregation.kv_rows import byte_views, gather_rows, scatter_rows
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ MAX_CONTROL_BYTES = 1 << 20
 
 class PrefillLink:
     """The prefill side of a backend: where decode servers reach it, what they sent, and
-    sending a request's KV back to one of them."""
+    moving a request's KV (from ``buffers``, this server's pool) to one of them."""
 
     endpoint: str = ""
 
@@ -45,15 +47,25 @@ class PrefillLink:
         """(peer, message) pairs that arrived since the last call."""
         return []
 
-    def send_kv(self, peer: bytes, header: wire.KVSent, rows: list[torch.Tensor]) -> None:
-        """Sends ``header`` and one frame per host tensor of ``rows`` to ``peer``."""
+    def send_header(self, peer: bytes, header: wire.KVSent) -> None:
+        """Sends ``header`` alone (an error, or KV already written) to ``peer``."""
+
+    def send_kv(self, peer: bytes, header: wire.KVSent, wanted: wire.KVWanted,
+                slots: torch.Tensor) -> str | None:
+        """Moves the KV at this pool's ``slots`` (those of ``wanted``'s positions) to
+        ``peer``, then ``header``; an error message (the peer told) if it cannot."""
 
     def close(self) -> None:
         pass
 
 
 class DecodeLink:
-    """The decode side of a backend: asking prefill endpoints for KV, and what arrived."""
+    """The decode side of a backend: asking prefill endpoints for KV, and writing what
+    arrives into ``buffers``, this server's pool."""
+
+    def target(self, slots: torch.Tensor) -> wire.KVTarget | None:
+        """Where a prefill side may write the KV of ``slots`` itself; None: send frames."""
+        return None
 
     def send(self, endpoint: str, message: wire.KVWanted | wire.KVReceived | wire.KVCancel
              ) -> None:
@@ -63,18 +75,24 @@ class DecodeLink:
         """KV headers that arrived since the last call, each with its frames."""
         return []
 
+    def receive(self, header: wire.KVSent, frames: list[memoryview], slots: torch.Tensor
+                ) -> str | None:
+        """Puts the KV that ``header`` announces at this pool's ``slots``; an error message
+        if it does not fit them."""
+
     def close(self) -> None:
         pass
 
 
 class TcpPrefillLink(PrefillLink):
-    def __init__(self, host: str):
+    def __init__(self, host: str, buffers: list[torch.Tensor]):
+        self.buffers = buffers
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         self.socket.setsockopt(zmq.LINGER, 0)
         port = self.socket.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{_reachable(host)}:{port}"
+        self.endpoint = f"tcp://{reachable_address(host)}:{port}"
 
     def poll(self) -> list[tuple[bytes, wire.TransferMessage]]:
         arrived = []
@@ -89,16 +107,23 @@ class TcpPrefillLink(PrefillLink):
                 logger.error("dropped a KV control frame that is not a message: %s", err)
         return arrived
 
-    def send_kv(self, peer: bytes, header: wire.KVSent, rows: list[torch.Tensor]) -> None:
+    def send_header(self, peer: bytes, header: wire.KVSent) -> None:
+        self.socket.send_multipart([peer, wire.encode(header)])
+
+    def send_kv(self, peer: bytes, header: wire.KVSent, wanted: wire.KVWanted,
+                slots: torch.Tensor) -> str | None:
+        rows = gather_rows(self.buffers, slots)
         # copy=False: the frames reference the tensors' memory until ZMQ has sent them.
         self.socket.send_multipart([peer, wire.encode(header), *byte_views(rows)], copy=False)
+        return None
 
     def close(self) -> None:
         self.socket.close(linger=0)
 
 
 class TcpDecodeLink(DecodeLink):
-    def __init__(self):
+    def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers = buffers
         self.context = zmq.Context.instance()
         self.sockets: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
@@ -131,13 +156,23 @@ class TcpDecodeLink(DecodeLink):
                 arrived.append((header, [f.buffer for f in frames[1:]]))
         return arrived
 
+    def receive(self, header: wire.KVSent, frames: list[memoryview], slots: torch.Tensor
+                ) -> str | None:
+        if header.written:
+            return "the prefill server wrote KV directly, which this backend cannot take"
+        try:
+            scatter_rows(self.buffers, slots, frames)
+        except ValueError as err:
+            return str(err)
+        return None
+
     def close(self) -> None:
         for peer in self.sockets.values():
             peer.close(linger=0)
         self.sockets.clear()
 
 
-def _reachable(host: str) -> str:
+def reachable_address(host: str) -> str:
     """The address peers use for a socket bound to ``host`` (a wildcard bind is reached
     at this machine's own address)."""
     if host in ("0.0.0.0", "", "*"):

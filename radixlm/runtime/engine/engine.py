@@ -73,6 +73,9 @@ class Engine:
     def __init__(self, model_path: str | None = None, **options: Any):
         self._shut_down = False
         self.server_args = ServerArgs.from_kwargs(model_path, **options)
+        if self.server_args.node_rank:
+            raise ValueError("node_rank > 0 only hosts tensor-parallel ranks for node 0's "
+                             "server: run `radixlm serve --node-rank N ...` there")
         path = resolve_model_path(self.server_args.model_path)
         self.model_config = ModelConfig.from_path(path, self.server_args.trust_remote_code)
         model_class(self.model_config.architecture)  # an unknown one fails here, fast

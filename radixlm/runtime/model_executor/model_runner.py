@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 import torch
+import torch.distributed as dist
 
 from radixlm.host_to_device import to_device
 from radixlm.kernels.attention.attention_backend import AttentionBackend
@@ -24,9 +26,18 @@ from radixlm.kv_cache.memory_pool import (
 )
 from radixlm.models.layers.attention import PagedAttention
 from radixlm.models.layers.moe_experts import StackedExperts
-from radixlm.models.loader import load_model
+from radixlm.models.layers.tensor_parallel import SINGLE
+from radixlm.models.loader import load_model, validate_split
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
+from radixlm.runtime.model_executor.rank_processes import LocalRanks
+from radixlm.runtime.model_executor.tensor_parallel_ranks import (
+    StepSender,
+    agree_on_pool_size,
+    init_ranks,
+    loopback_address,
+    threads_per_rank,
+)
 from radixlm.runtime.model_executor.thread_policy import ThreadPolicy
 from radixlm.runtime.server_args import ServerArgs
 
@@ -41,9 +52,13 @@ class ModelRunner:
 
     Pools are allocated here, once: ``max_total_tokens`` KV slots (rounded down to whole
     pages) and ``max_running_requests`` request rows of ``context_length`` entries.
+
+    With ``tp_size`` > 1 this is one rank (``rank``) of the model: rank 0, in the
+    scheduler's process, starts this node's other ranks (``tp_worker``) and broadcasts
+    every forward pass to them; all ranks agree on the pool's slot count.
     """
 
-    def __init__(self, args: ServerArgs, model_config: ModelConfig):
+    def __init__(self, args: ServerArgs, model_config: ModelConfig, rank: int = 0):
         self.args = args
         self.model_config = model_config
         self.device = args.resolved_device()
@@ -51,11 +66,21 @@ class ModelRunner:
         # On CPUs, unless --num-threads fixes it: one thread or all, by measurement.
         self.thread_policy = None
         self._fixed_threads = args.num_threads
+        if args.tp_size > 1 and self._fixed_threads is None:
+            self._fixed_threads = threads_per_rank(args.tp_size, args.nnodes)
         if self._fixed_threads is None and self.device.type == "cpu":
             self.thread_policy = ThreadPolicy(PROCESS_THREADS)
         self.context_length = args.context_length or model_config.max_position_embeddings
-        self.model = load_model(model_config, self.dtype, self.device, self.context_length)
+        self.tp, self.cpu_group = SINGLE, None
+        self.local_ranks: LocalRanks | None = None
+        self.step_sender: StepSender | None = None
+        if args.tp_size > 1:
+            self._join_ranks(model_config, rank)
+        self.model = load_model(model_config, self.dtype, self.device, self.context_length,
+                                self.tp)
         self.max_total_tokens = self._kv_pool_tokens()
+        if self.cpu_group is not None:
+            self.max_total_tokens = agree_on_pool_size(self.max_total_tokens, self.cpu_group)
         page_size = args.page_size
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, page_size, self.device)
         self.max_total_tokens = self.allocator.size
@@ -66,6 +91,8 @@ class ModelRunner:
         self.attn_backend = self._make_attention_backend()
         self.fused_moe = self._use_fused_moe()
         self.cuda_graph_runner = self._make_cuda_graph_runner()
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self.step_sender = StepSender(self.tp, self.cpu_group, self.req_to_token_pool)
         logger.info(
             "model %s loaded: %s on %s, KV pool of %d tokens (%.1f MiB)",
             model_config.architecture, self.dtype, self.device, self.max_total_tokens,
@@ -76,6 +103,8 @@ class ModelRunner:
         """Runs the model over the batch's new tokens -> hidden states (T, hidden)."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
+        if self.step_sender is not None:  # the other ranks run the same pass
+            self.step_sender.send_step(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
 
         def run() -> torch.Tensor:
@@ -89,7 +118,44 @@ class ModelRunner:
             return run()
         return self.thread_policy.run(len(forward_batch.input_ids), self._set_threads, run)
 
+    def rank_failure(self) -> str | None:
+        """Why the model's other ranks cannot serve (one exited), or None."""
+        return None if self.local_ranks is None else self.local_ranks.failure()
+
+    def close(self) -> None:
+        """Stops the other ranks (rank 0) and leaves the ranks' group."""
+        if self.step_sender is not None:
+            self.step_sender.shutdown()
+        if self.local_ranks is not None:
+            self.local_ranks.stop()
+        if self.cpu_group is not None and dist.is_initialized():
+            dist.destroy_process_group()
+        self.step_sender = self.local_ranks = self.cpu_group = None
+
+    def _join_ranks(self, model_config: ModelConfig, rank: int) -> None:
+        """Checks that the model splits into ``tp_size`` shares, starts this node's other
+        ranks (on rank 0's node, when rank 0) and joins the ranks' group."""
+        args = self.args
+        validate_split(model_config, args.tp_size)
+        if args.dist_init_addr is None:  # one node: rank 0 picks where the ranks meet
+            args = self.args = dataclasses.replace(args, dist_init_addr=loopback_address())
+        per_node = args.tp_size // args.nnodes
+        if self.device.type == "cuda":  # one GPU per rank of a node
+            self.device = torch.device("cuda", rank % per_node)
+        if rank == 0 and per_node > 1:
+            self.local_ranks = LocalRanks(args, str(model_config.path), range(1, per_node))
+        try:
+            self.tp, self.cpu_group = init_ranks(rank, args.tp_size, args.dist_init_addr,
+                                                 args.dist_backend, self.device)
+        except BaseException:
+            if self.local_ranks is not None:
+                self.local_ranks.stop(0)
+            raise
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, H) -> float32 logits (N, vocab) (with the other ranks' shares)."""
+        if self.step_sender is not None:
+            self.step_sender.send_logits(hidden)
         with torch.inference_mode():
             return self.model.compute_logits(hidden)
 
@@ -161,6 +227,9 @@ class ModelRunner:
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
         per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        if not self.model_config.uses_mla:  # this rank's KV heads only
+            per_token = per_token // self.model_config.num_kv_heads * (
+                self.attention_layer.num_kv_heads)
         budget = int(_available_memory(self.device) * self.args.kv_cache_memory_fraction)
         self.kv_memory_budget = budget
         useful = self.args.max_running_requests * self.context_length
@@ -175,7 +244,7 @@ class ModelRunner:
                 self.dtype, self.device,
             )
         return MHATokenToKVPool(
-            num_slots, config.num_layers, config.num_kv_heads, config.head_dim,
+            num_slots, config.num_layers, self.attention_layer.num_kv_heads, config.head_dim,
             self.dtype, self.device,
         )
 
@@ -216,6 +285,7 @@ class ModelRunner:
         if (
             self.device.type != "cuda"
             or self.args.disable_cuda_graph
+            or self.tp.size > 1  # (a broadcast per pass cannot be captured)
             or not self.attn_backend.supports_cuda_graph
         ):
             return None

@@ -110,6 +110,7 @@ class RequestMemory:
         self._free_duplicates(req, slots, already)
         match = self.tree_cache.match_prefix(tokens, req.extra_key)
         self.req_to_token[req.req_pool_idx, : len(match.indices)] = match.indices
+        self.req_to_token_pool.mark_rewritten(req.req_pool_idx, len(match.indices))
         self.tree_cache.dec_lock_ref(req.last_node)
         self.tree_cache.inc_lock_ref(match.last_node)
         req.prefix_indices, req.last_node = match.indices, match.last_node

@@ -125,11 +125,13 @@ class Scheduler(OverlapSteps, HandoffSteps):
         self._enqueue(req)
 
     def shutdown(self) -> None:
-        """Stops the threads the scheduler started (the decode worker, grammar compiles)."""
+        """Stops the threads the scheduler started (the decode worker, grammar compiles)
+        and the model's other ranks."""
         if self.decode_worker is not None:
             self.decode_worker.shutdown()
         self.sampler.grammar_backend.shutdown()
         self._close_handoffs()
+        self.runner.close()
 
     def is_idle(self) -> bool:
         return not (self.has_work_to_run() or self._handing_off())

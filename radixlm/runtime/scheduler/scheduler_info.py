@@ -48,6 +48,12 @@ def describe(scheduler) -> dict:
         "fused_moe": runner.fused_moe,
         "vocab_size": runner.model_config.vocab_size,
         "stats": dataclasses.asdict(scheduler.stats),
+        "tp_size": runner.tp.size,
+        "nnodes": scheduler.args.nnodes,
+        # Every rank's pool has the same slots, each holding its share of the heads.
+        "tp_ranks": [{"rank": rank, "kv_tokens": runner.max_total_tokens,
+                      "kv_bytes": runner.max_total_tokens * runner.kv_pool.bytes_per_token()}
+                     for rank in range(runner.tp.size)],
         "disaggregation_mode": scheduler.args.disaggregation_mode,
         "disaggregation": scheduler.handoff_stats(),
         **{k: getattr(scheduler.args, k) for k in ("schedule_policy", "batching",

@@ -141,6 +141,7 @@ class SchedulerLoop:
             if not self._receive(wait_ms):
                 return
             self._heartbeat()
+            self._check_ranks()
             if scheduler.is_idle():
                 self.trim.idle()
                 continue
@@ -149,11 +150,19 @@ class SchedulerLoop:
             try:
                 stepped = self.scheduler.step()
             except Exception as err:  # a failed step must not take the server down
+                self._check_ranks()
                 logger.exception("scheduler step failed")
                 stepped = self.scheduler.requests()
                 for req in stepped:
                     self.scheduler.abort(req, f"internal error: {err}")
             self._report(stepped)
+
+    def _check_ranks(self) -> None:
+        """Raises when a tensor-parallel rank exited: the loop ends and the TokenizerManager
+        fails every pending request with the reason."""
+        failure = self.scheduler.runner.rank_failure()
+        if failure is not None:
+            raise RuntimeError(failure)
 
     def _heartbeat(self) -> None:
         """Tells the TokenizerManager the loop turns, at most every ``HEARTBEAT_S``."""

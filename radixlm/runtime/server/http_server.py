@@ -34,7 +34,7 @@ from radixlm.runtime.server.server_sent_events import server_sent_events
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 2**20
-SCALE_OUT_INFO = {"tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin"}
+SCALE_OUT_INFO = {"dp_size": 1, "load_balance_method": "round_robin"}
 
 
 class AbortRequest(BaseModel):

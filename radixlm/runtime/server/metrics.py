@@ -96,3 +96,12 @@ class _RuntimeStateCollector(Collector):
         }
         for name, (help_text, value) in gauges.items():
             yield GaugeMetricFamily(name, help_text, value=value)
+        yield GaugeMetricFamily("radixlm_tp_size", "Tensor-parallel ranks of the model",
+                                value=info.get("tp_size", 1))
+        for name, key, help_text in (
+                ("radixlm_tp_rank_kv_tokens", "kv_tokens", "KV pool slots of each rank"),
+                ("radixlm_tp_rank_kv_bytes", "kv_bytes", "KV pool bytes of each rank")):
+            family = GaugeMetricFamily(name, help_text, labels=["tp_rank"])
+            for rank in info.get("tp_ranks", []):
+                family.add_metric([str(rank["rank"])], rank[key])
+            yield family

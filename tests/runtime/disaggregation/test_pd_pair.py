@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from live_server import free_port
-from runtime_checks import assert_engine_idle
+from runtime_checks import assert_engine_idle, mooncake_missing
 from workloads import random_ids
 
 import radixlm
@@ -22,6 +22,7 @@ BOOTSTRAP_PORT = free_port()
 MLA_BOOTSTRAP_PORT = free_port()
 SHORT_BOOTSTRAP_PORT = free_port()
 PAGED_BOOTSTRAP_PORT = free_port()
+MOONCAKE_BOOTSTRAP_PORTS = {"LlamaForCausalLM": free_port(), "DeepseekV2ForCausalLM": free_port()}
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 SLOW = pytest.mark.slow  # engines of their own (other pools, short timeouts): CI's last stage
 
@@ -169,6 +170,33 @@ def test_the_mla_latent_pool_moves_too(pair, architecture):
     torch.testing.assert_close(logprob_values(got["meta_info"]["output_token_logprobs"]),
                                logprob_values(want["meta_info"]["output_token_logprobs"]),
                                atol=1e-5, rtol=0)
+
+
+@SLOW
+@pytest.mark.skipif(mooncake_missing() is not None, reason=mooncake_missing() or "")
+@pytest.mark.parametrize("architecture", sorted(MOONCAKE_BOOTSTRAP_PORTS))
+def test_the_mooncake_backend_writes_the_kv_into_the_decode_pool(engine_for, architecture):
+    port = MOONCAKE_BOOTSTRAP_PORTS[architecture]
+    unified = engine_for(architecture)
+    prefill = engine_for(architecture, disaggregation_mode="prefill",
+                         disaggregation_bootstrap_port=port,
+                         disaggregation_transfer_backend="mooncake")
+    decode = engine_for(architecture, disaggregation_mode="decode",
+                        disaggregation_transfer_backend="mooncake")
+    before = decode.get_server_info()["disaggregation"]
+    shared = random_ids(16, 25)
+    for i, tail in enumerate((9, 4)):
+        request = dict(input_ids=shared + random_ids(17 + i, tail), sampling_params=GREEDY,
+                       return_logprob=True)
+        want = unified.generate(**request)
+        _, got = paired(prefill, decode, port=port, **request)
+        assert got["output_ids"] == want["output_ids"]
+        torch.testing.assert_close(
+            logprob_values(got["meta_info"]["output_token_logprobs"]),
+            logprob_values(want["meta_info"]["output_token_logprobs"]), atol=1e-5, rtol=0)
+    after = decode.get_server_info()["disaggregation"]
+    assert after["kv_tokens_received"] - before["kv_tokens_received"] == 34 + 4
+    assert after["decode_cached_tokens"] - before["decode_cached_tokens"] == 25
 
 
 def test_the_fake_bootstrap_host_moves_nothing_and_still_answers(pair):

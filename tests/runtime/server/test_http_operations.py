@@ -16,7 +16,7 @@ from workloads import PROMPTS, greedy
 
 
 def metric(text: str, name: str) -> float:
-    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     assert found, f"{name} missing from /metrics"
     return float(found.group(1))
 
@@ -36,6 +36,10 @@ def test_each_latency_histogram_counts_every_finished_request(live):
         assert metric(after, f"{name}_count") == count + 5
     assert metric(after, "radixlm_num_running_requests") == 0
     assert 0 <= metric(after, "radixlm_kv_usage_ratio") <= 1
+    info = httpx.get(f"{url}/server_info").json()
+    assert metric(after, "radixlm_tp_size") == info["tp_size"] == 1
+    assert metric(after, 'radixlm_tp_rank_kv_bytes{tp_rank="0"}') == (
+        info["max_total_tokens"] * info["kv_bytes_per_token"])
 
 
 def test_256_concurrent_requests_all_succeed(live):

@@ -1,0 +1,59 @@
+"""The vocabulary split across tensor-parallel ranks: the token embedding and the LM head.
+
+Each rank holds rows [start, start + count) of the (vocabulary, hidden) matrix, the
+vocabulary padded up to a multiple of the ranks (padding rows are zero and their logits are
+cut off). The embedding looks up the ids its rows cover, zeroes the others and sums over the
+ranks (each token's row lives on exactly one); the LM head computes its rows' logits and
+gathers every rank's to all of them. With one rank both are plain: a lookup and a matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.models.layers import tensor_parallel
+
+
+class VocabParallelEmbedding(nn.Module):
+    """A (vocab_size, hidden) matrix of which this rank holds its share of rows:
+    ``forward`` embeds token ids, ``logits`` projects hidden states onto the vocabulary."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp = tp = tensor_parallel.current()
+        padded = -(-vocab_size // tp.size) * tp.size
+        self.start, count = tp.part(padded, "padded vocabulary")
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(count, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (T,) -> (T, hidden), the same on every rank."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        elsewhere = (local < 0) | (local >= self.weight.shape[0])  # (T,) another rank's row
+        x = F.embedding(local.masked_fill(elsewhere, 0), self.weight)  # (T, hidden)
+        return self.tp.all_reduce(x.masked_fill(elsewhere[:, None], 0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, hidden) -> float32 logits (N, vocab_size), on every rank (a
+        collective: every rank calls it with the same rows)."""
+        local = torch.matmul(hidden, self.weight.t())  # (N, vocab / tp)
+        if self.tp.size > 1:
+            shares = [torch.empty_like(local) for _ in range(self.tp.size)]
+            dist.all_gather(shares, local.contiguous(), group=self.tp.group)
+            local = torch.cat(shares, dim=-1)[:, : self.vocab_size]
+        return local.float()
+
+    def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
+        """Copies this rank's rows of the checkpoint's (vocab_size, hidden) matrix."""
+        full = (self.vocab_size, self.weight.shape[1])
+        if tuple(tensor.shape) != full:
+            raise ValueError(f"{param_name}: expected {full}, got {tuple(tensor.shape)}")
+        rows = tensor[self.start : self.start + self.weight.shape[0]]
+        with torch.no_grad():
+            self.weight.zero_()
+            self.weight[: len(rows)].copy_(rows)

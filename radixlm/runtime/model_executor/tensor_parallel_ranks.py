@@ -1,0 +1,167 @@
+"""One scheduler, N model ranks: how rank 0 (the scheduler's process) drives ranks 1..N-1.
+
+Every rank holds its share of the model (``models/layers/tensor_parallel``) and a KV pool
+of its share of the heads under the same slot numbers, so the allocator, the request rows
+and the radix cache exist once, on rank 0. Before each forward pass rank 0 broadcasts the
+step (``send_step``): its sizes on the CPU group (gloo), then one int64 payload on the
+model's group (gloo on CPUs, NCCL on GPUs, so the payload never leaves the device there):
+token ids, positions, the new tokens' slots, request rows and lengths, the rows the prefix
+cache rewrote in place since the last step (``ReqToTokenPool.rewritten``), and for an
+extend step each request's whole row of slots (a prefix-cache hit or a re-admitted request
+brings slots the other ranks have not seen; a decode step's one new slot per request is in
+the new tokens' slots). The other ranks (``tp_worker``) write those rows into their own request
+table and run the same pass; the layers' all-reduces keep them in step. Logits are a
+step of their own (``send_logits``): rank 0 broadcasts the hidden rows it wants them for,
+every rank projects them onto its share of the vocabulary, and the shares are gathered.
+Rank 0 alone samples.
+
+What crosses between ranks is int64 tensors; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
+from radixlm.kv_cache.memory_pool import ReqToTokenPool
+from radixlm.models.layers.tensor_parallel import TensorParallel
+
+FORWARD, LOGITS, SHUTDOWN = 1, 2, 3
+HEADER_LEN = 6
+COLLECTIVE_TIMEOUT_S = 60
+"""Longest a rank waits in one collective (a peer stuck without dying)."""
+
+
+@dataclass
+class Step:
+    """A forward pass as the other ranks receive it (tensors on the model's device)."""
+
+    mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    rows: torch.Tensor
+    """Extend steps: each request's slots for its first ``prefix + extend`` tokens, one
+    after another; decode steps: empty."""
+    rewritten: list[tuple[int, torch.Tensor]]
+    """(row, its first slots) of rows replaced in place since the last step."""
+
+
+def init_ranks(rank: int, size: int, init_address: str, backend: str,
+               device: torch.device) -> tuple[TensorParallel, object]:
+    """Joins the ranks' process group (blocks until all ``size`` have joined); returns
+    (this rank's ``TensorParallel`` on the model's group, the CPU group)."""
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group(backend, init_method=f"tcp://{init_address}", rank=rank,
+                            world_size=size, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else (
+        dist.group.WORLD)
+    return TensorParallel(rank, size, dist.group.WORLD), cpu_group
+
+
+def loopback_address() -> str:
+    """127.0.0.1:<a port nothing listens on now>, where one node's ranks can meet."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+def threads_per_rank(size: int, nnodes: int) -> int:
+    """CPU threads each rank runs, so that the ranks of a node share its cores without
+    oversubscribing them."""
+    return max(1, (os.cpu_count() or 1) // max(1, size // nnodes))
+
+
+def agree_on_pool_size(tokens: int, cpu_group) -> int:
+    """The smallest KV pool any rank can hold (each sized its own from its memory)."""
+    value = torch.tensor([tokens], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=cpu_group)
+    return int(value)
+
+
+class StepSender:
+    """Rank 0's side: broadcasts each forward pass, and the end."""
+
+    def __init__(self, tp: TensorParallel, cpu_group, rows: ReqToTokenPool):
+        self.tp, self.cpu_group, self.rows = tp, cpu_group, rows
+
+    def send_step(self, batch: ForwardBatch) -> None:
+        extend = batch.mode == ForwardMode.EXTEND
+        table = self.rows.req_to_token
+        rewritten, self.rows.rewritten = self.rows.rewritten, {}
+        parts = [batch.input_ids, batch.positions, batch.out_cache_loc,
+                 batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens]
+        # Rows replaced in place since the last pass (the prefix cache swapped slots):
+        # their rows and lengths, then their slots.
+        device = batch.input_ids.device
+        parts.append(torch.tensor([*rewritten, *rewritten.values()], dtype=torch.int64,
+                                  device=device))
+        parts += [table[row, :n] for row, n in rewritten.items()]
+        if extend:  # each request's row, up to its length (host lengths: no device sync)
+            batch_rows = table.index_select(0, batch.req_pool_indices)
+            parts += [batch_rows[b, :n] for b, n in enumerate(batch.seq_lens_list)]
+        payload = torch.cat([p.to(torch.int64) for p in parts])
+        header = torch.tensor([FORWARD, int(extend), len(batch.input_ids), batch.batch_size,
+                               len(payload), len(rewritten)], dtype=torch.int64)
+        dist.broadcast(header, 0, group=self.cpu_group)
+        dist.broadcast(payload, 0, group=self.tp.group)
+
+    def send_logits(self, hidden: torch.Tensor) -> None:
+        """Has the other ranks compute their share of the logits of ``hidden`` (N, H)."""
+        header = torch.tensor([LOGITS, 0, hidden.shape[0], 0, 0, 0], dtype=torch.int64)
+        dist.broadcast(header, 0, group=self.cpu_group)
+        dist.broadcast(hidden.contiguous(), 0, group=self.tp.group)
+
+    def shutdown(self) -> None:
+        """Tells the other ranks to exit (ignored when they are gone already)."""
+        header = torch.tensor([SHUTDOWN] + [0] * (HEADER_LEN - 1), dtype=torch.int64)
+        with contextlib.suppress(RuntimeError, ValueError):
+            dist.broadcast(header, 0, group=self.cpu_group)
+
+
+class StepReceiver:
+    """Ranks 1..N-1: the next step rank 0 sends: a forward pass, hidden rows (N, H) to
+    compute logits of, or None (shut down)."""
+
+    def __init__(self, tp: TensorParallel, cpu_group, device: torch.device,
+                 hidden_size: int, dtype: torch.dtype):
+        self.tp, self.cpu_group, self.device = tp, cpu_group, device
+        self.hidden_size, self.dtype = hidden_size, dtype
+
+    def receive(self) -> Step | torch.Tensor | None:
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        dist.broadcast(header, 0, group=self.cpu_group)
+        command, extend, tokens, batch_size, length, rewrites = header.tolist()
+        if command == SHUTDOWN:
+            return None
+        if command == LOGITS:
+            hidden = torch.empty(tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+            dist.broadcast(hidden, 0, group=self.tp.group)
+            return hidden
+        payload = torch.empty(length, dtype=torch.int64, device=self.device)
+        dist.broadcast(payload, 0, group=self.tp.group)
+        head = 3 * tokens + 3 * batch_size + 2 * rewrites
+        input_ids, positions, out_cache_loc, req_pool_indices, prefix_lens, extend_lens, \
+            rewritten, rest = payload.split([tokens, tokens, tokens, batch_size, batch_size,
+                                             batch_size, 2 * rewrites, length - head])
+        rewritten_rows, rewritten_lens = rewritten.view(2, rewrites).tolist()
+        rewritten_slots, rows = rest.split([sum(rewritten_lens), len(rest) - sum(
+            rewritten_lens)])
+        return Step(ForwardMode.EXTEND if extend else ForwardMode.DECODE, input_ids,
+                    positions, out_cache_loc, req_pool_indices, prefix_lens.tolist(),
+                    extend_lens.tolist(), rows,
+                    list(zip(rewritten_rows, rewritten_slots.split(rewritten_lens))))

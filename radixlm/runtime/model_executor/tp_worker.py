@@ -1,0 +1,82 @@
+"""Tensor-parallel ranks 1..N-1: processes that hold a share of the model and run every
+forward pass rank 0 broadcasts (``tensor_parallel_ranks``), and nothing else (no HTTP, no
+tokenizer, no scheduler).
+
+``rank_processes`` starts them: rank 0's model runner on its node, ``radixlm serve
+--node-rank i`` on the others. A rank exits when rank 0 says so, or when a collective
+fails (rank 0 or a peer died).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
+from radixlm.models.model_config import ModelConfig
+from radixlm.runtime.model_executor.model_runner import ModelRunner
+from radixlm.runtime.model_executor.rank_processes import RankConfig
+from radixlm.runtime.model_executor.tensor_parallel_ranks import Step, StepReceiver
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def rank_main() -> None:
+    """A rank process's entry point."""
+    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=RankConfig)  # from LocalRanks
+    logging.basicConfig(format=f"[rank {config.rank}] %(levelname)s %(name)s: %(message)s")
+    try:
+        run_rank(config.server_args, config.model_path, config.rank)
+    except Exception as err:  # a failed collective (rank 0 gone) or a failed start
+        logger.error("tensor-parallel rank %d stops: %s", config.rank, err)
+        sys.exit(1)
+
+
+def run_rank(args: ServerArgs, model_path: str, rank: int) -> None:
+    """Builds this rank's share of the model and runs rank 0's steps until told to stop."""
+    runner = ModelRunner(args, ModelConfig.from_path(model_path, args.trust_remote_code),
+                         rank=rank)
+    receiver = StepReceiver(runner.tp, runner.cpu_group, runner.device,
+                            runner.model_config.hidden_size, runner.dtype)
+    while (step := receiver.receive()) is not None:
+        if isinstance(step, torch.Tensor):  # hidden rows: this rank's share of the logits
+            runner.compute_logits(step)
+        else:
+            runner.forward(step_batch(runner, step))
+    dist.destroy_process_group()
+
+
+def step_batch(runner: ModelRunner, step: Step) -> ForwardBatch:
+    """The forward batch of ``step``, with its request rows written into this rank's table
+    first (rows rewritten in place, then an extend step's whole rows or a decode step's one
+    new slot per request)."""
+    table = runner.req_to_token_pool.req_to_token
+    seq_lens = [p + e for p, e in zip(step.prefix_lens, step.extend_lens)]
+    for row, slots in step.rewritten:
+        table[row, : len(slots)] = slots
+    if step.mode == ForwardMode.EXTEND:
+        for b, row in enumerate(step.rows.split(seq_lens)):
+            table[step.req_pool_indices[b], : seq_lens[b]] = row
+    else:
+        table[step.req_pool_indices, step.positions] = step.out_cache_loc
+    device = step.input_ids.device
+    return ForwardBatch(
+        mode=step.mode,
+        input_ids=step.input_ids,
+        positions=step.positions,
+        out_cache_loc=step.out_cache_loc,
+        req_pool_indices=step.req_pool_indices,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        prefix_lens=torch.tensor(step.prefix_lens, dtype=torch.int64, device=device),
+        extend_seq_lens=torch.tensor(step.extend_lens, dtype=torch.int64, device=device),
+        req_to_token=table,
+        kv_pool=runner.kv_pool,
+        attn_backend=runner.attn_backend,
+        seq_lens_list=seq_lens,
+        extend_seq_lens_list=step.extend_lens,
+    )
