@@ -140,6 +140,8 @@ class ServerArgs:
     dist_backend: str = "auto"
     """torch.distributed backend of the ranks' collectives: ``auto`` (NCCL on CUDA, gloo
     on CPUs), ``gloo`` or ``nccl``."""
+    dist_timeout: float = 600.0
+    """Seconds a rank waits in one collective, and for the others to join at start."""
     disable_overlap_schedule: bool = False
     """Run each decode step's forward pass, then its processing, strictly in turn, instead
     of processing one step while the next computes (see ``scheduler/overlap.py``)."""
@@ -171,7 +173,8 @@ class ServerArgs:
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ValueError("disaggregation_bootstrap_port must be in 1..65535, got "
                              f"{self.disaggregation_bootstrap_port}")
-        for name in ("shutdown_timeout", "health_timeout", "disaggregation_timeout"):
+        for name in ("shutdown_timeout", "health_timeout", "disaggregation_timeout",
+                     "dist_timeout"):
             seconds = getattr(self, name)
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
                     seconds >= 0):
@@ -231,6 +234,8 @@ class ServerArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout!r}")
         if self.dist_backend not in DIST_BACKENDS:
             raise ValueError(f"dist_backend must be one of {DIST_BACKENDS}, "
                              f"got {self.dist_backend!r}")

@@ -92,7 +92,8 @@ class ModelRunner:
         self.fused_moe = self._use_fused_moe()
         self.cuda_graph_runner = self._make_cuda_graph_runner()
         if self.tp.size > 1 and self.tp.rank == 0:
-            self.step_sender = StepSender(self.tp, self.cpu_group, self.req_to_token_pool)
+            self.step_sender = StepSender(self.tp, self.cpu_group, self.req_to_token_pool,
+                                          args.dist_timeout)
         logger.info(
             "model %s loaded: %s on %s, KV pool of %d tokens (%.1f MiB)",
             model_config.architecture, self.dtype, self.device, self.max_total_tokens,
@@ -122,6 +123,12 @@ class ModelRunner:
         """Why the model's other ranks cannot serve (one exited), or None."""
         return None if self.local_ranks is None else self.local_ranks.failure()
 
+    def keep_ranks_alive(self) -> None:
+        """Keeps the other ranks' wait for the next step from timing out; call it while
+        no step is in flight (a dead rank raises ``RuntimeError`` here)."""
+        if self.step_sender is not None:
+            self.step_sender.keep_alive()
+
     def close(self) -> None:
         """Stops the other ranks (rank 0) and leaves the ranks' group."""
         if self.step_sender is not None:
@@ -146,7 +153,8 @@ class ModelRunner:
             self.local_ranks = LocalRanks(args, str(model_config.path), range(1, per_node))
         try:
             self.tp, self.cpu_group = init_ranks(rank, args.tp_size, args.dist_init_addr,
-                                                 args.dist_backend, self.device)
+                                                 args.dist_backend, self.device,
+                                                 args.dist_timeout)
         except BaseException:
             if self.local_ranks is not None:
                 self.local_ranks.stop(0)

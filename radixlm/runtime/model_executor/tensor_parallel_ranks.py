@@ -15,7 +15,10 @@ step of their own (``send_logits``): rank 0 broadcasts the hidden rows it wants 
 every rank projects them onto its share of the vocabulary, and the shares are gathered.
 Rank 0 alone samples.
 
-What crosses between ranks is int64 tensors; nothing is pickled.
+Between steps the other ranks wait inside a broadcast, which gloo and NCCL end after the
+collective timeout (``--dist-timeout``); an idle rank 0 sends keep-alives (``keep_alive``),
+which also find a rank that died meanwhile. What crosses between ranks is int64 and hidden-
+state tensors; nothing is pickled.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import contextlib
 import datetime
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +38,13 @@ from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.memory_pool import ReqToTokenPool
 from radixlm.models.layers.tensor_parallel import TensorParallel
 
-FORWARD, LOGITS, SHUTDOWN = 1, 2, 3
+FORWARD, LOGITS, SHUTDOWN, KEEP_ALIVE = 1, 2, 3, 4
 HEADER_LEN = 6
-COLLECTIVE_TIMEOUT_S = 60
-"""Longest a rank waits in one collective (a peer stuck without dying)."""
+JOIN_TIMEOUT_S = 300
+"""Longest the ranks wait for each other at start (other nodes' commands may come later)."""
+KEEP_ALIVES_PER_TIMEOUT = 4
+"""An idle rank 0 sends this many keep-alives per collective timeout: the other ranks wait
+for the next step inside a collective, which would otherwise time out on an idle server."""
 
 
 @dataclass
@@ -58,16 +66,19 @@ class Step:
 
 
 def init_ranks(rank: int, size: int, init_address: str, backend: str,
-               device: torch.device) -> tuple[TensorParallel, object]:
-    """Joins the ranks' process group (blocks until all ``size`` have joined); returns
-    (this rank's ``TensorParallel`` on the model's group, the CPU group)."""
+               device: torch.device, timeout_s: float) -> tuple[TensorParallel, object]:
+    """Joins the ranks' process group (blocks until all ``size`` have joined, at most
+    ``JOIN_TIMEOUT_S`` or ``timeout_s``, the limit of every later collective); returns (this
+    rank's ``TensorParallel`` on the model's group, the CPU group)."""
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    dist.init_process_group(backend, init_method=f"tcp://{init_address}", rank=rank,
-                            world_size=size, timeout=timeout)
+    host, port = init_address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), size, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else (
         dist.group.WORLD)
     return TensorParallel(rank, size, dist.group.WORLD), cpu_group
@@ -94,10 +105,27 @@ def agree_on_pool_size(tokens: int, cpu_group) -> int:
 
 
 class StepSender:
-    """Rank 0's side: broadcasts each forward pass, and the end."""
+    """Rank 0's side: broadcasts each forward pass, the logits wanted, keep-alives and the
+    end, one at a time (a lock keeps two threads' messages apart)."""
 
-    def __init__(self, tp: TensorParallel, cpu_group, rows: ReqToTokenPool):
+    def __init__(self, tp: TensorParallel, cpu_group, rows: ReqToTokenPool, timeout_s: float):
         self.tp, self.cpu_group, self.rows = tp, cpu_group, rows
+        self.keep_alive_s = timeout_s / KEEP_ALIVES_PER_TIMEOUT
+        self.last_sent = time.monotonic()
+        self.lock = threading.Lock()
+
+    def keep_alive(self) -> None:
+        """Sends a keep-alive if nothing was sent for a while (call it only while no step
+        is in flight). A rank that died shows here as a ``RuntimeError``."""
+        if time.monotonic() - self.last_sent >= self.keep_alive_s:
+            self._send_header([KEEP_ALIVE, 0, 0, 0, 0, 0])
+
+    def _send_header(self, fields: list[int], payload: torch.Tensor | None = None) -> None:
+        with self.lock:
+            dist.broadcast(torch.tensor(fields, dtype=torch.int64), 0, group=self.cpu_group)
+            if payload is not None:
+                dist.broadcast(payload, 0, group=self.tp.group)
+            self.last_sent = time.monotonic()
 
     def send_step(self, batch: ForwardBatch) -> None:
         extend = batch.mode == ForwardMode.EXTEND
@@ -115,22 +143,17 @@ class StepSender:
             batch_rows = table.index_select(0, batch.req_pool_indices)
             parts += [batch_rows[b, :n] for b, n in enumerate(batch.seq_lens_list)]
         payload = torch.cat([p.to(torch.int64) for p in parts])
-        header = torch.tensor([FORWARD, int(extend), len(batch.input_ids), batch.batch_size,
-                               len(payload), len(rewritten)], dtype=torch.int64)
-        dist.broadcast(header, 0, group=self.cpu_group)
-        dist.broadcast(payload, 0, group=self.tp.group)
+        self._send_header([FORWARD, int(extend), len(batch.input_ids), batch.batch_size,
+                           len(payload), len(rewritten)], payload)
 
     def send_logits(self, hidden: torch.Tensor) -> None:
         """Has the other ranks compute their share of the logits of ``hidden`` (N, H)."""
-        header = torch.tensor([LOGITS, 0, hidden.shape[0], 0, 0, 0], dtype=torch.int64)
-        dist.broadcast(header, 0, group=self.cpu_group)
-        dist.broadcast(hidden.contiguous(), 0, group=self.tp.group)
+        self._send_header([LOGITS, 0, hidden.shape[0], 0, 0, 0], hidden.contiguous())
 
     def shutdown(self) -> None:
         """Tells the other ranks to exit (ignored when they are gone already)."""
-        header = torch.tensor([SHUTDOWN] + [0] * (HEADER_LEN - 1), dtype=torch.int64)
         with contextlib.suppress(RuntimeError, ValueError):
-            dist.broadcast(header, 0, group=self.cpu_group)
+            self._send_header([SHUTDOWN, 0, 0, 0, 0, 0])
 
 
 class StepReceiver:
@@ -143,9 +166,11 @@ class StepReceiver:
         self.hidden_size, self.dtype = hidden_size, dtype
 
     def receive(self) -> Step | torch.Tensor | None:
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        dist.broadcast(header, 0, group=self.cpu_group)
-        command, extend, tokens, batch_size, length, rewrites = header.tolist()
+        command = KEEP_ALIVE
+        while command == KEEP_ALIVE:
+            header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+            dist.broadcast(header, 0, group=self.cpu_group)
+            command, extend, tokens, batch_size, length, rewrites = header.tolist()
         if command == SHUTDOWN:
             return None
         if command == LOGITS:

@@ -144,6 +144,7 @@ class SchedulerLoop:
             self._check_ranks()
             if scheduler.is_idle():
                 self.trim.idle()
+                scheduler.runner.keep_ranks_alive()
                 continue
             self.trim.busy()
             self.steps += 1

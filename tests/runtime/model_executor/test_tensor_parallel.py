@@ -111,6 +111,18 @@ def test_each_rank_holds_half_the_kv_and_reports_it(engine_for):
 
 
 @SLOW
+def test_an_idle_server_keeps_its_ranks_past_the_collective_timeout(engine_for):
+    # The other ranks wait for the next step inside a broadcast; without keep-alives from
+    # an idle rank 0 it times out (here after 4 s) and the ranks exit.
+    engine = engine_for("LlamaForCausalLM", "gqa", tp_size=2, dist_timeout=4)
+    ids = random_ids(90, 12)
+    first = engine.generate(input_ids=ids, sampling_params=GREEDY)
+    time.sleep(9)
+    again = engine.generate(input_ids=ids, sampling_params=GREEDY)
+    assert again["output_ids"] == first["output_ids"]
+
+
+@SLOW
 def test_bfloat16_ranks_agree_with_the_whole_model(engine_for):
     # Teacher-forced: both read the whole model's greedy output, and their greedy choice at
     # each position is compared (a free run would diverge for good at its first near-tie).
