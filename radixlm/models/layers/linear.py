@@ -75,19 +75,28 @@ class ColumnParallelLinear(nn.Linear):
 class RowParallelLinear(nn.Linear):
     """A (out, in) projection of which this rank holds input columns [in_start, in_start +
     in_count): its partial output is summed over the ranks, then the bias (held whole) is
-    added once. With one rank it is ``nn.Linear``."""
+    added once. With one rank it is ``nn.Linear``.
+
+    ``reduce`` False leaves the sum to the caller (who adds more partial outputs to it
+    first): the output is then this rank's part, rank 0's with the bias."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 tp: TensorParallel, in_start: int = 0, in_count: int | None = None):
+                 tp: TensorParallel, in_start: int = 0, in_count: int | None = None,
+                 reduce: bool = True):
         in_count = in_features if in_count is None else in_count
         super().__init__(in_count, out_features, bias=bias)
         self.tp, self.in_start, self.in_features_total = tp, in_start, in_features
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, in_count) -> (T, out), the same on every rank."""
+        """x: (T, in_count) -> (T, out), the same on every rank (unless not ``reduce``)."""
         if self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
+        elif self.tp.rank != 0:
+            return y
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:

@@ -12,9 +12,11 @@ from radixlm.models.layers.linear import RowParallelLinear, StackedLinear
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. Under tensor
-    parallelism each rank holds a slice of the intermediate dimension."""
+    parallelism each rank holds a slice of the intermediate dimension, and the ranks' parts
+    are summed (unless ``reduce`` is False: then the caller sums them)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 reduce: bool = True):
         super().__init__()
         tp = tensor_parallel.current()
         start, count = tp.part(intermediate_size, "MLP intermediate size")
@@ -23,7 +25,7 @@ class GatedMLP(nn.Module):
             shard_starts={"gate": start, "up": start} if tp.size > 1 else None,
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp, start,
-                                           count)
+                                           count, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I / tp) each

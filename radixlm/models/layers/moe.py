@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from radixlm.models.layers import tensor_parallel
 from radixlm.models.layers.mlp import GatedMLP
 from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.layers.moe_router import MoERouter, RouterConfig
@@ -60,9 +61,13 @@ class MoEBlock(nn.Module):
         if shared_expert_gated and not shared_intermediate_size:
             raise ValueError("shared_expert_gated needs shared_intermediate_size > 0")
         self.gate = MoERouter(hidden_size, router)
-        self.experts = StackedExperts(router.num_experts, hidden_size, moe_intermediate_size)
+        # Under tensor parallelism each part is this rank's share: one sum at the end.
+        self.tp = tensor_parallel.current()
+        self.experts = StackedExperts(router.num_experts, hidden_size, moe_intermediate_size,
+                                      reduce=False)
         self.shared_experts = (
-            GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+            GatedMLP(hidden_size, shared_intermediate_size, reduce=False)
+            if shared_intermediate_size else None
         )
         self.shared_expert_gate = (
             nn.Linear(hidden_size, 1, bias=False) if shared_expert_gated else None
@@ -77,7 +82,7 @@ class MoEBlock(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        return out
+        return self.tp.all_reduce(out)
 
     @classmethod
     def for_mixtral(cls, config: PretrainedConfig) -> MoEBlock:

@@ -105,9 +105,11 @@ class StackedExperts(nn.Module):
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int,
-        computation: ExpertsComputation = grouped_experts_torch,
+        computation: ExpertsComputation = grouped_experts_torch, reduce: bool = True,
     ):
+        """``reduce`` False leaves the sum of the ranks' parts to the caller."""
         super().__init__()
+        self.reduce = reduce
         self.tp = tensor_parallel.current()  # each rank: a slice of every expert's I
         self.shard_start, self.intermediate_size = self.tp.part(
             intermediate_size, "MoE expert intermediate size")
@@ -123,9 +125,9 @@ class StackedExperts(nn.Module):
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """x (T, H), topk_weights (T, k), topk_ids (T, k) -> (T, H), summed over the
-        ranks' slices."""
-        return self.tp.all_reduce(self.computation(x, self.w13, self.w2, topk_weights,
-                                                   topk_ids))
+        ranks' slices (if ``reduce``)."""
+        out = self.computation(x, self.w13, self.w2, topk_weights, topk_ids)
+        return self.tp.all_reduce(out) if self.reduce else out
 
     def _shard_rows(self, shard: str) -> slice:
         i = self.intermediate_size

@@ -71,7 +71,7 @@ def mixed_requests() -> list[dict]:
     ]
 
 
-FAST = {("llama-gqa", 2), ("deepseek-v2-mla", 2)}  # the rest in CI's last stage
+FAST = {("llama-gqa", 2)}  # the rest in CI's last stage
 
 
 @pytest.mark.parametrize("family,tp", [
@@ -84,9 +84,8 @@ def test_every_family_split_serves_what_the_whole_model_serves(engine_for, famil
     assert split[2]["meta_info"]["cached_tokens"] >= 24  # the shared prefix hit
 
 
-@pytest.mark.parametrize("family", [
-    "llama-gqa", pytest.param("mixtral", marks=SLOW),
-    pytest.param("deepseek-v2-mla", marks=SLOW)])
+@SLOW
+@pytest.mark.parametrize("family", ["llama-gqa", "mixtral", "deepseek-v2-mla"])
 def test_chunked_prefill_and_retraction_run_on_every_rank(engine_for, family):
     # A 16-slot chunk size and a pool too small for four requests' outputs: prompts run in
     # chunks and decoding must retract (and later recompute) some requests.
