@@ -10,7 +10,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -198,17 +200,31 @@ def test_a_rank_killed_mid_stream_fails_its_callers_and_leaves_nothing_behind(ti
     try:
         wait_healthy(url, timeout=120)
         rank = rank_process(server.pid)
-        body = {"input_ids": random_ids(80, 20), "stream": True,  # (the context is 512)
-                "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
-        with httpx.stream("POST", f"{url}/generate", json=body, timeout=30) as stream:
-            assert stream.status_code == 200
-            lines = stream.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
+        # Twelve streams of 480 tokens need three times the 2,048-slot pool, so most are
+        # still waiting or decoding when the first token of one of them arrives.
+        first_token = threading.Event()
+
+        def stream(i: int) -> list[str]:
+            body = {"input_ids": random_ids(80 + i, 20), "stream": True,  # (context: 512)
+                    "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
+            lines = []
+            with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as reply:
+                for line in reply.iter_lines():
+                    lines.append(line)
+                    if line.startswith("data:"):
+                        first_token.set()
+            return lines
+
+        with ThreadPoolExecutor(12) as pool:
+            streams = [pool.submit(stream, i) for i in range(12)]
+            assert first_token.wait(60)
             os.kill(rank, signal.SIGKILL)
             killed = time.monotonic()
-            rest = list(lines)
+            ended = [future.result() for future in streams]
         assert time.monotonic() - killed < 5
-        assert any("tensor-parallel rank 1" in line for line in rest), rest[-3:]
+        failed = [lines for lines in ended if any("tensor-parallel rank 1" in line
+                                                  for line in lines)]
+        assert failed, [lines[-3:] for lines in ended]
         assert httpx.get(f"{url}/health", timeout=10).status_code != 200
     finally:
         stop_process(server)
