@@ -35,6 +35,22 @@ def scheduler_req(scheduler: Scheduler, input_ids: list[int], sampling: dict | N
     return make_req(message, scheduler.output_processor.tokenizer, {})
 
 
+def beam_reqs(scheduler: Scheduler, input_ids: list[int], sampling: dict,
+              rid: str | None = None) -> list[Req]:
+    """The ``n`` requests of a beam search (``sampling`` has ``use_beam_search``), as the
+    Engine sends them: ``rid-0`` leads, the others name it; best first once finished."""
+    params = SamplingParams.from_dict(sampling)
+    rid = rid or uuid.uuid4().hex
+    leaders: dict[str, Req] = {}
+    reqs = []
+    for j in range(params.n):
+        message = io.GenerateReq(f"{rid}-{j}", list(input_ids), params,
+                                 prefill_leader=f"{rid}-0" if j else None)
+        reqs.append(make_req(message, scheduler.output_processor.tokenizer, leaders))
+        leaders[reqs[-1].rid] = reqs[-1]
+    return reqs
+
+
 def run_to_completion(scheduler: Scheduler, reqs: list[Req], max_steps: int = 10_000) -> None:
     """Steps until every request finished; fails (instead of hanging) after ``max_steps``."""
     for req in reqs:

@@ -67,6 +67,10 @@ class ForwardBatch:
     # Host copies, so backends plan without device syncs.
     seq_lens_list: list[int] = field(default_factory=list)
     extend_seq_lens_list: list[int] = field(default_factory=list)
+    shared_prefixes: list[tuple[int, int, int]] = field(default_factory=list)
+    """(first request, number of requests, prefix length) of runs of consecutive requests
+    whose first prefix-length KV slots are the same slots (a beam search's beams share
+    their prompt): a backend may read those keys once for all of them, or ignore this."""
 
     @property
     def batch_size(self) -> int:

@@ -52,6 +52,15 @@ class ReqToTokenPool:
         self._free_rows = list(range(self.size - 1, -1, -1))
 
 
+def copy_slots(pool: MHATokenToKVPool | MLATokenToKVPool, src: torch.Tensor,
+               dst: torch.Tensor) -> None:
+    """Copies the KV stored at slots ``src`` to slots ``dst`` ((N,) each, on the pool's
+    device), in every layer: a page shared by two sequences that go on differently is
+    copied on write (beam search)."""
+    for buffer in pool.layer_buffers():
+        buffer.index_copy_(0, dst, buffer.index_select(0, src))
+
+
 class MHATokenToKVPool:
     """K and V for every slot of every layer (multi-head, grouped- or multi-query layout).
 

@@ -93,6 +93,8 @@ class OutputState(msgspec.Struct):
     input_top_logprobs: list[Any] = []
     output_token_logprobs: list[LogprobEntry] = []
     output_top_logprobs: list[Any] = []
+    beam: list[float] | None = None
+    """A beam search's hypothesis: [cumulative logprob, length-normalised score]."""
 
 
 class TokenBatch(msgspec.Struct, tag=True):
@@ -121,6 +123,8 @@ class TokenOut(msgspec.Struct):
     input_top_logprobs: list[Any] = []
     output_token_logprobs: list[LogprobEntry] = []
     output_top_logprobs: list[Any] = []
+    beam: list[float] | None = None
+    """As ``OutputState.beam``, with a beam search's finish."""
 
     @property
     def has_text(self) -> bool:

@@ -109,6 +109,13 @@ class Req:
     """The number pairing the two halves."""
     bootstrap_address: str | None = None
     """The prefill server's bootstrap service (``host:port``), for a ``receive`` half."""
+    beam: Any = None
+    """The ``BeamGroup`` this request is a member of (``scheduler/beam_groups.py``; typed
+    loosely, as the scheduler's module imports this one), None outside beam search: its
+    beams run as the group's requests, which report only their final hypotheses."""
+    cumulative_logprob: float | None = None
+    beam_score: float | None = None
+    """A finished beam hypothesis's summed logprobs and length-normalised score."""
 
     def __post_init__(self) -> None:
         params = self.sampling
@@ -120,6 +127,11 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def width(self) -> int:
+        """Request rows (and decoding sequences) the request runs as: its beam width."""
+        return 1 if self.beam is None else self.beam.width
 
     @property
     def seq_len(self) -> int:

@@ -9,6 +9,9 @@ the whole batch, prefill and decode alike.
 Values may have a head dim D_v other than the keys' D (multi-head latent attention: keys
 are latent + RoPE rows, values the latent alone, read as a view of the gathered keys);
 the output then has D_v per head.
+
+A decode batch whose requests share prefixes of slots (``ForwardBatch.shared_prefixes``, a
+beam search's beams) reads each shared prefix once for its run of requests.
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.kernels.attention.attention_backend import AttentionBackend
+from radixlm.kernels.attention.shared_prefix_decode import (
+    SharedPrefixRun,
+    attend_shared_prefix,
+    plan_runs,
+)
 from radixlm.kernels.forward_batch import ForwardBatch
 
 
@@ -30,6 +38,10 @@ class _PaddedLayout:
     is_causal: bool  # a single fresh sequence: plain causal attention, no mask
     batch_size: int
     max_queries: int
+    shared: list[SharedPrefixRun] | None = None
+    """Decode only: runs of requests sharing a prefix (``shared_prefix_decode.py``); the
+    other requests are ``plain_rows``."""
+    plain_rows: torch.Tensor | None = None
 
 
 class TorchNativeAttentionBackend(AttentionBackend):
@@ -67,29 +79,69 @@ class TorchNativeAttentionBackend(AttentionBackend):
         self._layout = _PaddedLayout(
             kv_slots, query_rows, mask, single_fresh, batch_size, max_q
         )
+        if max_q == 1 and fb.shared_prefixes:
+            self._plan_shared(fb)
+
+    def _plan_shared(self, fb: ForwardBatch) -> None:
+        layout = self._layout
+        runs = plan_runs(layout.kv_slots, fb.seq_lens_list, fb.shared_prefixes)
+        if not runs:
+            return
+        in_runs = {row for run in runs for row in range(run.start, run.start + run.count)}
+        plain = [row for row in range(layout.batch_size) if row not in in_runs]
+        layout.shared = runs
+        layout.plain_rows = torch.tensor(plain, dtype=torch.int64,
+                                         device=layout.kv_slots.device)
 
     def forward_extend(self, q, k, v, layer, forward_batch):
         return self._attend(q, k, v, layer, forward_batch)
 
     def forward_decode(self, q, k, v, layer, forward_batch):
         """One query per request: two small batched matmuls beat SDPA's kernel setup."""
-        keys, values = self._gather_kv(k, v, layer, forward_batch)  # (B, H_kv, S, D|D_v)
+        layout = self._layout
+        if layout.shared is None:
+            keys, values = self._gather_kv(k, v, layer, forward_batch)  # (B, H_kv, S, D|D_v)
+            return self._decode(q, keys, values, layer, layout.mask)
+        pool = forward_batch.kv_pool
+        pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buffer, v_buffer = pool.get_kv(layer.layer_id)
+        out = q.new_empty(q.shape[0], layer.num_heads, v_buffer.shape[-1])
+        plain = layout.plain_rows
+        if plain.numel():
+            keys, values = self._read_kv(pool, layer, layout.kv_slots.index_select(0, plain))
+            mask = None if layout.mask is None else layout.mask.index_select(0, plain)
+            out[plain] = self._decode(q.index_select(0, plain), keys, values, layer, mask)
+        for run in layout.shared:
+            rows = slice(run.start, run.start + run.count)
+            out[rows] = attend_shared_prefix(q[rows], run, k_buffer, v_buffer,
+                                             pool.values_view_keys, layer.num_kv_heads,
+                                             layer.scaling)
+        return out
+
+    @staticmethod
+    def _decode(q, keys, values, layer, mask) -> torch.Tensor:
+        """q (B, H, D) over keys (B, H_kv, S, D) and values (B, H_kv, S, D_v); ``mask``
+        (B, 1, 1, S) or None: (B, H, D_v)."""
         b, group = q.shape[0], layer.num_heads // layer.num_kv_heads
         queries = q.view(b, layer.num_kv_heads, group, layer.head_dim)
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * layer.scaling
-        if self._layout.mask is not None:  # (B, 1, 1, S) broadcasts over (B, H_kv, G, S)
-            scores = scores.masked_fill(~self._layout.mask, float("-inf"))
+        if mask is not None:  # (B, 1, 1, S) broadcasts over (B, H_kv, G, S)
+            scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)  # (B, H_kv, G, S)
         out = torch.matmul(probs, values)  # (B, H_kv, G, D_v)
         return out.reshape(b, layer.num_heads, values.shape[-1])
 
     def _gather_kv(self, k, v, layer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores the new K/V, then reads every request's K/V as (B, H_kv, S, D) and
-        (B, H_kv, S, D_v). A latent (MLA) pool's values are a slice of its keys: one gather."""
+        """Stores the new K/V, then reads every request's K/V (``_read_kv``)."""
         pool = fb.kv_pool
         pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        return self._read_kv(pool, layer, self._layout.kv_slots)
+
+    @staticmethod
+    def _read_kv(pool, layer, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V at ``slots`` (B, S) as (B, H_kv, S, D) and (B, H_kv, S, D_v). A latent
+        (MLA) pool's values are a slice of its keys: one gather."""
         k_buffer, v_buffer = pool.get_kv(layer.layer_id)
-        slots = self._layout.kv_slots  # (B, S)
         # index_select on flat indices: far cheaper on CPUs than advanced indexing.
         keys = k_buffer.index_select(0, slots.view(-1)).view(*slots.shape, *k_buffer.shape[1:])
         if pool.values_view_keys:

@@ -92,6 +92,8 @@ class Engine:
             RequestCaps.from_options(self.server_args),
             max_prompt_chars(info["context_length"], longest_token_chars(self.tokenizer)),
             self.server_args.disaggregation_mode, self.server_args.disaggregation_bootstrap_port,
+            request_rows=self.server_args.max_running_requests,
+            tp_size=self.server_args.tp_size,
         )
         self._metrics = None
         self._own_loop = asyncio.new_event_loop()

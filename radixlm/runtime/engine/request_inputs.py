@@ -72,6 +72,9 @@ class RequestLimits:
     disaggregation_mode: str = "null"
     bootstrap_port: int = 8998
     """This server's ``disaggregation_bootstrap_port``: a paired request's default."""
+    request_rows: int = 2**31
+    """Requests the scheduler runs at once (a beam search needs a row per beam)."""
+    tp_size: int = 1
 
 
 def build_generate_reqs(
@@ -106,6 +109,8 @@ def build_generate_reqs(
     prompts = []
     for ids, given in zip(id_lists, params_list):
         params = _sampling_params(given or {}, len(ids), limits)
+        if params.use_beam_search:
+            _check_beam_search(params, set(given or {}), len(ids), request, limits)
         start = _logprob_start(request.logprob_start_len, len(ids)) \
             if request.return_logprob else None
         if start is not None:
@@ -262,6 +267,37 @@ def _sampling_params(given: dict[str, Any], prompt_len: int,
             "(raise max_total_tokens or lower max_new_tokens)"
         )
     return params
+
+
+def _check_beam_search(params: SamplingParams, given: set[str], prompt_len: int,
+                       request: GenerateInput, limits: RequestLimits) -> None:
+    """A beam search of width ``n``: only what it honours, and room for its ``n`` beams (a
+    request row each, and KV for the prompt plus each beam's output, and a page each)."""
+    conflicts = params.beam_search_conflicts(given)
+    if conflicts:
+        raise ValueError(f"use_beam_search picks the most likely tokens and cannot honour "
+                         f"{', '.join(conflicts)}; leave them out (sampled or constrained "
+                         "beams are not supported)")
+    if request.return_logprob:
+        raise ValueError("return_logprob is not supported with use_beam_search (each output's "
+                         "cumulative_logprob and beam_score come in its meta_info)")
+    if limits.disaggregation_mode != "null":
+        raise ValueError("use_beam_search is not supported on a disaggregated server "
+                         f"(--disaggregation-mode {limits.disaggregation_mode})")
+    if limits.tp_size > 1 and limits.page_size > 1:
+        raise ValueError("use_beam_search with page_size > 1 is not supported under tensor "
+                         "parallelism (a forked beam's page is copied on rank 0 only)")
+    width = params.n
+    if width > limits.request_rows:
+        raise ValueError(f"n ({width}) is the beam width: it needs {width} request rows, and "
+                         f"the server runs at most {limits.request_rows} requests at once")
+    page = limits.page_size
+    need = pages_for(prompt_len, page) + width * (pages_for(params.max_new_tokens, page) + page)
+    if need > limits.max_total_tokens:
+        raise ValueError(
+            f"a beam search of width {width} over the prompt ({prompt_len} tokens) with "
+            f"max_new_tokens {params.max_new_tokens} may need {need} KV slots; the pool holds "
+            f"{limits.max_total_tokens} (lower n or max_new_tokens)")
 
 
 def check_unicode(name: str, text: str) -> None:

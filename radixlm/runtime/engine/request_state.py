@@ -48,6 +48,7 @@ class OutputDelta:
             input_top_logprobs=first.input_top_logprobs + second.input_top_logprobs,
             output_token_logprobs=first.output_token_logprobs + second.output_token_logprobs,
             output_top_logprobs=first.output_top_logprobs + second.output_top_logprobs,
+            beam=second.beam,
         )
         if later.trim <= len(self.text):
             return OutputDelta(tokens, self.text[: len(self.text) - later.trim] + later.text,
@@ -101,6 +102,8 @@ class NativeOutput:
             "jump_forward_tokens": last.jump_forward_tokens if last else 0,
             "e2e_latency": time.perf_counter() - self.created,
         }
+        if last is not None and last.beam is not None:
+            meta["cumulative_logprob"], meta["beam_score"] = last.beam
         if self.return_logprob:
             meta["input_token_logprobs"] = list(self.input_token_logprobs)
             meta["output_token_logprobs"] = list(self.output_token_logprobs)
@@ -165,6 +168,7 @@ class ReqState:
             out.input_top_logprobs = update.input_top_logprobs
             out.output_token_logprobs = update.output_token_logprobs
             out.output_top_logprobs = update.output_top_logprobs
+            out.beam = update.beam
         if not out.has_text:  # prompt logprobs of a chunk: the Detokenizer never saw them
             self._apply(OutputDelta(out))
         elif self.pending_text:

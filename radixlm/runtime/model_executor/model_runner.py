@@ -201,8 +201,11 @@ class ModelRunner:
         return to_device([input_ids, kv_lens, req_pool_indices], torch.int64, self.device)
 
     def make_decode_batch(self, inputs: torch.Tensor, out_cache_loc: torch.Tensor,
-                          kv_lens: list[int]) -> ForwardBatch:
-        """A decode step's batch from ``decode_inputs``: one new token per request."""
+                          kv_lens: list[int],
+                          shared_prefixes: list[tuple[int, int, int]] | None = None
+                          ) -> ForwardBatch:
+        """A decode step's batch from ``decode_inputs``: one new token per request
+        (``shared_prefixes``: see ``ForwardBatch``)."""
         input_ids, positions, req_pool_indices = inputs.unbind(0)
         batch_size = len(kv_lens)
         return ForwardBatch(
@@ -219,6 +222,7 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             seq_lens_list=[n + 1 for n in kv_lens],
             extend_seq_lens_list=[1] * batch_size,
+            shared_prefixes=shared_prefixes or [],
         )
 
     def _set_threads(self, threads: int) -> None:

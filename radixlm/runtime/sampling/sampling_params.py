@@ -53,6 +53,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     json_schema: str | None = None
     """A JSON schema as a JSON string (``from_dict`` turns a dict into one)."""
     ebnf: str | None = None
+    use_beam_search: bool = False
+    """Beam search of width ``n`` (``sampling/beam_search.py``): the ``n`` best outputs."""
+    length_penalty: float = 1.0
+    """Beam search: a finished output scores its logprob sum / its length ** this."""
+    early_stopping: bool | str = False
+    """Beam search: True, False or "never", with transformers' meaning."""
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None,
@@ -104,6 +110,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         if self.logit_bias is not None:
             self._check_logit_bias()
         self._check_constraint()
+        self._check_beam_search()
 
     def stop_regex_size(self) -> int:
         """The NFA states of all the stop regexes together (each compiled once, then
@@ -156,6 +163,41 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         text = getattr(self, kind)
         if not isinstance(text, str) or not text:
             raise ValueError(f"{kind} must be a non-empty string, got {text!r}")
+
+    def _check_beam_search(self) -> None:
+        """Beam search's own fields have their types; without it, they keep their defaults
+        (a request that sets them and forgets ``use_beam_search`` is told so)."""
+        if not isinstance(self.use_beam_search, bool):
+            raise ValueError(f"use_beam_search must be true or false, got {self.use_beam_search!r}")
+        _check_number("length_penalty", self.length_penalty, low=-math.inf)
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError("early_stopping must be true, false or \"never\", got "
+                             f"{self.early_stopping!r}")
+        if self.use_beam_search:
+            if self.max_new_tokens == 0:
+                raise ValueError("max_new_tokens must be >= 1 with use_beam_search")
+            return
+        for name, default in (("length_penalty", 1.0), ("early_stopping", False)):
+            if getattr(self, name) != default:
+                raise ValueError(f"{name} applies to beam search only: set use_beam_search "
+                                 "(with n, the beam width)")
+
+    def beam_search_conflicts(self, given: set[str]) -> list[str]:
+        """The parameters among ``given`` (those the caller set) that beam search cannot
+        honour: it picks tokens deterministically, unconstrained, on raw logprobs."""
+        if not self.use_beam_search:
+            return []
+        defaults = SamplingParams()
+        conflicts = [name for name in ("top_p", "top_k", "min_p", "frequency_penalty",
+                                       "presence_penalty", "repetition_penalty",
+                                       "sampling_seed", "logit_bias", "stop", "stop_regex",
+                                       "regex", "json_schema", "ebnf")
+                     if name in given and getattr(self, name) != getattr(defaults, name)]
+        if "temperature" in given and not self.is_greedy:
+            conflicts.insert(0, "temperature")
+        return conflicts
 
     def _check_logit_bias(self) -> None:
         """Token ids (as JSON gives them: strings, or ints from Python) to biases in

@@ -76,7 +76,8 @@ class OutputProcessor:
                 owed.append((req, len(prompt_rows), count))
                 prompt_rows += range(start, start + count)
                 targets += req.input_ids[first_position + 1 : first_position + 1 + count]
-            if complete and not self._ends_before_sampling(req):
+            # (a beam search's beams are its group's to step, not sampled here)
+            if complete and req.beam is None and not self._ends_before_sampling(req):
                 to_sample.append(req)
                 sample_rows.append(offset + extend - 1)
             offset += extend

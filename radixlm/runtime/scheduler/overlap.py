@@ -169,7 +169,8 @@ class OverlapSteps:
     Uses the scheduler's ``running``, ``waiting``, ``chunked``, ``memory``, ``runner``,
     ``output_processor``, ``sampling_batch``, ``stats``, ``args`` and ``new_token_ratio``,
     its ``decode_worker`` and ``in_flight``, ``_drained`` (requests processed outside a
-    step, reported at the next) and ``_decode_batch(reqs, known_inputs)``.
+    step, reported at the next), ``_decode_batch(reqs, known_inputs)`` and
+    ``_note_kv_peak()``.
     """
 
     def drain(self) -> None:
@@ -211,6 +212,7 @@ class OverlapSteps:
     def _launch(self, reqs: list[Req], previous: DecodeInFlight | None) -> DecodeInFlight:
         batch = self._decode_batch(reqs, known_inputs=previous is None)
         self.stats.forward_steps += 1
+        self._note_kv_peak()
         return self.decode_worker.launch(reqs, batch, previous)
 
     def _process_in_flight(self, flight: DecodeInFlight) -> list[Req]:

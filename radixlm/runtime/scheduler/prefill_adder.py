@@ -81,7 +81,7 @@ class PrefillAdder:
     def add_new(self, req: Req, match: MatchResult | None = None) -> bool:
         """Admits ``req`` if it fits; False ends the round. ``match``: its cached prefix,
         if the policy already matched it this round (else it is matched here)."""
-        if self.chunked_req is not None or self.rows == 0:
+        if self.chunked_req is not None or self.rows < req.width:
             return False
         memory = self.memory
         memory.match_and_lock(req, match)
@@ -90,13 +90,15 @@ class PrefillAdder:
         if self.yield_budget is not None and (remaining > self.yield_budget or size < remaining):
             size = 0  # beside a chunked prompt, only whole short ones
         reserve = decode_reserve(req, self.new_token_ratio)
+        if req.beam is not None:  # each beam decodes, and may copy a page when it forks
+            reserve = req.width * (reserve + self.memory.page_size)
         if size == 0 or self._pages(remaining) + reserve > self._available():
             memory.unlock(req)
             return False
         if self.yield_budget is not None:
             self.yield_budget -= remaining
         memory.assign_row(req)
-        self.rows -= 1
+        self.rows -= req.width
         self.new_reqs.append(req)
         self._take(req, size, remaining)
         self.reserved += reserve

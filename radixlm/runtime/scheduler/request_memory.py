@@ -77,6 +77,14 @@ class RequestMemory:
             req.last_slot = int(slots[-1])
         return slots
 
+    def alloc_pages(self, num_tokens: int) -> torch.Tensor:
+        """Slots for ``num_tokens`` tokens in fresh pages (no request's row), evicting from
+        the cache if needed."""
+        shortfall = pages_for(num_tokens, self.page_size) - self.allocator.available_size()
+        if shortfall > 0:
+            self.tree_cache.evict(shortfall)
+        return self.allocator.alloc(num_tokens)
+
     def alloc_decode(self, reqs: list[Req], rows: torch.Tensor,
                      columns: torch.Tensor) -> torch.Tensor:
         """One slot for each request's next token (one allocation when pages are tokens).

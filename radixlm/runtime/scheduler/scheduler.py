@@ -25,23 +25,30 @@ extend over every running request's pending tokens instead of a decode.
 With overlap scheduling (the default; ``overlap.py``), a decode step runs on a worker
 thread while the next step is prepared and the previous one's tokens are processed: a
 step then returns the requests of the decode step before it.
+
+A beam search (``beam_groups.py``) is admitted as its leader, counting a row and a
+reservation per beam; once its prompt is prefilled, its beams run as its members, which
+the output processor does not sample: the group steps them itself. While a beam search
+runs, decode steps take the plain loop (a step's forks need the host).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import torch
 
+from radixlm.host_to_device import to_device
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.allocator import pages_for
-from radixlm.kv_cache.base import MatchResult
 from radixlm.runtime.disaggregation.decode_handoff import DecodeHandoff
 from radixlm.runtime.disaggregation.prefill_handoff import PrefillHandoff
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.sampling.sampler import Sampler
+from radixlm.runtime.scheduler.admission_steps import AdmissionSteps
+from radixlm.runtime.scheduler.beam_groups import BeamGroup
+from radixlm.runtime.scheduler.beam_steps import BeamSteps
 from radixlm.runtime.scheduler.grammar_queue import GrammarQueue
 from radixlm.runtime.scheduler.handoff_steps import HandoffSteps
 from radixlm.runtime.scheduler.output_processor import OutputProcessor
@@ -50,7 +57,7 @@ from radixlm.runtime.scheduler.overlap import (
     DecodeWorker,
     OverlapSteps,
 )
-from radixlm.runtime.scheduler.prefill_adder import PrefillAdder, decode_reserve
+from radixlm.runtime.scheduler.prefill_adder import PrefillAdder
 from radixlm.runtime.scheduler.prefill_pace import PrefillPace
 from radixlm.runtime.scheduler.request_memory import RequestMemory
 from radixlm.runtime.scheduler.schedule_policy import SchedulePolicy
@@ -58,7 +65,7 @@ from radixlm.runtime.scheduler.scheduler_info import SchedulerStats, describe
 from radixlm.runtime.server_args import ServerArgs
 
 
-class Scheduler(OverlapSteps, HandoffSteps):
+class Scheduler(AdmissionSteps, OverlapSteps, HandoffSteps, BeamSteps):
     """Runs requests to completion over the runner's pools.
 
     Invariants between steps: ``running`` requests have computed their whole prompt and
@@ -109,11 +116,18 @@ class Scheduler(OverlapSteps, HandoffSteps):
         next one (a long prefill delays them by one chunk at a time, not by all of it)."""
         self._chunk_yielded = False
         """The last admission ran short prompts instead of the chunked prompt's chunk."""
+        self.peak_kv_tokens = 0
+        """The most KV slots in use at once (cached ones included) since the start or the
+        last ``flush_cache``."""
+        self.beam_groups: list[BeamGroup] = []
+        """Beam searches past their prompt: all their members are in ``running``."""
 
     def add_request(self, req: Req) -> None:
         """Queues ``req``; a constrained one waits for its grammar first (a failed
         grammar finishes it, reported at the next step)."""
         self.output_processor.prepare(req)
+        if req.sampling.use_beam_search and not self._join_beam_search(req):
+            return
         if req.handoff in ("send", "fake"):  # a prefill server's part ends at one token
             req.output_limit = min(req.output_limit, 1)
         if req.grammar_key is not None and req.grammar is None:
@@ -146,8 +160,10 @@ class Scheduler(OverlapSteps, HandoffSteps):
     def requests(self) -> list[Req]:
         """Every request not yet finished."""
         chunked = [self.chunked] if self.chunked is not None else []
+        not_running = [m for r in self.waiting + chunked if r.beam is not None
+                       for m in r.beam.members[1:]]  # a beam search's members, before it runs
         return (self.grammar_queue.reqs() + self.waiting + chunked + self.running
-                + self._handoff_reqs())
+                + not_running + self._handoff_reqs())
 
     def step(self) -> list[Req]:
         """One forward pass. Returns the requests that took part in it (with a decode step
@@ -176,7 +192,8 @@ class Scheduler(OverlapSteps, HandoffSteps):
         return ended
 
     def abort(self, req: Req, message: str = "aborted") -> None:
-        """Ends ``req`` at once, freeing its KV; a no-op for a finished request."""
+        """Ends ``req`` at once, freeing its KV; a no-op for a finished request. A beam
+        search's member ends its whole search (the caller reports every member)."""
         if req.finished:
             return
         self.drain()
@@ -184,7 +201,9 @@ class Scheduler(OverlapSteps, HandoffSteps):
             self._drained.remove(req)
         if req.finished:  # with the step that was in flight
             return
-        if self.grammar_queue.remove(req) or self._abort_handoff(req):
+        if req.beam is not None:
+            self._abort_beam_search(req.beam, message)
+        elif self.grammar_queue.remove(req) or self._abort_handoff(req):
             pass
         elif req in self.waiting:
             self.waiting.remove(req)
@@ -194,79 +213,21 @@ class Scheduler(OverlapSteps, HandoffSteps):
             else:
                 self.running.remove(req)
                 self.sampling_batch.remove([req])
-            self.memory.release(req)
+            self._release(req)
         req.finish_reason = finish_abort(message)
+
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache (and restarts ``peak_kv_tokens``); False, doing
+        nothing, while requests hold KV."""
+        if not self.is_idle():
+            return False
+        self.memory.flush()
+        self.peak_kv_tokens = 0
+        return True
 
     def server_info(self) -> dict:
         """The pool, the cache and the queues, as plain data."""
         return describe(self)
-
-    # Admission ---------------------------------------------------------------------------
-
-    def _move_compiled(self) -> list[Req]:
-        """Moves requests whose grammar is ready to the waiting queue; returns those whose
-        grammar failed (finished)."""
-        failed, self._failed = self._failed, []
-        for req in self.grammar_queue.pop_done():
-            if req.finished:
-                failed.append(req)
-            else:
-                self._enqueue(req)
-        return failed
-
-    def _admit(self) -> PrefillAdder | None:
-        """This step's admission round; None when there is nothing to admit (so a decode
-        step costs nothing here)."""
-        if self.chunked is None and not self.waiting:
-            return None
-        args = self.args
-        adder = PrefillAdder(
-            memory=self.memory,
-            reserved=self._running_reserve(),
-            prefill_tokens=args.max_prefill_tokens,
-            chunk_tokens=self.prefill_pace.chunk_tokens(),
-            rows=self.memory.req_to_token_pool.available_size(),
-            new_token_ratio=self.new_token_ratio,
-        )
-        admit_new = not (args.batching == "static" and (self.running or self.chunked))
-        if self.chunked is not None:
-            if self.waiting and adder.rows and admit_new:
-                adder.add_short_before_chunk(self.chunked, self._admissible(adder))
-            if adder.new_reqs and not self._chunk_yielded:
-                # Short prompts go alone (their wait: at most one chunk step), the chunk
-                # next step; chunk steps and short ones alternate, so neither starves.
-                self._chunk_yielded = True
-                adder.chunked_req = self.chunked
-            else:
-                self._chunk_yielded = False
-                admit_new = adder.add_chunked(self.chunked)  # else nothing overtakes it
-        if admit_new and self.waiting and adder.rows and adder.chunked_req is None:
-            for req, match in self._admissible(adder):
-                if not adder.add_new(req, match):
-                    break
-        admitted = {id(r) for r in adder.new_reqs}
-        self.waiting = [r for r in self.waiting if id(r) not in admitted]
-        for req in adder.new_reqs:
-            if not req.retractions:
-                self.stats.prompt_tokens += len(req.input_ids)
-                self.stats.cached_tokens += req.cached_tokens
-        return adder
-
-    def _running_reserve(self) -> int:
-        """KV slots the running requests hold back: their expected output, plus the jumped
-        tokens (jump-forward) that have no KV yet."""
-        ratio = self.new_token_ratio
-        return sum(decode_reserve(r, ratio) + r.seq_len - r.kv_len - 1 for r in self.running)
-
-    def _admissible(self, adder: PrefillAdder) -> Iterator[tuple[Req, MatchResult | None]]:
-        """The waiting requests in policy order, but for those ``adder`` admitted already
-        and samples whose leader's prompt is not cached yet (they reuse it once it is)."""
-        admitted = {id(r) for r in adder.new_reqs}
-        for req, match in self.policy.order(self.waiting):
-            leader = req.prefill_leader
-            if id(req) not in admitted and (
-                    leader is None or leader.output_ids or leader.finished):
-                yield req, match
 
     # Forward passes ----------------------------------------------------------------------
 
@@ -291,7 +252,7 @@ class Scheduler(OverlapSteps, HandoffSteps):
             self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio
         )
         if pending == len(reqs):
-            if self.decode_worker is not None:
+            if self.decode_worker is not None and not self.beam_groups:
                 self.in_flight = self._launch(reqs, previous=None)
                 return []  # its tokens are processed at the next step
             return self._decode(reqs)
@@ -313,7 +274,8 @@ class Scheduler(OverlapSteps, HandoffSteps):
         slots = self.memory.alloc_decode(reqs, rows, positions)
         for req in reqs:
             req.kv_len += 1
-        return self.runner.make_decode_batch(inputs, slots, kv_lens)
+        shared = self._shared_prefixes(reqs) if self.beam_groups else None
+        return self.runner.make_decode_batch(inputs, slots, kv_lens, shared)
 
     def _extend(self, reqs: list[Req], new_ids: list[list[int]],
                 share_prefixes: bool = False) -> list[Req]:
@@ -347,14 +309,25 @@ class Scheduler(OverlapSteps, HandoffSteps):
         and releases the requests that finished. ``prefix_lens`` None: a decode step."""
         hidden = self.runner.forward(batch)
         self.stats.forward_steps += 1
+        self._note_kv_peak()
+        beam_rows = self._beam_rows(reqs, batch.extend_seq_lens_list
+                                    if prefix_lens is not None else None)
         if prefix_lens is None:  # only the requests that end need anything more
-            finished = self.output_processor.process_decode(reqs, hidden, self.sampler,
-                                                            self.sampling_batch)
+            sampled, sampled_hidden = reqs, hidden
+            if beam_rows:  # the beams' rows are the groups' to step
+                plain = [row for row, req in enumerate(reqs) if req.beam is None]
+                sampled = [reqs[row] for row in plain]
+                sampled_hidden = hidden.index_select(0, to_device(plain, torch.int64,
+                                                                  hidden.device))
+            finished = []
+            if sampled:
+                finished = self.output_processor.process_decode(
+                    sampled, sampled_hidden, self.sampler, self.sampling_batch)
             for req in finished:
                 self.running.remove(req)
                 self.memory.release(req)
             self.sampling_batch.remove(finished)
-            return reqs
+            return reqs + self._step_beams(hidden, beam_rows)
         extend_lens = batch.extend_seq_lens_list
         self.output_processor.process(reqs, hidden, prefix_lens, extend_lens, self.sampler,
                                       self.sampling_batch)
@@ -370,7 +343,18 @@ class Scheduler(OverlapSteps, HandoffSteps):
             elif share_prefixes and extend > 1:
                 self.memory.cache_unfinished(req)
         self.sampling_batch.remove(finished)
-        return reqs
+        return reqs + self._step_beams(hidden, beam_rows)
+
+    def _note_kv_peak(self) -> None:
+        used = self.memory.allocator.size - self.memory.allocator.available_size()
+        self.peak_kv_tokens = max(self.peak_kv_tokens, used)
+
+    def _release(self, req: Req) -> None:
+        """Frees what a running or chunked request holds (a beam search: its group's)."""
+        if req.beam is not None:
+            req.beam.release(self.memory)
+        else:
+            self.memory.release(req)
 
     # Retraction --------------------------------------------------------------------------
 
@@ -381,9 +365,9 @@ class Scheduler(OverlapSteps, HandoffSteps):
         while True:
             pending = sum(len(r.input_ids) + len(r.output_ids) - r.kv_len for r in self.running)
             need = pending
-            if page > 1:
+            if page > 1:  # (+ the pages a beam search's step may copy)
                 need = sum(pages_for(r.seq_len, page) - pages_for(r.kv_len, page)
-                           for r in self.running)
+                           for r in self.running) + sum(g.width * page for g in self.beam_groups)
             if need <= self.memory.available_tokens():
                 return pending
             if self.chunked is not None:  # its prefill so far stays cached
@@ -391,10 +375,16 @@ class Scheduler(OverlapSteps, HandoffSteps):
             elif len(self.running) > 1:
                 # The request that loses least progress and frees most memory.
                 victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
-                self.running.remove(victim)
+                if victim.beam is not None:  # its whole beam search goes
+                    if len(victim.beam.members) == len(self.running):
+                        return pending  # it alone always fits (the Engine checks)
+                    victim = victim.beam.leader
+                    self._remove_beams(victim.beam)
+                else:
+                    self.running.remove(victim)
             else:
                 return pending  # one request always fits: the Engine refuses any that cannot
-            self.memory.release(victim)
+            self._release(victim)
             self.sampling_batch.remove([victim])
             victim.retractions += 1
             self.stats.retractions += 1

@@ -36,6 +36,7 @@ def describe(scheduler) -> dict:
         "free_kv_tokens": memory.allocator.available_size(),
         "cache_tokens": memory.tree_cache.total_size(),
         "cache_protected_tokens": memory.tree_cache.protected_size(),
+        "peak_kv_tokens": scheduler.peak_kv_tokens,
         "request_rows": memory.req_to_token_pool.size,
         "free_request_rows": memory.req_to_token_pool.available_size(),
         "page_size": memory.page_size,

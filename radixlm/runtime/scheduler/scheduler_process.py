@@ -100,6 +100,12 @@ def make_req(msg: io.GenerateReq, tokenizer, leaders: dict[str, Req],
             tokenizer, msg.input_ids, params.skip_special_tokens,
             params.spaces_between_special_tokens,
         )
+    if msg.prefill_leader and params.use_beam_search:
+        leader = leaders.get(msg.prefill_leader)
+        if leader is None or leader.sampling.n != params.n or not (
+                leader.sampling.use_beam_search):
+            raise ValueError(f"no beam search of width {params.n} named "
+                             f"{msg.prefill_leader!r} is running")
     logprobs = None
     if msg.return_logprob:  # (a decode server's half computes no prompt logprobs)
         logprobs = LogprobRequest(None if handoff == "receive" else msg.logprob_start,
@@ -227,15 +233,17 @@ class SchedulerLoop:
         victims = [r for r in self.scheduler.requests() if rid is None or r.rid == rid]
         for req in victims:
             self.scheduler.abort(req, "aborted by request")
+        # A beam search ends whole: every member is reported.
+        named = {id(r) for r in victims}
+        victims += [m for r in list(victims) if r.beam is not None
+                    for m in r.beam.members if id(m) not in named]
         self._report(victims)
 
     def _control(self, msg: io.ControlReq) -> None:
         info: dict[str, Any] = {}
         ok = True
         if msg.kind == "flush_cache":
-            ok = self.scheduler.is_idle()
-            if ok:
-                self.scheduler.memory.flush()
+            ok = self.scheduler.flush_cache()
         elif msg.kind == "server_info":
             info = self.scheduler.server_info()
         else:
@@ -273,6 +281,8 @@ def report_messages(reqs: list[Req]) -> tuple[io.TokenBatch | None, io.Detokeniz
         output_ids = req.output_ids
         reported = req.reported_ids
         finish = req.finish_reason
+        if finish is None and req.beam is not None:
+            continue  # a beam's tokens change as the search goes: only its end is reported
         if len(output_ids) == reported and finish is None and (
                 len(req.input_token_logprobs) == req.reported_input_logprobs):
             continue
@@ -301,6 +311,8 @@ def report_messages(reqs: list[Req]) -> tuple[io.TokenBatch | None, io.Detokeniz
 def _output_state(req: Req, counters: tuple[int, int, int]) -> io.OutputState:
     """``req``'s counters, finish and unreported logprobs (marked reported)."""
     state = io.OutputState(*counters, finish_reason=req.finish_reason)
+    if req.beam_score is not None:
+        state.beam = [req.cumulative_logprob, req.beam_score]
     req.reported_counters = counters
     if req.logprobs is not None:
         state.input_token_logprobs = req.input_token_logprobs[req.reported_input_logprobs:]

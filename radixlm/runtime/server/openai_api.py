@@ -228,7 +228,8 @@ _SAMPLING_NAMES = {
     "json_schema": "json_schema", "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos", "repetition_penalty": "repetition_penalty",
     "stop_regex": "stop_regex", "no_stop_trim": "no_stop_trim",
-    "skip_special_tokens": "skip_special_tokens",
+    "skip_special_tokens": "skip_special_tokens", "use_beam_search": "use_beam_search",
+    "length_penalty": "length_penalty", "early_stopping": "early_stopping",
 }
 
 

@@ -5,7 +5,8 @@ Requests refuse unknown fields. Besides OpenAI's own fields they take SGLang's e
 the ``openai`` client's ``extra_body`` sends): ``top_k``, ``min_p``, ``min_tokens``,
 ``regex``, ``ebnf``, ``json_schema``, ``stop_token_ids``, ``stop_regex``, ``ignore_eos``,
 ``no_stop_trim``, ``skip_special_tokens``, ``repetition_penalty``, ``rid``, ``extra_key``
-and (chat) ``chat_template_kwargs``; and the rest of SGLang's request fields at their
+and (chat) ``chat_template_kwargs``; vLLM's beam search extras ``use_beam_search``,
+``length_penalty`` and ``early_stopping``; and the rest of SGLang's request fields at their
 neutral values (``sglang_fields.py``).
 """
 
@@ -70,6 +71,10 @@ class SamplingExtras(_Request):
     response_format: ResponseFormat | None = None
     rid: str | list[str] | None = None
     extra_key: str | None = None
+    # vLLM's beam search extras: ``n`` beams, the n best outputs as the choices.
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
     # Set by SGLang's router for prefill/decode disaggregation (``GenerateInput``'s).
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | None | list[int | None] = None

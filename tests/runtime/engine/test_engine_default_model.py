@@ -110,3 +110,31 @@ def test_bfloat16_engine_is_as_close_to_float32_as_transformers_bfloat16(referen
     assert ours_error.mean() <= 1.5 * theirs_error.mean()
     # An answer with a wide margin (the least sure token leads by 0.97 nats in float32).
     assert "Tokyo" in answer["text"]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("width,length_penalty,early_stopping", [
+    (2, 1.0, False),
+    pytest.param(4, 0.0, "never", marks=pytest.mark.slow),
+    pytest.param(8, 2.0, True, marks=pytest.mark.slow),
+])
+def test_beam_search_equals_transformers(engine, reference, width, length_penalty,
+                                         early_stopping):
+    """A beam search's n outputs and scores on the real model, best first: the outputs
+    end on the model's EOS or at the budget, as transformers' do."""
+    ids = engine.tokenizer.encode(PROMPTS[3])
+    eos = [engine.tokenizer.eos_token_id]  # the model's only EOS (its generation config's)
+    outs = engine.generate(input_ids=ids, sampling_params={
+        "use_beam_search": True, "n": width, "max_new_tokens": 12,
+        "length_penalty": length_penalty, "early_stopping": early_stopping})
+    expected = reference.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        num_beams=width, num_return_sequences=width, do_sample=False, max_new_tokens=12,
+        length_penalty=length_penalty, early_stopping=early_stopping, eos_token_id=eos,
+        pad_token_id=eos[0], return_dict_in_generate=True, output_scores=True)
+    for out, row, score in zip(outs, expected.sequences[:, len(ids):].tolist(),
+                               expected.sequences_scores.tolist()):
+        end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+        assert out["output_ids"] == row[:end]
+        assert out["meta_info"]["beam_score"] == pytest.approx(score, abs=1e-4)
+    assert_engine_idle(engine)

@@ -101,6 +101,20 @@ def test_chunked_prefill_and_retraction_run_on_every_rank(engine_for, family):
     assert engine.get_server_info()["stats"]["retractions"] > 0
 
 
+def test_beam_searches_fork_their_rows_on_every_rank(engine_for):
+    """A beam search rewrites its rows every step (each beam points at its parent's slots):
+    the ranks follow, and the beams and their scores are the whole model's."""
+    widths = (2, 4, 8)
+    requests = [dict(input_ids=[random_ids(60 + i, 20 + 15 * i) for i in range(3)],
+                     sampling_params=[{"use_beam_search": True, "n": k, "max_new_tokens": 12}
+                                      for k in widths])]
+    whole, split = serve_both(engine_for, "llama-gqa", 2, requests)
+    assert len(split[0]) == sum(widths)
+    assert_same(whole, split)
+    for ours, want in zip(split[0], whole[0]):
+        assert abs(ours["meta_info"]["beam_score"] - want["meta_info"]["beam_score"]) < 1e-4
+
+
 def test_each_rank_holds_half_the_kv_and_reports_it(engine_for):
     whole = engine_for("LlamaForCausalLM", "gqa", tp_size=1).get_server_info()
     info = engine_for("LlamaForCausalLM", "gqa", tp_size=2).get_server_info()

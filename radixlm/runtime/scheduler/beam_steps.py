@@ -1,0 +1,107 @@
+"""The scheduler's part of beam search: groups joining, stepping and leaving (the group's
+own part, its rows and KV, is ``beam_groups.py``)."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from radixlm.host_to_device import to_device
+from radixlm.runtime.request import Req, finish_abort
+from radixlm.runtime.scheduler.beam_groups import BeamGroup
+
+
+class BeamSteps:
+    """Mixed into ``Scheduler``: uses its ``memory``, ``runner``, ``output_processor``,
+    ``running``, ``waiting``, ``chunked``, ``beam_groups`` and ``_failed``."""
+
+    def _join_beam_search(self, req: Req) -> bool:
+        """Makes ``req`` a beam search's leader (True: it queues) or adds it to its
+        leader's group (False: it runs when the group does; one whose search already
+        ended is reported ended at the next step)."""
+        leader = req.prefill_leader
+        if leader is None:
+            BeamGroup(req, self.memory.page_size)
+            return True
+        if leader.finished or leader.beam is None or leader.beam.complete:
+            req.finish_reason = finish_abort("its beam search ended, or has all its members")
+            self._failed.append(req)
+        else:
+            leader.beam.add(req)
+        return False
+
+    def _beam_rows(self, reqs: list[Req], extend_lens: list[int] | None
+                   ) -> list[tuple[BeamGroup, list[int]]]:
+        """The beam searches with beams to step in this batch, and each one's rows of the
+        hidden states (its running beams' last tokens, in the group's order).
+        ``extend_lens`` None: a decode batch, a row per request."""
+        if not self.beam_groups and (extend_lens is None  # (no leader decodes)
+                                     or not any(r.beam is not None for r in reqs)):
+            return []
+        rows: dict[int, int] = {}
+        groups: dict[int, BeamGroup] = {}
+        end = 0
+        for i, req in enumerate(reqs):
+            end += 1 if extend_lens is None else extend_lens[i]
+            if req.beam is not None and req.kv_len == req.seq_len:  # its prompt is done
+                rows[id(req)] = end - 1
+                groups[id(req.beam)] = req.beam
+        return [(group, [rows[id(m)] for m in group.running()]) for group in groups.values()]
+
+    def _step_beams(self, hidden: torch.Tensor,
+                    beam_rows: list[tuple[BeamGroup, list[int]]]) -> list[Req]:
+        """Steps each beam search from its rows of ``hidden``; returns the members of
+        searches that ended, beyond the batch's requests (those that never ran)."""
+        ended: list[Req] = []
+        for group, rows in beam_rows:
+            index = to_device(rows, torch.int64, hidden.device)
+            logits = self.output_processor.compute_logits(hidden.index_select(0, index))
+            was_running = group.expanded
+            if group.step(logits, self.memory, self.runner.kv_pool):
+                self._remove_beams(group)
+                group.finish(self.memory)
+                if not was_running:
+                    ended += group.members[1:]
+            elif not was_running:  # the members run next to each other
+                after = self.running.index(group.leader) + 1
+                self.running[after:after] = group.members[1:]
+                self.beam_groups.append(group)
+        if beam_rows:
+            self._note_kv_peak()
+        return ended
+
+    def _shared_prefixes(self, reqs: list[Req]) -> list[tuple[int, int, int]]:
+        """The runs of ``reqs`` (a decode batch) that are one beam search's members, in
+        order, with the prompt slots they share (``ForwardBatch.shared_prefixes``)."""
+        runs = []
+        for start, req in enumerate(reqs):
+            group = req.beam
+            if group is None or req is not group.leader:
+                continue
+            members = reqs[start : start + group.width]
+            if len(members) == group.width and all(map(operator.is_, members, group.members)):
+                runs.append((start, group.width, group.base))
+        return runs
+
+    def _remove_beams(self, group: BeamGroup) -> None:
+        """Takes the group's members out of ``running`` (and the group out of
+        ``beam_groups``)."""
+        members = {id(m) for m in group.members}
+        self.running = [r for r in self.running if id(r) not in members]
+        if group in self.beam_groups:
+            self.beam_groups.remove(group)
+
+    def _abort_beam_search(self, group: BeamGroup, message: str) -> None:
+        """Ends every member of ``group`` with ``message``, freeing what it holds."""
+        leader = group.leader
+        if leader in self.waiting:
+            self.waiting.remove(leader)
+        else:
+            if leader is self.chunked:
+                self.chunked = None
+            self._remove_beams(group)
+            group.release(self.memory)
+        for member in group.members:
+            if not member.finished:
+                member.finish_reason = finish_abort(message)
