@@ -70,7 +70,8 @@ class BeamSearch:
                              f"{early_stopping!r}")
         self.width = width
         self.max_new_tokens = max_new_tokens
-        self.eos = sorted(eos_token_ids)
+        self.eos = sorted(eos_token_ids)  # (for indexing; ``eos_set`` for membership)
+        self.eos_set = frozenset(eos_token_ids)
         self.length_penalty = length_penalty
         self.early_stopping = early_stopping
         self.min_new_tokens = min_new_tokens
@@ -108,7 +109,7 @@ class BeamSearch:
         parents = (top_index // vocab).tolist()
         tokens = (top_index % vocab).tolist()
         at_budget = length + 1 >= self.max_new_tokens
-        ends = [at_budget or token in self.eos for token in tokens]
+        ends = [at_budget or token in self.eos_set for token in tokens]
         ends_mask = torch.tensor(ends, dtype=torch.float32)
         # The next running beams: the best k candidates that do not end.
         running_index = torch.topk(top_scores + ends_mask * DEAD, k)[1].tolist()

@@ -115,7 +115,7 @@ class BeamGroup:
         leader.kv_len = self.base + best.numel()
         memory.release(leader)
         self._return_follower_rows(memory)
-        eos = self.search.eos
+        eos = self.search.eos_set
         for member in self.members[1:]:  # they ran on the leader's prompt
             member.cached_tokens, member.retractions = leader.cached_tokens, leader.retractions
         for member, hypothesis in zip(self.members, results):

@@ -53,7 +53,10 @@ def run_and_check(engine, directory, ids, width, length_penalty, early_stopping,
                        directory, ids)
 
 
-@pytest.mark.parametrize("width", [1, 2, 4, 8])
+SLOW = pytest.mark.slow  # (the widths between: CI's last stage)
+
+
+@pytest.mark.parametrize("width", [1, pytest.param(2, marks=SLOW), pytest.param(4, marks=SLOW), 8])
 @pytest.mark.parametrize(("length_penalty", "early_stopping"), SETTINGS,
                          ids=[f"lp{lp}-{es}" for lp, es in SETTINGS])
 def test_beams_equal_transformers_for_every_width_and_setting(
@@ -64,7 +67,7 @@ def test_beams_equal_transformers_for_every_width_and_setting(
     run_and_check(engine, tiny_model_dir(), ids, width, length_penalty, early_stopping)
 
 
-@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("width", [pytest.param(2, marks=SLOW), pytest.param(4, marks=SLOW), 8])
 @pytest.mark.parametrize(("length_penalty", "early_stopping"),
                          [(1.0, False), (2.0, True), (0.5, "never"), (-0.5, False)],
                          ids=["lp1-False", "lp2-True", "lp0.5-never", "lp-0.5-False"])
@@ -98,7 +101,7 @@ def test_width_one_is_transformers_greedy_search_also_when_it_ends_on_a_stop_tok
                          stops) == 1
 
 
-@pytest.mark.slow  # (an engine each; test_beam_search_scheduling runs them in-process too)
+@SLOW  # (an engine each; test_beam_search_scheduling runs them in-process too)
 @pytest.mark.parametrize(("architecture", "kv"), [
     ("Qwen3ForCausalLM", "gqa"), ("MixtralForCausalLM", "gqa"), ("DeepseekV2ForCausalLM", "mha"),
 ])
