@@ -6,10 +6,24 @@ import uuid
 
 import radixlm
 from radixlm.runtime import messages as io
+from radixlm.runtime.engine.request_caps import RequestCaps
+from radixlm.runtime.engine.request_inputs import RequestLimits
+from radixlm.runtime.grammar.factory import constraint_checker
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.sampling_params import SamplingParams
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.scheduler.scheduler_process import make_req
+from radixlm.runtime.server_args import ServerArgs
+
+
+def entry_limits(**overrides) -> RequestLimits:
+    """What a request is checked against where it enters, for a 1,000-token vocabulary, a
+    4,096-token context and an 8,192-slot pool (``overrides``: other values)."""
+    return RequestLimits(**{
+        "context_length": 4096, "vocab_size": 1000, "max_total_tokens": 8192, "page_size": 1,
+        "generation_defaults": {}, "check_constraint": constraint_checker("xgrammar"),
+        "caps": RequestCaps.from_options(ServerArgs()), "max_prompt_chars": 10**6,
+        **overrides})
 
 
 def assert_engine_idle(engine: radixlm.Engine) -> None:

@@ -1,17 +1,29 @@
-"""Beam search's refusals at the Engine: what a search cannot honour (sampling, penalties,
-constraints, stop strings, logprobs, an empty budget) and the beam fields given without
-``use_beam_search`` are a ValueError naming the field, raised before anything is queued; the
-greedy values of the sampling fields, given explicitly, are accepted."""
+"""Beam search's refusals where a request enters (``build_generate_reqs``, which the Engine,
+``/generate`` and the OpenAI routes share): what a search cannot honour (sampling,
+penalties, constraints, stop strings, logprobs, an empty budget), the beam fields given
+without ``use_beam_search``, a width or a KV need the server cannot hold, and the servers
+it does not run on are a ValueError naming the field, before anything is queued; the greedy
+values of the sampling fields, given explicitly, are accepted."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
-from runtime_checks import assert_engine_idle
-from workloads import greedy
+from runtime_checks import entry_limits
 
+from radixlm.runtime.engine.request_inputs import GenerateInput, RequestLimits, build_generate_reqs
+
+LIMITS = entry_limits(request_rows=64)
 BEAM = {"use_beam_search": True, "n": 2, "max_new_tokens": 4}
+
+
+def enter(sampling, limits: RequestLimits = LIMITS, **fields):
+    """The messages a request becomes (raises what the entry raises)."""
+    request = GenerateInput(input_ids=[5, 6, 7, 8], sampling_params=sampling, **fields)
+    return build_generate_reqs(request, tokenizer=None, limits=limits)[0]
+
 
 REFUSED = [
     ("temperature", {**BEAM, "temperature": 0.7}, {}),
@@ -39,42 +51,35 @@ REFUSED = [
 
 @pytest.mark.parametrize(("field", "sampling", "request_fields"), REFUSED,
                          ids=[f"{i}-{case[0]}" for i, case in enumerate(REFUSED)])
-def test_what_beam_search_cannot_honour_is_refused_naming_it(
-    engine_for, field, sampling, request_fields
-):
-    engine = engine_for()
+def test_what_beam_search_cannot_honour_is_refused_naming_it(field, sampling, request_fields):
     with pytest.raises(ValueError, match=re.escape(field)):
-        engine.generate(input_ids=[5, 6, 7, 8], sampling_params=sampling, **request_fields)
-    assert_engine_idle(engine)
+        enter(sampling, **request_fields)
 
 
-def test_a_refused_search_in_a_batch_queues_nothing_and_the_engine_keeps_serving(engine_for):
-    engine = engine_for()
-    with pytest.raises(ValueError, match="temperature"):
-        engine.generate(input_ids=[[5, 6, 7], [8, 9, 10]],
-                        sampling_params=[greedy(3), {**BEAM, "temperature": 1.0}])
-    assert_engine_idle(engine)
-    assert engine.generate(input_ids=[5, 6, 7], sampling_params=greedy(3))[
-        "meta_info"]["completion_tokens"] == 3
+def test_the_greedy_values_given_explicitly_are_accepted():
+    """temperature 0, top_p 1, top_k -1, min_p 0, no penalties: what beam search does anyway;
+    the search becomes its n members, the first leading."""
+    messages = enter({**BEAM, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                      "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                      "repetition_penalty": 1.0, "length_penalty": 1.0,
+                      "early_stopping": False}, rid="search")
+    assert [m.rid for m in messages] == ["search-0", "search-1"]
+    assert [m.prefill_leader for m in messages] == [None, "search-0"]
+    assert all(m.sampling.use_beam_search for m in messages)
 
 
-def test_the_greedy_values_given_explicitly_are_accepted(engine_for):
-    """temperature 0, top_p 1, top_k -1, min_p 0, no penalties: what beam search does anyway."""
-    engine = engine_for()
-    plain = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=BEAM)
-    explicit = engine.generate(input_ids=[5, 6, 7, 8], sampling_params={
-        **BEAM, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-        "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-        "length_penalty": 1.0, "early_stopping": False})
-    assert [o["output_ids"] for o in explicit] == [o["output_ids"] for o in plain]
-    assert len(plain) == 2
+@pytest.mark.parametrize(("limits", "sampling", "message"), [
+    (LIMITS, {**BEAM, "n": 64, "max_new_tokens": 400}, r"width 64"),
+    (dataclasses.replace(LIMITS, request_rows=4), {**BEAM, "n": 8}, r"n \(8\)"),
+    (dataclasses.replace(LIMITS, disaggregation_mode="prefill"), BEAM, "disaggregated"),
+    (dataclasses.replace(LIMITS, tp_size=2, page_size=4), BEAM, "tensor parallelism"),
+], ids=["kv", "rows", "disaggregated", "tp-pages"])
+def test_what_the_server_cannot_run_is_refused_up_front(limits, sampling, message):
+    """A search the pool or the request rows cannot hold would wait forever: refused, as
+    are the servers it does not run on."""
+    with pytest.raises(ValueError, match=message):
+        enter(sampling, limits)
 
 
-def test_a_search_the_pool_cannot_hold_is_refused_naming_the_width(engine_for):
-    """Width x the output budget beyond the pool (8192 slots): refused up front rather than
-    waiting forever for room."""
-    engine = engine_for()
-    with pytest.raises(ValueError, match=r"width 64|n \(64\)"):
-        engine.generate(input_ids=[5, 6, 7, 8], sampling_params={
-            **BEAM, "n": 64, "max_new_tokens": 400})
-    assert_engine_idle(engine)
+def test_tensor_parallelism_with_single_token_pages_is_accepted():
+    assert len(enter(BEAM, dataclasses.replace(LIMITS, tp_size=2))) == 2

@@ -7,22 +7,13 @@ import json
 import re
 
 import pytest
+from runtime_checks import entry_limits
 
-from radixlm.runtime.engine.request_caps import RequestCaps
-from radixlm.runtime.engine.request_inputs import (
-    GenerateInput,
-    RequestLimits,
-    build_generate_reqs,
-)
+from radixlm.runtime.engine.request_inputs import GenerateInput, build_generate_reqs
 from radixlm.runtime.grammar.constraints import GrammarKey
-from radixlm.runtime.grammar.factory import constraint_checker
 from radixlm.runtime.sampling.sampling_params import SamplingParams
-from radixlm.runtime.server_args import ServerArgs
 
-LIMITS = RequestLimits(context_length=4096, vocab_size=1000, max_total_tokens=8192,
-                       page_size=1, generation_defaults={},
-                       check_constraint=constraint_checker("xgrammar"),
-                       caps=RequestCaps.from_options(ServerArgs()), max_prompt_chars=10**6)
+LIMITS = entry_limits()
 
 
 def entry_params(params: dict) -> SamplingParams:

@@ -3,12 +3,16 @@ transformers' ``generate(num_beams=k, num_return_sequences=k, do_sample=False)``
 weights: the same k hypotheses, best first, token for token (EOS included when one ended on
 it), ``beam_score`` equal to transformers' ``sequences_scores``, and ``cumulative_logprob`` the
 hypothesis's summed logprobs. Also: beams batched with ordinary requests, a prefix-cache hit,
-and the KV a search holds at its peak (the prompt once, not once per beam).
+the KV a search holds at its peak (the prompt once, not once per beam), and an abort by one
+member's rid through the Engine's processes.
 
 The variants that change how the scheduler runs the beams (pages, chunked prefill, overlap,
 retraction) and the step-by-step KV accounting are in test_beam_search_scheduling.py."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 from beam_reference import (
@@ -18,6 +22,7 @@ from beam_reference import (
     frequent_stop_ids,
     reference_beams,
 )
+from runtime_checks import assert_engine_idle
 from workloads import greedy, random_ids
 
 # One CPU thread: an output then depends on its batch alone (a thread count chosen by timing
@@ -182,3 +187,28 @@ def test_peak_kv_tokens_counts_the_prompt_once_not_once_per_beam(engine_for):
     assert prompt + longest - 1 <= peak <= prompt + width * (new + 1), peak
     engine.flush_cache()
     assert engine.get_server_info()["peak_kv_tokens"] == 0
+
+
+def test_the_engine_aborts_a_running_search_by_one_member_s_rid(engine_for):
+    """Through the processes: a long search is aborted by the rid of its third member; the
+    caller gets all four outputs, ended by the abort, and the engine is idle."""
+    engine = engine_for(**BASE)
+    results = {}
+
+    def run() -> None:
+        results["outs"] = engine.generate(input_ids=random_ids(1202, 30), rid="long-beams",
+                                          sampling_params=beam(4, 400, ignore_eos=True))
+
+    caller = threading.Thread(target=run)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while engine.get_server_info()["num_running"] < 4:
+        assert time.monotonic() < deadline, "the search never started decoding"
+        time.sleep(0.02)
+    engine.abort("long-beams-2")
+    caller.join(timeout=30)
+    assert not caller.is_alive()
+    outs = results["outs"]
+    assert [o["meta_info"]["id"] for o in outs] == [f"long-beams-{j}" for j in range(4)]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
+    assert_engine_idle(engine)

@@ -1,15 +1,12 @@
 """Aborting a beam search ends it whole, wherever it is (waiting for its members, prefilling,
-decoding), from any member's rid, in-process and through the Engine's processes; the pool
-is idle afterwards, and a member arriving after its search ended is refused, not run."""
+decoding), from any member's rid; the pool is idle afterwards, and a member arriving after
+its search ended is refused, not run. (Through the Engine's processes: test_beam_groups.)"""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 from beam_reference import beam
-from runtime_checks import assert_engine_idle, assert_pool_idle, beam_reqs
+from runtime_checks import assert_pool_idle, beam_reqs
 from workloads import random_ids
 
 from radixlm.runtime import messages as io
@@ -60,28 +57,3 @@ def test_a_search_waits_for_its_members_and_a_late_one_is_refused(scheduler_for)
     assert straggler.finish_reason["type"] == "abort"
     assert straggler in scheduler.step()  # reported at the next step
     assert_pool_idle(scheduler.server_info())
-
-
-def test_the_engine_aborts_a_running_search_by_one_member_s_rid(engine_for):
-    """Through the processes: a long search is aborted by the rid of its third member; the
-    caller gets all four outputs, ended by the abort, and the engine is idle."""
-    engine = engine_for()
-    results = {}
-
-    def run() -> None:
-        results["outs"] = engine.generate(input_ids=random_ids(1202, 30), rid="long-beams",
-                                          sampling_params=beam(4, 400, **LONG))
-
-    caller = threading.Thread(target=run)
-    caller.start()
-    deadline = time.monotonic() + 30
-    while engine.get_server_info()["num_running"] < 4:
-        assert time.monotonic() < deadline, "the search never started decoding"
-        time.sleep(0.02)
-    engine.abort("long-beams-2")
-    caller.join(timeout=30)
-    assert not caller.is_alive()
-    outs = results["outs"]
-    assert [o["meta_info"]["id"] for o in outs] == [f"long-beams-{j}" for j in range(4)]
-    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
-    assert_engine_idle(engine)
