@@ -88,7 +88,7 @@ class BeamGroup:
         table = memory.req_to_token
         end = self.prompt_len + self.search.length
         assert all(b.kv_len == end for b in beams), "every beam has KV up to its last token"
-        rows = to_device([b.req_pool_idx for b in beams], torch.int64, table.device)
+        rows = _rows_of(beams, table)
         before = self._held_pages(table, rows, end)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         choice = self.search.step(
@@ -104,7 +104,7 @@ class BeamGroup:
         table = memory.req_to_token
         beams = self.running()
         end = beams[0].kv_len
-        rows = to_device([b.req_pool_idx for b in beams], torch.int64, table.device)
+        rows = _rows_of(beams, table)
         results = self.search.results()
         best = results[0].payload
         held = self._held_pages(table, rows, end)
@@ -136,7 +136,7 @@ class BeamGroup:
             if self.expanded:
                 table = memory.req_to_token
                 beams = self.running()
-                rows = to_device([b.req_pool_idx for b in beams], torch.int64, table.device)
+                rows = _rows_of(beams, table)
                 held = self._held_pages(table, rows, beams[0].kv_len)
                 self._free_pages(memory, held, held[:0])
                 leader.kv_len = self.base  # what remains the leader's: the prompt's pages
@@ -156,7 +156,7 @@ class BeamGroup:
         the members' rows."""
         table = memory.req_to_token
         members = self.members
-        new_rows = to_device([m.req_pool_idx for m in members], torch.int64, table.device)
+        new_rows = _rows_of(members, table)
         if not self.expanded:  # the followers take the prompt's slots
             table[new_rows[1:], : self.base] = table[self.leader.req_pool_idx, : self.base]
             self.expanded = True
@@ -211,3 +211,8 @@ class BeamGroup:
             if follower.req_pool_idx is not None:
                 memory.req_to_token_pool.free(follower.req_pool_idx)
             follower.req_pool_idx, follower.kv_len, follower.last_slot = None, 0, -1
+
+
+def _rows_of(reqs: list[Req], table: torch.Tensor) -> torch.Tensor:
+    """The requests' rows of ``table`` (req_to_token), on its device."""
+    return to_device([r.req_pool_idx for r in reqs], torch.int64, table.device)

@@ -65,9 +65,7 @@ class RequestMemory:
 
     def alloc(self, req: Req, num_tokens: int) -> torch.Tensor:
         """Slots for the request's next ``num_tokens`` tokens, evicting from the cache if needed."""
-        shortfall = pages_for(num_tokens, self.page_size) - self.allocator.available_size()
-        if shortfall > 0:
-            self.tree_cache.evict(shortfall)
+        self._make_room(pages_for(num_tokens, self.page_size))
         try:
             slots = self.allocator.alloc_extend(req.last_slot, num_tokens)
         except OutOfKVSlots as err:
@@ -80,9 +78,7 @@ class RequestMemory:
     def alloc_pages(self, num_tokens: int) -> torch.Tensor:
         """Slots for ``num_tokens`` tokens in fresh pages (no request's row), evicting from
         the cache if needed."""
-        shortfall = pages_for(num_tokens, self.page_size) - self.allocator.available_size()
-        if shortfall > 0:
-            self.tree_cache.evict(shortfall)
+        self._make_room(pages_for(num_tokens, self.page_size))
         return self.allocator.alloc(num_tokens)
 
     def alloc_decode(self, reqs: list[Req], rows: torch.Tensor,
@@ -93,12 +89,16 @@ class RequestMemory:
         ``kv_len``s, where the slots are written."""
         if self.page_size > 1:
             return torch.cat([self.alloc(req, 1) for req in reqs])
-        shortfall = len(reqs) - self.allocator.available_size()
-        if shortfall > 0:
-            self.tree_cache.evict(shortfall)
+        self._make_room(len(reqs))
         slots = self.allocator.alloc(len(reqs))
         self.req_to_token[rows, columns] = slots  # no read-back: pages of one token need
         return slots                              # no last_slot (see ``Req.last_slot``)
+
+    def _make_room(self, slots: int) -> None:
+        """Evicts from the cache until ``slots`` slots are free (as far as it can)."""
+        shortfall = slots - self.allocator.available_size()
+        if shortfall > 0:
+            self.tree_cache.evict(shortfall)
 
     def cache_unfinished(self, req: Req) -> None:
         """Shares what the running request has computed so far, and keeps running on it.
