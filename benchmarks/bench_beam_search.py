@@ -35,7 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from bench_disaggregation import cpu_flags  # noqa: E402
+from machine import cpu_flags  # noqa: E402
 
 import radixlm  # noqa: E402
 from radixlm.models.default_model import default_model_path  # noqa: E402

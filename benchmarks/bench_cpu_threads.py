@@ -21,6 +21,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from machine import cpu_flags  # noqa: E402
 
 import radixlm  # noqa: E402
 from radixlm.models.default_model import default_model_path  # noqa: E402
@@ -72,10 +73,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     threads = torch.get_num_threads()
-    with open("/proc/cpuinfo") as cpuinfo:
-        flags = sorted({flag for flag in cpuinfo.read().split()
-                        if flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")})
-    print(f"cpu: {os.cpu_count()} cores, torch threads {threads}, flags {' '.join(flags)}")
+    print(f"cpu: {os.cpu_count()} cores, torch threads {threads}, flags {cpu_flags()}")
     path = str(default_model_path())
     common = {"dtype": args.dtype, "max_total_tokens": 8192}
     engines = {

@@ -33,6 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by the servers
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
+from machine import cpu_flags  # noqa: E402
 
 HOST = "127.0.0.1"
 LONG_PROMPT, LONG_OUTPUT = 768, 8
@@ -183,13 +184,6 @@ def scattered_slots(tokens: int, run: int) -> torch.Tensor:
     served a while)."""
     runs = torch.arange(tokens).split(run)
     return torch.cat([runs[i] for i in torch.randperm(len(runs))]) + 1
-
-
-def cpu_flags() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
-        flags = next(line for line in info if line.startswith("flags")).split()
-        return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
-    return "unknown"
 
 
 def main() -> None:

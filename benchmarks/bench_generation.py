@@ -1,113 +1,187 @@
-"""radixlm vs transformers on the default model: batch-1 decode and batch-16 throughput.
+"""radixlm vs transformers (and llama.cpp) on the default model: prefill, batch-1 decode,
+batch-16 throughput, in each weight format.
 
-Both run in this process on the same converted weights, alternating run by run, so the
-ratios hold even on a shared, noisy machine. Absolute figures are printed for context only.
+Every system runs in this process on the same weights, alternating run by run (round r
+runs every workload on every system before round r + 1), so the ratios hold on a shared,
+noisy machine; medians of the rounds are printed. Absolute figures are for context only.
 
-radixlm picks its CPU threads per forward pass (one for small batches); transformers runs
-twice, with all of torch's threads (its default, the reference configuration) and with one
-thread (its best on a small, shared CPU), so both ratios are shown.
+Systems:
+- transformers, in the CPU's auto dtype (bfloat16 with native bf16, else float32), with
+  torch's default threads (its reference configuration);
+- radixlm in the auto dtype, and with each ``--formats`` weight format (``fp16wo``,
+  ``int8wo``);
+- llama.cpp through ``llama-cpp-python`` (optional, benchmark-only) on the GGUF files given
+  (``--gguf-f16``, ``--gguf-q8``: the same weights converted by llama.cpp's
+  ``convert_hf_to_gguf.py --outtype f16 / q8_0``); its batch of 16 runs sequentially.
 
-    python benchmarks/bench_generation.py [--dtypes bfloat16 float32] [--repeats 3]
+Prompts differ in every run, so no system reuses a cached prefix.
+
+    python benchmarks/bench_generation.py [--rounds 3] [--formats fp16wo int8wo]
+        [--gguf-f16 smol-f16.gguf --gguf-q8 smol-q8_0.gguf]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from machine import describe_machine  # noqa: E402
 
 import radixlm  # noqa: E402
 from radixlm.models.default_model import default_model_path  # noqa: E402
+from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
-PROMPT = "The history of the city of Paris"
-BATCH_PROMPTS = [f"Write a short note about topic number {i}: " for i in range(16)]
+BATCH = 16
+_run_ids = itertools.count()
 
 
-def radixlm_run(engine: radixlm.Engine, prompts: list[str], new_tokens: int) -> float:
-    """Seconds to generate ``new_tokens`` for every prompt, all in one batch."""
-    params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+def prompts(tokenizer, count: int, length: int | None = None) -> list[list[int]]:
+    """``count`` prompts never seen before (a fresh first word); ``length`` tokens each, or
+    a short instruction."""
+    run = next(_run_ids)
+    texts = [f"Note {run}-{i}: the history of the city of Paris" for i in range(count)]
+    ids = [tokenizer(text)["input_ids"] for text in texts]
+    if length is not None:
+        filler = tokenizer(" and its rivers, bridges and streets" * (length // 6))["input_ids"]
+        ids = [(p + filler)[:length] for p in ids]
+    return ids
+
+
+class Radixlm:
+    def __init__(self, path: str, quantization: str | None):
+        self.name = "radixlm" + (f" {quantization}" if quantization else "")
+        self.engine = radixlm.Engine(path, quantization=quantization, max_total_tokens=16384)
+
+    def generate(self, batch: list[list[int]], new_tokens: int) -> None:
+        params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+        outputs = self.engine.generate(input_ids=batch, sampling_params=params)
+        assert all(len(o["output_ids"]) == new_tokens for o in outputs)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class Transformers:
+    def __init__(self, path: str, dtype: torch.dtype, tokenizer):
+        self.name = "transformers"
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def generate(self, batch: list[list[int]], new_tokens: int) -> None:
+        width = max(map(len, batch))
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      pad_token_id=self.pad)
+        assert out.shape[1] - width == new_tokens
+
+    def close(self) -> None:
+        del self.model
+
+
+class LlamaCpp:
+    """llama.cpp in a child process of its own, at its best: OpenMP threads left to spin
+    (``OMP_WAIT_POLICY=PASSIVE``, which suits torch, halves its two-thread decode) and no
+    torch in the process. Lines of JSON in, elapsed seconds out."""
+
+    def __init__(self, gguf: str, label: str):
+        self.name = f"llama.cpp {label}"
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        self.child = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("llama_cpp_worker.py")), gguf],
+            env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def generate(self, batch: list[list[int]], new_tokens: int) -> float:
+        self.child.stdin.write(json.dumps({"batch": batch, "new_tokens": new_tokens}) + "\n")
+        self.child.stdin.flush()
+        return float(self.child.stdout.readline())
+
+    def close(self) -> None:
+        self.child.stdin.close()
+        self.child.wait(timeout=60)
+
+
+def timed(system, batch: list[list[int]], new_tokens: int) -> float:
     start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    assert all(len(o["output_ids"]) == new_tokens for o in outputs)
-    return elapsed
-
-
-def transformers_run(
-    model, tokenizer, prompts: list[str], new_tokens: int, threads: int
-) -> float:
-    torch.set_num_threads(threads)
-    inputs = tokenizer(prompts, return_tensors="pt", padding=True)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] - inputs["input_ids"].shape[1] == new_tokens
-    return elapsed
-
-
-def compare(engine, model, tokenizer, prompts, new_tokens, repeats, thread_counts):
-    """Median output tokens/s of radixlm and of transformers at each thread count,
-    runs interleaved."""
-    total = len(prompts) * new_tokens
-    ours: list[float] = []
-    theirs: dict[int, list[float]] = {t: [] for t in thread_counts}
-    radixlm_run(engine, prompts, 4)  # warm-up
-    for threads in thread_counts:
-        transformers_run(model, tokenizer, prompts, 4, threads)
-    for _ in range(repeats):
-        ours.append(total / radixlm_run(engine, prompts, new_tokens))
-        for threads in thread_counts:
-            elapsed = transformers_run(model, tokenizer, prompts, new_tokens, threads)
-            theirs[threads].append(total / elapsed)
-    return statistics.median(ours), {t: statistics.median(v) for t, v in theirs.items()}
+    seconds = system.generate(batch, new_tokens)
+    return seconds if seconds is not None else time.perf_counter() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=128)
-    parser.add_argument("--batch-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--formats", nargs="*", default=["fp16wo", "int8wo"])
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--batch-tokens", type=int, default=32)
+    parser.add_argument("--gguf-f16", default=None, help="llama.cpp's F16 GGUF of the model")
+    parser.add_argument("--gguf-q8", default=None, help="llama.cpp's Q8_0 GGUF of the model")
+    parser.add_argument("--workloads", nargs="+", default=["prefill", "decode", "batch"],
+                        choices=["prefill", "decode", "batch"])
     args = parser.parse_args()
-    path = default_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    all_threads = torch.get_num_threads()
-    thread_counts = sorted({all_threads, 1}, reverse=True)
-    print(f"model {path}; transformers at {thread_counts} threads")
-    header = f"{'dtype':<9} {'workload':<20} {'radixlm':>8}"
-    for t in thread_counts:
-        header += f" {f'hf@{t}thr':>9} {'ratio':>6}"
-    print(header + "   (output tokens/s)")
-    for dtype in args.dtypes:
-        engine = radixlm.Engine(str(path), dtype=dtype, max_total_tokens=16 * 512)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, dtype)
-        ).eval()
-        workloads = [
-            ("batch 1 decode", [PROMPT], args.decode_tokens),
-            ("batch 16 throughput", BATCH_PROMPTS, args.batch_tokens),
-        ]
-        for name, prompts, new_tokens in workloads:
-            ours, theirs = compare(
-                engine, model, tokenizer, prompts, new_tokens, args.repeats, thread_counts
-            )
-            line = f"{dtype:<9} {name:<20} {ours:>8.1f}"
-            for t in thread_counts:
-                line += f" {theirs[t]:>9.1f} {ours / theirs[t]:>5.2f}x"
-            print(line, flush=True)
-        engine.shutdown()
-        del model
+    path = str(default_model_path())
+    dtype = ServerArgs(device="cpu").resolved_dtype()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    systems = [Transformers(path, dtype, tokenizer), Radixlm(path, None)]
+    systems += [Radixlm(path, name) for name in args.formats]
+    for gguf, label in ((args.gguf_f16, "F16"), (args.gguf_q8, "Q8_0")):
+        if gguf:
+            systems.append(LlamaCpp(gguf, label))
+    workloads = {  # name: (batch size, prompt tokens, new tokens, counts prompt tokens)
+        f"prefill {args.prompt_tokens} tok/s": (1, args.prompt_tokens, 1, True),
+        "decode b1 tok/s": (1, None, args.decode_tokens, False),
+        f"batch {BATCH} out tok/s": (BATCH, None, args.batch_tokens, False),
+    }
+    workloads = {name: spec for name, spec in workloads.items()
+                 if name.split()[0] in args.workloads}
+    print(describe_machine())
+    print(f"model {path}; auto dtype {dtype}; {args.rounds} rounds, medians")
+    for system in systems:  # warm-up: first passes, thread choices, prefill pace
+        for batch, length, new_tokens, _ in workloads.values():
+            system.generate(prompts(tokenizer, batch, length), min(new_tokens, 4))
+    rates: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.rounds):
+        for workload, (batch, length, new_tokens, by_prompt) in workloads.items():
+            for system in systems:
+                batch_ids = prompts(tokenizer, batch, length)
+                seconds = timed(system, batch_ids, new_tokens)
+                tokens = batch * (length if by_prompt else new_tokens)
+                rates.setdefault((workload, system.name), []).append(tokens / seconds)
+    header = f"{'system':<18}" + "".join(f"{w:>24}" for w in workloads)
+    print(header)
+    medians = {key: statistics.median(values) for key, values in rates.items()}
+    for system in systems:
+        cells = []
+        for workload in workloads:
+            ours, base = medians[(workload, system.name)], medians[(workload, "transformers")]
+            cells.append(f"{ours:>12.1f} ({ours / base:>5.2f}x)")
+        print(f"{system.name:<18}" + "".join(f"{c:>24}" for c in cells))
+    print("(x: against transformers in the same column)")
+    pairs = [("radixlm", "llama.cpp F16"), ("radixlm fp16wo", "llama.cpp F16"),
+             ("radixlm int8wo", "llama.cpp Q8_0")]
+    names = {system.name for system in systems}
+    for ours, theirs in pairs:
+        if ours in names and theirs in names:
+            ratios = [medians[(w, ours)] / medians[(w, theirs)] for w in workloads]
+            print(f"{ours} / {theirs}: " + ", ".join(
+                f"{w.rsplit(' ', 1)[0]} {r:.2f}x" for w, r in zip(workloads, ratios)))
+    for system in systems:
+        system.close()
+
 
 if __name__ == "__main__":
     main()

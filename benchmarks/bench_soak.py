@@ -39,6 +39,7 @@ from collections import Counter
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by the server
 
 import httpx  # noqa: E402
+from machine import cpu_flags  # noqa: E402
 
 HOST = "127.0.0.1"
 MAX_TOTAL_TOKENS = 16384
@@ -363,10 +364,7 @@ def report(args, found: dict) -> dict:
     served = sum(o.status.startswith("2") for o in outcomes)
     pool_idle = (info["num_running"] == 0 and info["num_waiting"] == 0
                  and info["free_kv_tokens"] + info["cache_tokens"] == info["max_total_tokens"])
-    with open("/proc/cpuinfo") as cpuinfo:
-        flags = sorted({flag for flag in cpuinfo.read().split()
-                        if flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")})
-    print(f"cpu: {os.cpu_count()} cores, flags {' '.join(flags)}; model {found['model']} on "
+    print(f"cpu: {os.cpu_count()} cores, flags {cpu_flags()}; model {found['model']} on "
           f"{info['device']}, {info['dtype']}")
     print(f"soak: {args.duration:.0f} s at {args.rate}/s, abuse share {args.abuse_share}, seed "
           f"{args.seed}; the last answer came {found['load_s']:.1f} s after the start")

@@ -17,16 +17,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout: float = 60) -> None:
-    """Waits until ``url``'s /health answers 200 (a server process starting up)."""
+def wait_healthy(url: str, timeout: float = 60, path: str = "/health",
+                 process: subprocess.Popen | None = None) -> None:
+    """Waits until ``url`` answers ``path`` with 200 (a server process starting up); fails
+    after ``timeout`` seconds, or as soon as ``process`` (the server's, if given) exits."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
-        assert time.monotonic() < deadline, f"{url} did not become healthy"
+        assert process is None or process.poll() is None, f"{url} exited before {path} answered"
+        assert time.monotonic() < deadline, f"{url} did not answer {path} in {timeout} s"
         time.sleep(0.2)
 
 

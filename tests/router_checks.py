@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 
 import httpx
 import pytest
+from live_server import wait_healthy
 
 NEEDS_SMG = pytest.mark.skipif(shutil.which("smg") is None,
                                reason="sglang-router (the smg command) is not installed")
@@ -23,17 +23,11 @@ def wait_until_ready(router: subprocess.Popen, url: str, path: str = "/readiness
     """Waits until the router at ``url`` answers ``path`` with 200 (``/readiness``: a
     prefill and a decode worker registered); kills it and fails if it exits or takes
     longer than ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if router.poll() is not None or time.monotonic() > deadline:
-            router.kill()
-            raise AssertionError("the router did not become ready")
-        time.sleep(0.2)
+    try:
+        wait_healthy(url, timeout, path, router)
+    except AssertionError:
+        router.kill()
+        raise
 
 
 def sse_data(reply: httpx.Response) -> list[str]:

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,20 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     # (heads, 2, head_dim/2, ...) in HF order was stored as (heads, head_dim/2, 2, ...).
     stored = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
     return stored.swapaxes(1, 2).reshape(weight.shape)
+
+
+GGUF_WEIGHT_FORMATS = {"F16": "fp16wo", "Q8_0": "int8wo"}
+"""The weight-only format (``layers/weight_formats.py``) that keeps what a GGUF stores of
+its layers' matrices: F16 exactly; Q8_0 (a scale per 32 weights) re-scaled per row."""
+
+
+def gguf_weight_format(path: str | os.PathLike) -> str | None:
+    """The format for the GGUF at ``path``, by the type most of its layers' matrices have;
+    None for other types (float32, 4-bit, ...: served in the serving dtype)."""
+    reader = _open_reader(Path(path))
+    types = Counter(t.tensor_type.name for t in reader.tensors
+                    if t.name.startswith("blk.") and len(t.shape) == 2)
+    return GGUF_WEIGHT_FORMATS.get(types.most_common(1)[0][0]) if types else None
 
 
 def _open_reader(path: Path):

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from radixlm.models.layers.tensor_parallel import SINGLE, TensorParallel, building
+from radixlm.models.layers.weight_formats import pack_weights
 from radixlm.models.model_config import ModelConfig
 from radixlm.models.registry import model_class
 from radixlm.models.weight_loading import iterate_safetensors, safetensors_files
@@ -13,19 +14,23 @@ from radixlm.models.weight_loading import iterate_safetensors, safetensors_files
 
 def load_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int,
-    tp: TensorParallel = SINGLE,
+    tp: TensorParallel = SINGLE, weight_format: str | None = None,
 ) -> nn.Module:
     """The model of ``config.architecture`` with its checkpoint weights, in eval mode.
 
     ``max_position`` bounds the positions the model will see (the serving context length);
     RoPE tables are sized by it. ``tp``: the share of a tensor-parallel rank (a size that
     does not divide the model's heads or intermediate sizes is a ``ValueError``).
+    ``weight_format``: a weight-only format (``weight_formats.py``) the projections and the
+    output head are packed into, from the checkpoint's float32 weights.
     """
     cls = model_class(config.architecture)
     files = safetensors_files(config.path)
     with torch.device(device), building(tp):
         model = cls(config.hf_config, max_position=max_position)
     model.load_weights(iterate_safetensors(files))
+    if weight_format is not None:
+        pack_weights(model, weight_format)
     # RoPE tables stay float32; parameters take the serving dtype, except those marked
     # ``keep_float32`` (e.g. an MoE router's score correction bias).
     for param in model.parameters():

@@ -6,6 +6,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from radixlm.models.gguf_conversion import gguf_weight_format
+from radixlm.models.layers.weight_formats import WEIGHT_FORMATS
+
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BATCHING_MODES = ("continuous", "static")
@@ -32,6 +35,12 @@ class ServerArgs:
     tokenizer_path: str | None = None
     dtype: str = "auto"
     """``auto``: bfloat16 on GPUs and on CPUs with native bf16, else float32."""
+    quantization: str | None = None
+    """A weight-only format for the projections and the output head on CPUs: ``fp16wo``
+    (half storage) or ``int8wo`` (int8, a scale per output row); computation stays in
+    ``dtype`` (``radixlm.models.layers.weight_formats``). ``gguf`` (a ``.gguf`` model):
+    the format matching the file's (F16 -> fp16wo, Q8_0 -> int8wo, others: none). None:
+    weights in ``dtype``."""
     device: str = "auto"
     attention_backend: str = "auto"
     """``auto``: flashinfer, else triton, on CUDA; torch_native on CPUs (see
@@ -156,6 +165,7 @@ class ServerArgs:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        self._check_quantization()
         _check_positive("page_size", self.page_size)
         _check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
         if self.max_queued_requests is not None and (
@@ -220,6 +230,19 @@ class ServerArgs:
                 f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
             )
 
+    def _check_quantization(self) -> None:
+        if self.quantization is None:
+            return
+        if self.quantization not in (*WEIGHT_FORMATS, "gguf"):
+            raise ValueError(f"quantization must be one of {(*WEIGHT_FORMATS, 'gguf')} "
+                             f"(or None), got {self.quantization!r}")
+        if self.quantization == "gguf" and not str(self.model_path).lower().endswith(".gguf"):
+            raise ValueError("quantization 'gguf' takes its format from a .gguf model file; "
+                             f"model_path {self.model_path!r} is not one")
+        if self.resolved_device().type != "cpu":
+            raise ValueError(f"quantization {self.quantization!r} is a CPU weight format; "
+                             f"device {self.device!r} is not a CPU")
+
     def _check_parallelism(self) -> None:
         for name in ("tp_size", "nnodes"):
             _check_positive(name, getattr(self, name))
@@ -251,6 +274,13 @@ class ServerArgs:
         if unknown:
             raise ValueError(f"unknown Engine options {unknown}; known options: {sorted(known)}")
         return cls(model_path=model_path, **options)
+
+    def weight_format(self) -> str | None:
+        """The weight-only format to pack the model into (``quantization``, with ``gguf``
+        resolved from the file)."""
+        if self.quantization == "gguf":
+            return gguf_weight_format(self.model_path)
+        return self.quantization
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -17,7 +17,12 @@ from gguf import GGMLQuantizationType as QType
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from radixlm.models.gguf_conversion import convert_gguf_to_hf, unpermute_rotary_rows
+from radixlm.models.gguf_conversion import (
+    convert_gguf_to_hf,
+    gguf_weight_format,
+    unpermute_rotary_rows,
+)
+from radixlm.runtime.server_args import ServerArgs
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 96, 2
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -348,3 +353,38 @@ def test_non_empty_output_directory_is_refused(tmp_path):
     with pytest.raises(FileExistsError, match="hf"):
         convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "hf", progress=False)
     assert (tmp_path / "hf" / "keep.txt").read_text() == "user data"
+
+
+def _gguf_of_types(path: Path, types: dict[str, QType]) -> Path:
+    writer = gguf.GGUFWriter(path, "llama")
+    for name, qtype in types.items():
+        weight = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+        if qtype == QType.Q8_0:
+            writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, weight.astype(np.float16 if qtype == QType.F16 else np.float32))
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(("types", "expected"), [
+    ({"blk.0.attn_q.weight": QType.F16, "blk.0.ffn_up.weight": QType.F16}, "fp16wo"),
+    ({"blk.0.attn_q.weight": QType.F32, "blk.0.ffn_up.weight": QType.Q8_0,
+      "blk.0.ffn_down.weight": QType.Q8_0, "token_embd.weight": QType.F32}, "int8wo"),
+    ({"blk.0.attn_q.weight": QType.F32}, None),
+])
+def test_quantization_gguf_takes_the_format_of_the_files_layer_matrices(tmp_path, types,
+                                                                         expected):
+    path = _gguf_of_types(tmp_path / "model.gguf", types)
+    assert gguf_weight_format(path) == expected
+    args = ServerArgs(model_path=str(path), quantization="gguf", device="cpu")
+    assert args.weight_format() == expected
+
+
+def test_quantization_gguf_needs_a_gguf_model(tmp_path):
+    with pytest.raises(ValueError, match="gguf.*is not one"):
+        ServerArgs(model_path=str(tmp_path), quantization="gguf", device="cpu")

@@ -1,4 +1,5 @@
-"""Tests for radixlm/runtime/server_args.py: the dtype choice and its warning by CPU kind."""
+"""Tests for radixlm/runtime/server_args.py: the dtype choice and its warning by CPU kind;
+the weight-only formats it accepts."""
 
 from __future__ import annotations
 
@@ -44,3 +45,18 @@ def test_a_cpu_held_to_avx2_gets_float32_and_a_bfloat16_warning():
 def test_an_unknown_dtype_is_refused_by_name(dtype):
     with pytest.raises(ValueError, match="dtype"):
         ServerArgs(dtype=dtype)
+
+
+@pytest.mark.parametrize("quantization", ["fp16wo", "int8wo", None])
+def test_the_weight_only_formats_are_accepted_on_a_cpu(quantization):
+    assert ServerArgs(quantization=quantization, device="cpu").quantization == quantization
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"quantization": "int4"}, "quantization must be one of"),
+    ({"quantization": "awq", "device": "cpu"}, "'awq'"),
+    ({"quantization": "int8wo", "device": "cuda"}, "CPU weight format"),
+])
+def test_an_unknown_or_misplaced_weight_format_is_refused_by_name(options, words):
+    with pytest.raises(ValueError, match=words):
+        ServerArgs(**options)

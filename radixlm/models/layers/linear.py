@@ -5,6 +5,8 @@ per layer. The checkpoint keeps them apart, so each stacked layer knows where ea
 shard goes and loads it there. Under tensor parallelism (``tensor_parallel``) a stacked
 layer is column-parallel: each rank holds a slice of every shard's rows; ``RowParallelLinear``
 holds the matching slice of the next projection's columns and sums the partial outputs.
+After loading, a weight-only format (``weight_formats.py``) may replace a layer's weight
+with a packed one; the layer then multiplies through it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.models.layers.tensor_parallel import TensorParallel
+from radixlm.models.layers.weight_formats import PackedWeight
 
 
-class StackedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight may be packed after loading (then ``weight`` is None and
+    ``packed`` holds it)."""
+
+    packed: PackedWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in) -> (T, out)."""
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.packed.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in) -> x @ weight.T (T, out), without the bias."""
+        return F.linear(x, self.weight) if self.packed is None else self.packed.matmul(x)
+
+    def pack_weight(self, packer) -> int:
+        """Replaces the weight by ``packer(weight)`` (a ``PackedWeight``); returns its bytes."""
+        self.packed = packer(self.weight.detach())
+        self.weight = None
+        return self.packed.nbytes()
+
+
+class StackedLinear(Linear):
     """``nn.Linear`` whose output rows are the concatenation of named shards.
 
     ``shard_sizes`` maps a shard name (e.g. "q", "k", "v") to its number of output rows
@@ -51,7 +78,7 @@ class StackedLinear(nn.Linear):
             target[offset : offset + size].copy_(tensor[start : start + size])
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """A (out, in) projection of which this rank holds output rows [out_start, out_start +
     out_count) (and their bias): its output is this rank's share, e.g. its heads. With one
     rank it is ``nn.Linear``."""
@@ -72,7 +99,7 @@ class ColumnParallelLinear(nn.Linear):
             target.copy_(tensor[self.out_start : self.out_start + target.shape[0]])
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A (out, in) projection of which this rank holds input columns [in_start, in_start +
     in_count): its partial output is summed over the ranks, then the bias (held whole) is
     added once. With one rank it is ``nn.Linear``.
@@ -91,8 +118,8 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, in_count) -> (T, out), the same on every rank (unless not ``reduce``)."""
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return super().forward(x)
+        y = self.project(x)
         if self.reduce:
             y = self.tp.all_reduce(y)
         elif self.tp.rank != 0:

@@ -15,11 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.models.layers import tensor_parallel
+from radixlm.models.layers.weight_formats import PackedWeight
 
 
 class VocabParallelEmbedding(nn.Module):
     """A (vocab_size, hidden) matrix of which this rank holds its share of rows:
-    ``forward`` embeds token ids, ``logits`` projects hidden states onto the vocabulary."""
+    ``forward`` embeds token ids, ``logits`` projects hidden states onto the vocabulary
+    (through ``packed``, a weight-only copy of the matrix, when one was made)."""
+
+    packed: PackedWeight | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
@@ -41,12 +45,21 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden) -> float32 logits (N, vocab_size), on every rank (a
         collective: every rank calls it with the same rows)."""
-        local = torch.matmul(hidden, self.weight.t())  # (N, vocab / tp)
+        if self.packed is None:
+            local = torch.matmul(hidden, self.weight.t())  # (N, vocab / tp)
+        else:
+            local = self.packed.matmul(hidden)
         if self.tp.size > 1:
             shares = [torch.empty_like(local) for _ in range(self.tp.size)]
             dist.all_gather(shares, local.contiguous(), group=self.tp.group)
             local = torch.cat(shares, dim=-1)[:, : self.vocab_size]
         return local.float()
+
+    def pack_weight(self, packer) -> int:
+        """Packs a copy of the weight for ``logits`` (lookups keep reading ``weight``, one
+        row a token); returns its bytes."""
+        self.packed = packer(self.weight.detach())
+        return self.packed.nbytes()
 
     def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
         """Copies this rank's rows of the checkpoint's (vocab_size, hidden) matrix."""

@@ -29,6 +29,10 @@ from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.layers.tensor_parallel import SINGLE
 from radixlm.models.loader import load_model, validate_split
 from radixlm.models.model_config import ModelConfig
+from radixlm.runtime.model_executor.cpu_matmul_path import (
+    matrix_vector_path,
+    uses_matrix_vector_path,
+)
 from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
 from radixlm.runtime.model_executor.rank_processes import LocalRanks
 from radixlm.runtime.model_executor.tensor_parallel_ranks import (
@@ -71,13 +75,15 @@ class ModelRunner:
         if self._fixed_threads is None and self.device.type == "cpu":
             self.thread_policy = ThreadPolicy(PROCESS_THREADS)
         self.context_length = args.context_length or model_config.max_position_embeddings
+        self._one_row_bypass = uses_matrix_vector_path(self.device, self.dtype)
         self.tp, self.cpu_group = SINGLE, None
         self.local_ranks: LocalRanks | None = None
         self.step_sender: StepSender | None = None
         if args.tp_size > 1:
             self._join_ranks(model_config, rank)
+        self.weight_format = args.weight_format()
         self.model = load_model(model_config, self.dtype, self.device, self.context_length,
-                                self.tp)
+                                self.tp, self.weight_format)
         self.max_total_tokens = self._kv_pool_tokens()
         if self.cpu_group is not None:
             self.max_total_tokens = agree_on_pool_size(self.max_total_tokens, self.cpu_group)
@@ -95,8 +101,10 @@ class ModelRunner:
             self.step_sender = StepSender(self.tp, self.cpu_group, self.req_to_token_pool,
                                           args.dist_timeout)
         logger.info(
-            "model %s loaded: %s on %s, KV pool of %d tokens (%.1f MiB)",
-            model_config.architecture, self.dtype, self.device, self.max_total_tokens,
+            "model %s loaded: %s%s on %s, KV pool of %d tokens (%.1f MiB)",
+            model_config.architecture, self.dtype,
+            f" (weights {self.weight_format})" if self.weight_format else "", self.device,
+            self.max_total_tokens,
             self.max_total_tokens * self.kv_pool.bytes_per_token() / 2**20,
         )
 
@@ -108,8 +116,10 @@ class ModelRunner:
             self.step_sender.send_step(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
 
+        one_row = self._one_row_bypass and len(forward_batch.input_ids) == 1
+
         def run() -> torch.Tensor:
-            with torch.inference_mode():
+            with torch.inference_mode(), matrix_vector_path(one_row):
                 return self.model(forward_batch.input_ids, forward_batch.positions,
                                   forward_batch)
 
@@ -164,7 +174,8 @@ class ModelRunner:
         """hidden (N, H) -> float32 logits (N, vocab) (with the other ranks' shares)."""
         if self.step_sender is not None:
             self.step_sender.send_logits(hidden)
-        with torch.inference_mode():
+        one_row = self._one_row_bypass and hidden.shape[0] == 1
+        with torch.inference_mode(), matrix_vector_path(one_row):
             return self.model.compute_logits(hidden)
 
     def make_forward_batch(

@@ -8,7 +8,9 @@ and the neighbours change while a server runs. So no threshold is fixed: passes 
 into buckets by their number of new tokens (powers of two), each bucket keeps a recent
 time per token for each candidate thread count and runs the faster one; now and then
 (every ``explore_every`` passes) it tries the other for a few passes to see whether things
-changed, and switches only when the other is faster by a margin.
+changed, and switches only when the other is faster by a margin. A trial lasts a few passes
+of small size but one of a large pass (a long prompt's prefill), so that measuring the
+slower thread count never costs more than about ``trial_tokens`` tokens' worth of passes.
 
 Invariants: ``choose`` returns one of ``candidates``; a bucket tries each candidate before
 it settles; a candidate's estimate only moves by ``record``.
@@ -39,26 +41,31 @@ class ThreadPolicy:
     """Per-bucket choice between one thread and all of them (``max_threads``)."""
 
     def __init__(self, max_threads: int, explore_every: int = 40, trial_passes: int = 4,
-                 margin: float = 0.03):
+                 margin: float = 0.03, trial_tokens: int = 64):
         """Every ``explore_every`` passes of a bucket, the thread count it does not run is
-        tried for ``trial_passes`` passes; the bucket switches when the other is faster by
-        more than ``margin`` (a fraction), so noise does not make it flap."""
+        tried for ``trial_passes`` passes (fewer when they are large: as many as hold
+        ``trial_tokens`` new tokens, at least one); the bucket switches when the other is
+        faster by more than ``margin`` (a fraction), so noise does not make it flap."""
         self.candidates = sorted({1, max_threads})
         self.explore_every = explore_every
         self.trial_passes = trial_passes
+        self.trial_tokens = trial_tokens
         self.margin = margin
         self._buckets: dict[int, _Bucket] = {}
 
     def choose(self, num_tokens: int) -> int:
         """The thread count for a pass of ``num_tokens`` new tokens."""
-        bucket = self._buckets.setdefault(_bucket_of(num_tokens), _Bucket())
+        size = _bucket_of(num_tokens)
+        bucket = self._buckets.setdefault(size, _Bucket())
         bucket.passes += 1
         if bucket.trial is None:
+            passes = max(1, min(self.trial_passes, self.trial_tokens // size))
             untried = [n for n in self.candidates if n not in bucket.seconds_per_token]
             if untried:
-                self._start_trial(bucket, untried[0])
+                self._start_trial(bucket, untried[0], passes)
             elif bucket.passes % self.explore_every == 0 and len(self.candidates) > 1:
-                self._start_trial(bucket, next(n for n in self.candidates if n != bucket.current))
+                other = next(n for n in self.candidates if n != bucket.current)
+                self._start_trial(bucket, other, passes)
         if bucket.trial is not None:
             threads = bucket.trial
             bucket.trial_left -= 1
@@ -99,8 +106,9 @@ class ThreadPolicy:
         """Each bucket's (smallest token count's) current choice, for reports."""
         return {size: bucket.current for size, bucket in sorted(self._buckets.items())}
 
-    def _start_trial(self, bucket: _Bucket, threads: int) -> None:
-        bucket.trial, bucket.trial_left, bucket.fresh = threads, self.trial_passes, True
+    @staticmethod
+    def _start_trial(bucket: _Bucket, threads: int, passes: int) -> None:
+        bucket.trial, bucket.trial_left, bucket.fresh = threads, passes, True
 
 
 def _bucket_of(num_tokens: int) -> int:

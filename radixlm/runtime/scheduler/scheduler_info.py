@@ -43,6 +43,7 @@ def describe(scheduler) -> dict:
         "num_running": len(scheduler.running) + (scheduler.chunked is not None),
         "num_waiting": len(scheduler.waiting),
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "quantization": runner.weight_format,
         "device": str(runner.device),
         "attention_backend": runner.attention_backend_name,
         "cuda_graph": runner.cuda_graph_runner is not None,

@@ -64,3 +64,11 @@ def test_passes_are_bucketed_by_powers_of_two():
     _serve(policy, 7, {1: 1e-4, 2: 5e-5}, passes=4)  # the same bucket as 5: trials go on
     _serve(policy, 8, {1: 1e-4, 2: 2e-4}, passes=8)
     assert policy.chosen() == {4: 2, 8: 1}
+
+
+def test_a_trial_of_large_passes_is_short():
+    """A long prompt's prefill is measured on the slower thread count for one pass, not
+    four: a trial holds about ``trial_tokens`` tokens' worth of passes."""
+    policy = ThreadPolicy(max_threads=2, trial_passes=4, trial_tokens=64)
+    assert _serve(policy, 512, {1: 2e-3, 2: 1e-3}, passes=6) == [1, 2, 2, 2, 2, 2]
+    assert _serve(policy, 32, {1: 2e-3, 2: 1e-3}, passes=6) == [1, 1, 2, 2, 2, 2]

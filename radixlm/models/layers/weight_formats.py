@@ -1,0 +1,139 @@
+"""Weight-only formats: the projections' weights stored in fewer bytes, computed in the
+serving dtype.
+
+A decode step of a small batch reads every weight once and does little arithmetic with
+each, so on a CPU its time is the weights' bytes over the memory bandwidth. A format packs
+the weight of each projection (``linear.Linear``) and of the output head
+(``VocabParallelEmbedding.logits``; the embedding lookup keeps its own rows) after loading:
+
+- ``fp16wo``: IEEE half (2 bytes a weight). Passes of up to ``HALF_GEMV_MAX_ROWS`` rows
+  (small-batch decode) run torch's half matrix-vector kernel row by row: the row is rounded
+  to half, the products summed in float32 (what llama.cpp's F16 path does; an activation
+  beyond half's range, 65504, would overflow there). Larger passes convert the weight into
+  a reused buffer in the serving dtype and multiply there.
+- ``int8wo``: symmetric int8 with one float scale per output row (1 byte a weight). Passes
+  of up to ``INT8_KERNEL_MAX_ROWS`` rows run torch's int8 weight-only kernel (inside it the
+  activations are bfloat16, the sums float32); larger ones dequantize into the buffer.
+
+The row limits are where the measured costs cross on 2-core AVX2 and AVX-512 CPUs (the
+kernels' cost grows with the rows, the conversion's does not). Outputs come back in the
+serving dtype. Invariant: packing changes which bytes a layer reads, never its shapes, its
+bias or the model's interface; the buffer is shared by one model's layers, so forward
+passes of one model must not run concurrently (the scheduler runs them one at a time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HALF_GEMV_MAX_ROWS = 4
+INT8_KERNEL_MAX_ROWS = 32
+WEIGHT_FORMATS = ("fp16wo", "int8wo")
+
+
+class ConversionBuffer:
+    """Reused storage a packed weight is widened into for a large pass (one per model)."""
+
+    def __init__(self) -> None:
+        self._storage: torch.Tensor | None = None
+
+    def take(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialized tensor of ``shape``; its memory is reused by the next call."""
+        numel = shape.numel()
+        storage = self._storage
+        if (storage is None or storage.numel() < numel or storage.dtype != dtype
+                or storage.device != device):
+            storage = self._storage = torch.empty(numel, dtype=dtype, device=device)
+        return storage[:numel].view(shape)
+
+
+@dataclass(eq=False)
+class PackedWeight:
+    """A (out, in) weight in a weight-only format; ``matmul`` is ``x @ weight.T``."""
+
+    buffer: ConversionBuffer
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in) -> (T, out) in x's dtype."""
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 (out, in) weight this stands for."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class HalfWeight(PackedWeight):
+    weight: torch.Tensor  # (out, in) float16
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer) -> HalfWeight:
+        return cls(buffer, weight.to(torch.float16).contiguous())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return F.linear(x.to(torch.float16), self.weight).to(x.dtype)
+        if x.shape[0] <= HALF_GEMV_MAX_ROWS:  # one matrix-vector product per row
+            rows = [F.linear(row, self.weight) for row in x.to(torch.float16).split(1)]
+            return torch.cat(rows).to(x.dtype)
+        wide = self.buffer.take(self.weight.shape, x.dtype, x.device)
+        return F.linear(x, wide.copy_(self.weight))
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * 2
+
+
+@dataclass(eq=False)
+class Int8Weight(PackedWeight):
+    weight: torch.Tensor  # (out, in) int8
+    scales: torch.Tensor  # (out,) float32: weight ~= int8 * scale, row by row
+    kernel_scales: torch.Tensor  # (out,) bfloat16, as torch's int8 kernel takes them
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer) -> Int8Weight:
+        weight = weight.float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
+        quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(buffer, quantized.contiguous(), scales, scales.to(torch.bfloat16))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= INT8_KERNEL_MAX_ROWS:
+            out = torch.ops.aten._weight_int8pack_mm(
+                x.to(torch.bfloat16), self.weight, self.kernel_scales)  # (T, out) bfloat16
+            return out.to(x.dtype)
+        wide = self.buffer.take(self.weight.shape, x.dtype, x.device).copy_(self.weight)
+        return F.linear(x, wide.mul_(self.scales.to(x.dtype)[:, None]))
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float() * self.scales[:, None]
+
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scales.numel() * 4
+
+
+_PACKERS = {"fp16wo": HalfWeight.pack, "int8wo": Int8Weight.pack}
+
+
+def pack_weights(model: nn.Module, weight_format: str) -> int:
+    """Packs every module that offers ``pack_weight`` (the projections and the output head)
+    into ``weight_format``; returns the packed weights' bytes. Raises ValueError for an
+    unknown format."""
+    if weight_format not in _PACKERS:
+        raise ValueError(f"unknown weight format {weight_format!r}; "
+                         f"expected one of {', '.join(WEIGHT_FORMATS)}")
+    packer, buffer, total = _PACKERS[weight_format], ConversionBuffer(), 0
+    for module in model.modules():
+        pack = getattr(module, "pack_weight", None)
+        if pack is not None:
+            total += pack(lambda weight: packer(weight, buffer))
+    return total

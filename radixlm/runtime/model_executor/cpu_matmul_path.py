@@ -1,0 +1,42 @@
+"""Which kernels a CPU forward pass's half-precision matmuls run on.
+
+torch hands a bfloat16 / float16 matmul to oneDNN where the CPU has AVX-512. For many rows
+that is the fast path; for one row (a batch-1 decode step, or its logits) oneDNN sets up a
+general matrix product and reads the weights at about half the speed of torch's own
+matrix-vector kernel, which it skips for (measured on the default model, 2 cores: 37 ms of
+matmuls per bf16 decode step through oneDNN, 17 ms without). So a one-row pass in half
+precision runs with oneDNN disabled; every other pass, and every float32 pass, is left as
+it is.
+
+The switch is torch's process-wide ``torch.backends.mkldnn.enabled``: forward passes of a
+runner must not overlap (the scheduler runs them one at a time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def uses_matrix_vector_path(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where one-row passes should bypass oneDNN: half precision on a CPU whose torch
+    has oneDNN."""
+    return (device.type == "cpu" and dtype in _HALF_DTYPES
+            and torch.backends.mkldnn.is_available())
+
+
+@contextlib.contextmanager
+def matrix_vector_path(active: bool) -> Iterator[None]:
+    """Runs the block with oneDNN disabled when ``active`` (then restores the setting)."""
+    if not active or not torch.backends.mkldnn.enabled:
+        yield
+        return
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = True

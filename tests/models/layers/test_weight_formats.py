@@ -1,0 +1,122 @@
+"""Weight-only formats: every path of each format multiplies by the weight it stands for;
+packing a model packs its projections and output head; a packed model serves what
+transformers computes with the same (dequantized) weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import reference_model
+
+from radixlm.models.layers.linear import Linear
+from radixlm.models.layers.tensor_parallel import SINGLE
+from radixlm.models.layers.weight_formats import (
+    HALF_GEMV_MAX_ROWS,
+    INT8_KERNEL_MAX_ROWS,
+    ConversionBuffer,
+    HalfWeight,
+    Int8Weight,
+    pack_weights,
+)
+from radixlm.models.loader import load_model
+from radixlm.models.model_config import ModelConfig
+
+FORMATS = {"fp16wo": HalfWeight, "int8wo": Int8Weight}
+# Rows each format runs on its low-precision kernel (activations rounded to half / bfloat16
+# inside it); larger passes widen the weight and multiply in float32, exactly.
+KERNEL_ROWS = {"fp16wo": HALF_GEMV_MAX_ROWS, "int8wo": INT8_KERNEL_MAX_ROWS}
+KERNEL_ATOL = {"fp16wo": 2e-3, "int8wo": 2e-2}
+DECODE_ATOL = {"fp16wo": 5e-3, "int8wo": 5e-2}  # about 3x the largest seen, on logprobs
+LONG_PROMPT = ("The quick brown fox jumps over the lazy dog; Paris is the capital of France, "
+               "Berlin the capital of Germany, and Rome the capital of Italy. Numbers: 1 2 3 4")
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 5, 32, 33, 80])
+def test_each_path_multiplies_by_the_weight_it_stands_for(weight_format, rows):
+    torch.manual_seed(rows)
+    weight = torch.randn(96, 64) * 0.05
+    packed = FORMATS[weight_format].pack(weight, ConversionBuffer())
+    x = torch.randn(rows, 64)
+    got = packed.matmul(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    expected = x @ packed.dequantized().T
+    on_kernel = rows <= KERNEL_ROWS[weight_format]
+    atol = KERNEL_ATOL[weight_format] if on_kernel else 1e-5
+    torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+
+
+def test_the_packed_weights_are_within_half_a_step_of_the_original():
+    torch.manual_seed(0)
+    weight = torch.randn(48, 40)
+    int8 = Int8Weight.pack(weight, ConversionBuffer())
+    assert int8.weight.dtype == torch.int8 and int8.nbytes() == 48 * 40 + 48 * 4
+    step = weight.abs().amax(dim=1, keepdim=True) / 127
+    assert ((int8.dequantized() - weight).abs() <= step / 2 + 1e-7).all()
+    half = HalfWeight.pack(weight, ConversionBuffer())
+    assert half.weight.dtype == torch.float16 and half.nbytes() == 48 * 40 * 2
+    torch.testing.assert_close(half.dequantized(), weight, atol=0, rtol=2**-11)
+
+
+def test_large_passes_reuse_one_buffer():
+    buffer = ConversionBuffer()
+    big = buffer.take(torch.Size([64, 64]), torch.float32, torch.device("cpu"))
+    small = buffer.take(torch.Size([8, 16]), torch.float32, torch.device("cpu"))
+    assert small.data_ptr() == big.data_ptr() and small.shape == (8, 16)
+    wider = buffer.take(torch.Size([128, 64]), torch.float32, torch.device("cpu"))
+    assert wider.shape == (128, 64)  # grown when a weight needs more
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_packing_a_model_packs_its_projections_and_its_head(tiny_model_dir, weight_format):
+    config = ModelConfig.from_path(str(tiny_model_dir("LlamaForCausalLM", "gqa", True)))
+    model = load_model(config, torch.float32, torch.device("cpu"), 256, SINGLE, weight_format)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight is None and m.packed is not None for m in linears)
+    head = model.embed_tokens  # tied: the lookup keeps its float rows
+    assert head.packed is not None and head.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="int4"):
+        pack_weights(model, "int4")
+
+
+def _dequantized_reference(path, weight_format: str) -> torch.nn.Module:
+    """transformers' model of ``path`` with every projection and the output head replaced
+    by the weights their packed form stands for (the embedding stays float). Rows are
+    packed one by one, so packing q, k and v apart equals packing them stacked."""
+    reference = type(reference_model(path)).from_pretrained(path, dtype=torch.float32).eval()
+    buffer, pack = ConversionBuffer(), FORMATS[weight_format].pack
+    with torch.no_grad():
+        head = pack(reference.get_output_embeddings().weight, buffer).dequantized()
+        for module in reference.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(pack(module.weight, buffer).dequantized())
+        reference.lm_head.weight = torch.nn.Parameter(head)  # untied from the embedding
+    return reference
+
+
+@torch.inference_mode()
+def _logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1: (len - 1,)."""
+    logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return logprobs[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_a_packed_model_serves_what_transformers_computes_with_its_weights(
+        engine_for, tiny_model_dir, weight_format):
+    path = tiny_model_dir("LlamaForCausalLM", "gqa", True)
+    engine = engine_for("LlamaForCausalLM", "gqa", True, quantization=weight_format)
+    assert engine.get_server_info()["quantization"] == weight_format
+    ids = engine.tokenizer.encode(LONG_PROMPT)
+    assert len(ids) > INT8_KERNEL_MAX_ROWS  # the prompt's pass widens the weights: exact
+    out = engine.generate(input_ids=ids, return_logprob=True, logprob_start_len=0,
+                          sampling_params={"max_new_tokens": 12, "temperature": 0.0,
+                                           "ignore_eos": True})
+    reference = _dequantized_reference(path, weight_format)
+    expected = _logprobs(reference, ids + out["output_ids"])
+    prompt = torch.tensor([entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]])
+    torch.testing.assert_close(prompt, expected[: len(ids) - 1], atol=1e-4, rtol=0)
+    # Decode steps run on the format's kernel (activations rounded inside it).
+    decoded = torch.tensor([entry[0] for entry in out["meta_info"]["output_token_logprobs"]])
+    torch.testing.assert_close(decoded, expected[len(ids) - 1:],
+                               atol=DECODE_ATOL[weight_format], rtol=0)

@@ -1,0 +1,46 @@
+"""One-row half-precision passes on CPUs skip oneDNN for torch's matrix-vector kernel: the
+switch applies only where it should, gives the same products and is always restored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixlm.runtime.model_executor.cpu_matmul_path import (
+    matrix_vector_path,
+    uses_matrix_vector_path,
+)
+
+CPU = torch.device("cpu")
+
+
+def test_only_half_precision_passes_on_a_cpu_take_the_path():
+    has_onednn = torch.backends.mkldnn.is_available()
+    assert uses_matrix_vector_path(CPU, torch.bfloat16) == has_onednn
+    assert uses_matrix_vector_path(CPU, torch.float16) == has_onednn
+    assert not uses_matrix_vector_path(CPU, torch.float32)
+    assert not uses_matrix_vector_path(torch.device("meta"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_row_times_a_weight_is_the_same_either_way(dtype):
+    torch.manual_seed(0)
+    weight = (torch.randn(384, 256) * 0.05).to(dtype)
+    x = torch.randn(1, 256).to(dtype)
+    default = F.linear(x, weight)
+    with matrix_vector_path(True):
+        assert not torch.backends.mkldnn.enabled
+        bypassed = F.linear(x, weight)
+    assert torch.backends.mkldnn.enabled  # restored
+    torch.testing.assert_close(bypassed.float(), default.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(bypassed.float(), x.float() @ weight.float().T, atol=2e-2, rtol=2e-2)
+
+
+def test_the_setting_is_restored_even_when_the_pass_fails():
+    before = torch.backends.mkldnn.enabled
+    with pytest.raises(RuntimeError, match="boom"), matrix_vector_path(True):
+        raise RuntimeError("boom")
+    assert torch.backends.mkldnn.enabled == before
+    with matrix_vector_path(False):
+        assert torch.backends.mkldnn.enabled == before
