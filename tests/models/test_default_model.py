@@ -207,6 +207,7 @@ def test_chat_template_renders_im_start_format(default_dir):
     assert text.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # 12 s; the tiny GGUFs of test_gguf_conversion check the same in the default run
 @pytest.mark.default_model
 def test_weights_equal_transformers_gguf_dequantization(default_dir, gguf_file):
     from safetensors import safe_open

@@ -67,7 +67,7 @@ def _run_workload(engine) -> list[dict]:
     return outputs
 
 
-@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("page_size", [1, 4, pytest.param(16, marks=pytest.mark.slow)])
 def test_outputs_do_not_depend_on_the_cache(engine_for, page_size):
     baseline = _run_workload(engine_for(disable_radix_cache=True))
     engine = engine_for(page_size=page_size)

@@ -63,7 +63,7 @@ def run(scheduler, prompts, params, **fields) -> list:
 # Through the Engine ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+@pytest.mark.parametrize("policy", ["lpm", pytest.param("fcfs", marks=pytest.mark.slow)])
 def test_requests_retracted_when_the_pool_runs_out_all_complete_with_their_own_tokens(
     engine_for, policy
 ):
@@ -88,6 +88,7 @@ def test_requests_retracted_when_the_pool_runs_out_all_complete_with_their_own_t
     assert_engine_idle(engine)
 
 
+@pytest.mark.slow  # 13 s; the other retraction tests keep retraction in the default run
 def test_a_retracted_stream_never_takes_back_tokens_it_showed(engine_for):
     expected = reference_outputs(engine_for)
     engine = engine_for(schedule_policy="lpm", **SMALL_POOL, **BOLD)

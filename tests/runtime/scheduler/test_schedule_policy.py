@@ -242,7 +242,7 @@ def test_abort_all_ends_every_streamed_request_and_frees_its_kv(engine_for):
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
-@pytest.mark.parametrize("max_running_requests", [64, 2])
+@pytest.mark.parametrize("max_running_requests", [pytest.param(64, marks=pytest.mark.slow), 2])
 def test_abort_by_rid_ends_only_that_request(engine_for, max_running_requests):
     """With two request rows the aborted request is most likely still waiting."""
     engine = engine_for(max_running_requests=max_running_requests, **LONG_CONTEXT)
