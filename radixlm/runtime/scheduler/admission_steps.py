@@ -32,12 +32,11 @@ class AdmissionSteps:
         if self.chunked is None and not self.waiting:
             return None
         args = self.args
-        others_wait = bool(self.running) or len(self.waiting) > (self.chunked is None)
         adder = PrefillAdder(
             memory=self.memory,
             reserved=self._running_reserve(),
             prefill_tokens=args.max_prefill_tokens,
-            chunk_tokens=self.prefill_pace.chunk_tokens(others_wait),
+            chunk_tokens=self.prefill_pace.chunk_tokens(),
             rows=self.memory.req_to_token_pool.available_size(),
             new_token_ratio=self.new_token_ratio,
         )

@@ -7,8 +7,6 @@ long prompt can take seconds). So the chunk is also bounded in time: the pace me
 seconds per prompt token of recent prefill steps and sizes chunks to take about
 ``target_s``. Until it has measured a step of ``MIN_MEASURED_TOKENS`` tokens or more, a
 chunk takes at most ``UNMEASURED_CHUNK_TOKENS`` (the first one then measures the machine).
-The time bound is for those who wait: a prompt prefilled while no other request runs or
-waits is cut by ``chunked_prefill_size`` alone (more, shorter chunks would only slow it).
 """
 
 from __future__ import annotations
@@ -40,10 +38,9 @@ class PrefillPace:
     seconds_per_token: float | None = None
     """The running estimate (None until a large enough step was measured)."""
 
-    def chunk_tokens(self, others_wait: bool = True) -> int | None:
-        """The most prompt tokens one chunk may take now; ``others_wait``: whether any
-        request other than the chunk's runs or waits (else the time bound is not applied)."""
-        if self.max_chunk is None or self.target_s is None or not others_wait:
+    def chunk_tokens(self) -> int | None:
+        """The most prompt tokens one chunk may take now."""
+        if self.max_chunk is None or self.target_s is None:
             return self.max_chunk
         if self.seconds_per_token is None:
             return min(self.max_chunk, UNMEASURED_CHUNK_TOKENS)

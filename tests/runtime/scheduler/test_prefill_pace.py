@@ -51,11 +51,3 @@ def test_without_a_target_or_without_chunking_the_pace_does_nothing():
     tiny = PrefillPace(max_chunk=16, target_s=0.5)
     tiny.observe(1024, 100.0)
     assert tiny.chunk_tokens() == 16  # the floor never exceeds chunked_prefill_size
-
-
-def test_a_prompt_nobody_waits_behind_is_cut_by_tokens_alone():
-    pace = PrefillPace(max_chunk=1024, target_s=0.25)
-    assert pace.chunk_tokens(others_wait=False) == 1024  # unmeasured, yet not held to 256
-    pace.observe(512, 1.0)  # 512 tokens a second: 128 fill the target
-    assert pace.chunk_tokens(others_wait=True) == 128
-    assert pace.chunk_tokens(others_wait=False) == 1024
