@@ -42,11 +42,14 @@ def test_chat_streaming(chat_model):
     @sgl.function
     def story(s):
         s += sgl.user("Tell me a very short story about a cat.")
-        s += sgl.assistant(sgl.gen("story", max_tokens=16))
+        s += sgl.assistant(sgl.gen("story", max_tokens=48))
 
     state = story.run(backend=chat_model, stream=True, temperature=0)
     pieces = list(state.text_iter("story"))
-    assert len(pieces) > 3 and "".join(pieces) == state["story"]
+    # The server and the frontend each join what arrived while their reader was busy, so
+    # the count of pieces depends on the machine's load (one CI run saw 16 tokens arrive as
+    # one piece); 48 tokens in at least two pieces shows the text did stream.
+    assert len(pieces) >= 2 and "".join(pieces) == state["story"]
 
 
 @pytest.mark.parametrize("expr,message", [

