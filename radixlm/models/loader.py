@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -10,6 +12,8 @@ from radixlm.models.layers.weight_formats import pack_weights
 from radixlm.models.model_config import ModelConfig
 from radixlm.models.registry import model_class
 from radixlm.models.weight_loading import iterate_safetensors, safetensors_files
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(
@@ -30,7 +34,8 @@ def load_model(
         model = cls(config.hf_config, max_position=max_position)
     model.load_weights(iterate_safetensors(files))
     if weight_format is not None:
-        pack_weights(model, weight_format)
+        packed = pack_weights(model, weight_format)
+        logger.info("weights packed as %s: %.1f MiB", weight_format, packed / 2**20)
     # RoPE tables stay float32; parameters take the serving dtype, except those marked
     # ``keep_float32`` (e.g. an MoE router's score correction bias).
     for param in model.parameters():

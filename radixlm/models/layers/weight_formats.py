@@ -112,7 +112,7 @@ class Int8Weight(PackedWeight):
                 x.to(torch.bfloat16), self.weight, self.kernel_scales)  # (T, out) bfloat16
             return out.to(x.dtype)
         wide = self.buffer.take(self.weight.shape, x.dtype, x.device).copy_(self.weight)
-        return F.linear(x, wide.mul_(self.scales.to(x.dtype)[:, None]))
+        return F.linear(x, wide.mul_(self.scales[:, None]))  # (the product keeps x's dtype)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.scales[:, None]

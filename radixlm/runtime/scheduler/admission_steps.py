@@ -36,7 +36,7 @@ class AdmissionSteps:
             memory=self.memory,
             reserved=self._running_reserve(),
             prefill_tokens=args.max_prefill_tokens,
-            chunk_tokens=self.prefill_pace.chunk_tokens(),
+            chunk_tokens=self.prefill_pace.chunk_tokens(alone=self._prefills_alone()),
             rows=self.memory.req_to_token_pool.available_size(),
             new_token_ratio=self.new_token_ratio,
         )
@@ -65,6 +65,11 @@ class AdmissionSteps:
                 self.stats.prompt_tokens += len(req.input_ids)
                 self.stats.cached_tokens += req.cached_tokens
         return adder
+
+    def _prefills_alone(self) -> bool:
+        """Nobody would wait behind this step's chunk: no request runs and the prompt being
+        prefilled is the only one queued (its chunks may then be longer)."""
+        return not self.running and len(self.waiting) + (self.chunked is not None) <= 1
 
     def _running_reserve(self) -> int:
         """KV slots the running requests hold back: their expected output, plus the jumped

@@ -7,6 +7,11 @@ long prompt can take seconds). So the chunk is also bounded in time: the pace me
 seconds per prompt token of recent prefill steps and sizes chunks to take about
 ``target_s``. Until it has measured a step of ``MIN_MEASURED_TOKENS`` tokens or more, a
 chunk takes at most ``UNMEASURED_CHUNK_TOKENS`` (the first one then measures the machine).
+
+A chunk that nobody waits behind (no request running, none queued beside it) may take
+``ALONE_TARGET_FACTOR`` times as long: cutting a lone prompt finely only adds passes (each
+re-reads the weights and the chunks before it), and a request that arrives during the
+chunk waits at most that long.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ UNMEASURED_CHUNK_TOKENS = 256
 """The most tokens of a chunk before any prefill speed was measured."""
 MIN_CHUNK_TOKENS = 32
 """No chunk is cut smaller than this (before page alignment), however slow the machine."""
+ALONE_TARGET_FACTOR = 2
+"""How much longer than ``target_s`` a chunk nobody waits behind may take."""
 SMOOTHING = 0.5
 """Weight of the newest measurement in the running estimate."""
 
@@ -38,13 +45,15 @@ class PrefillPace:
     seconds_per_token: float | None = None
     """The running estimate (None until a large enough step was measured)."""
 
-    def chunk_tokens(self) -> int | None:
-        """The most prompt tokens one chunk may take now."""
+    def chunk_tokens(self, alone: bool = False) -> int | None:
+        """The most prompt tokens one chunk may take now; ``alone``: nobody else is
+        running or waiting."""
         if self.max_chunk is None or self.target_s is None:
             return self.max_chunk
         if self.seconds_per_token is None:
             return min(self.max_chunk, UNMEASURED_CHUNK_TOKENS)
-        fitting = int(self.target_s / self.seconds_per_token)
+        target_s = self.target_s * (ALONE_TARGET_FACTOR if alone else 1)
+        fitting = int(target_s / self.seconds_per_token)
         return max(min(fitting, self.max_chunk), min(MIN_CHUNK_TOKENS, self.max_chunk))
 
     def observe(self, tokens: int, seconds: float) -> None:

@@ -13,6 +13,7 @@ from tiny_models import reference_prompt_logprobs
 from workloads import greedy, random_ids
 
 from radixlm.kernels.forward_batch import ForwardMode
+from radixlm.runtime.scheduler.prefill_pace import ALONE_TARGET_FACTOR
 
 CHUNK = 32
 LONG = 10 * CHUNK  # the tiny model's context is 512
@@ -271,3 +272,22 @@ def test_prompt_logprobs_of_a_long_unchunked_prefill_go_through_the_lm_head_in_s
         torch.testing.assert_close(torch.tensor([[e[0] for e in a] for a, _ in tops]),
                                    torch.tensor([[e[0] for e in b] for _, b in tops]),
                                    atol=1e-5, rtol=0)
+
+
+def test_a_prompt_nobody_waits_behind_is_cut_into_longer_chunks(scheduler_for, monkeypatch):
+    """Chunks are sized by the measured speed to take ``chunked_prefill_step_ms``, or
+    ALONE_TARGET_FACTOR times that when no other request runs or waits."""
+    scheduler = scheduler_for(chunked_prefill_size=LONG, chunked_prefill_step_ms=250)
+    pace = scheduler.prefill_pace
+    monkeypatch.setattr(pace, "seconds_per_token", 0.25 / CHUNK)  # CHUNK tokens take 250 ms
+    monkeypatch.setattr(pace, "observe", lambda tokens, seconds: None)  # and keep doing so
+    extends = record_extends(scheduler, monkeypatch)
+    run(scheduler, [random_ids(3, LONG)], [greedy(1)])
+    lone = CHUNK * ALONE_TARGET_FACTOR
+    assert extends == [[lone]] * (LONG // lone) + [[LONG % lone]] * (LONG % lone > 0)
+    extends.clear()
+    run(scheduler, [random_ids(4, LONG), random_ids(5, LONG)], [greedy(1)] * 2)
+    # While the second prompt waits, the first one's chunks keep to the target; alone
+    # again, the second one's grow.
+    assert all(n == CHUNK for step in extends[: LONG // CHUNK] for n in step)
+    assert [lone] in extends[LONG // CHUNK :]

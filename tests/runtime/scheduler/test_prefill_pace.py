@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from radixlm.runtime.scheduler.prefill_pace import (
+    ALONE_TARGET_FACTOR,
     MIN_CHUNK_TOKENS,
     UNMEASURED_CHUNK_TOKENS,
     PrefillPace,
@@ -29,6 +30,16 @@ def test_chunks_take_about_the_target_time(seconds_per_1024, chunk):
     pace = PrefillPace(max_chunk=1024, target_s=0.5)
     pace.observe(tokens=1024, seconds=seconds_per_1024)
     assert pace.chunk_tokens() == chunk
+
+
+def test_a_chunk_nobody_waits_behind_may_take_longer_but_not_unmeasured():
+    pace = PrefillPace(max_chunk=4096, target_s=0.25)
+    assert pace.chunk_tokens(alone=True) == UNMEASURED_CHUNK_TOKENS
+    pace.observe(tokens=1000, seconds=1.0)  # 1 ms a token
+    assert pace.chunk_tokens() == 250
+    assert pace.chunk_tokens(alone=True) == 250 * ALONE_TARGET_FACTOR
+    assert PrefillPace(max_chunk=384, target_s=0.25, seconds_per_token=0.001).chunk_tokens(
+        alone=True) == 384  # chunked_prefill_size still binds
 
 
 def test_the_estimate_follows_recent_steps():
