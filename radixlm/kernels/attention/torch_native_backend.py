@@ -97,7 +97,7 @@ class TorchNativeAttentionBackend(AttentionBackend):
         return self._attend(q, k, v, layer, forward_batch)
 
     def forward_decode(self, q, k, v, layer, forward_batch):
-        """One query per request: two small batched matmuls beat SDPA's kernel setup."""
+        """One query per request (see ``_decode``)."""
         layout = self._layout
         if layout.shared is None:
             keys, values = self._gather_kv(k, v, layer, forward_batch)  # (B, H_kv, S, D|D_v)
@@ -121,14 +121,13 @@ class TorchNativeAttentionBackend(AttentionBackend):
     @staticmethod
     def _decode(q, keys, values, layer, mask) -> torch.Tensor:
         """q (B, H, D) over keys (B, H_kv, S, D) and values (B, H_kv, S, D_v); ``mask``
-        (B, 1, 1, S) or None: (B, H, D_v)."""
+        (B, 1, 1, S) or None: (B, H, D_v). A KV head's G query heads stand where SDPA
+        expects query positions (every one sees the same keys), so grouped-query
+        attention needs no repeated K/V."""
         b, group = q.shape[0], layer.num_heads // layer.num_kv_heads
-        queries = q.view(b, layer.num_kv_heads, group, layer.head_dim)
-        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * layer.scaling
-        if mask is not None:  # (B, 1, 1, S) broadcasts over (B, H_kv, G, S)
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)  # (B, H_kv, G, S)
-        out = torch.matmul(probs, values)  # (B, H_kv, G, D_v)
+        queries = q.view(b, layer.num_kv_heads, group, layer.head_dim)  # (B, H_kv, G, D)
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=layer.scaling)  # (B, H_kv, G, D_v)
         return out.reshape(b, layer.num_heads, values.shape[-1])
 
     def _gather_kv(self, k, v, layer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
