@@ -72,8 +72,9 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         flag = "--" + option.name.replace("_", "-")
         default = option.default
         help_text = f"{SERVER_OPTION_HELP.get(option.name, option.name)} (default: {default})"
-        if isinstance(default, bool):
-            parser.add_argument(flag, action="store_true", help=help_text)
+        if isinstance(default, bool) or option.type == "bool | None":
+            # A bare switch; an unset tri-state option stays None (resolved by ServerArgs).
+            parser.add_argument(flag, action="store_true", default=default, help=help_text)
         else:
             kind = _option_type(option.type)
             parser.add_argument(flag, type=kind, default=default, help=help_text)

@@ -60,3 +60,21 @@ def test_the_weight_only_formats_are_accepted_on_a_cpu(quantization):
 def test_an_unknown_or_misplaced_weight_format_is_refused_by_name(options, words):
     with pytest.raises(ValueError, match=words):
         ServerArgs(**options)
+
+
+def test_overlap_scheduling_is_on_for_gpus_and_asked_for_on_cpus():
+    """Unset, ``disable_overlap_schedule`` means overlap on CUDA and the plain loop on a CPU
+    (whose cores the forward pass already uses); either way an explicit value wins, and
+    ``--disable-overlap-schedule`` stays a bare switch, as in SGLang."""
+    import argparse
+
+    from radixlm.cli import add_server_options
+
+    assert not ServerArgs("m", device="cpu").overlap_schedule()
+    assert ServerArgs("m", device="cuda").overlap_schedule()
+    assert ServerArgs("m", device="cpu", disable_overlap_schedule=False).overlap_schedule()
+    assert not ServerArgs("m", device="cuda", disable_overlap_schedule=True).overlap_schedule()
+    parser = argparse.ArgumentParser()
+    add_server_options(parser)
+    assert parser.parse_args([]).disable_overlap_schedule is None
+    assert parser.parse_args(["--disable-overlap-schedule"]).disable_overlap_schedule is True

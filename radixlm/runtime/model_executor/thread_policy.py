@@ -7,10 +7,17 @@ pays for itself. Where the crossover lies depends on the model, the CPU and the 
 and the neighbours change while a server runs. So no threshold is fixed: passes are sorted
 into buckets by their number of new tokens (powers of two), each bucket keeps a recent
 time per token for each candidate thread count and runs the faster one; now and then
-(every ``explore_every`` passes) it tries the other for a few passes to see whether things
+(after ``explore_every`` passes) it tries the other for a few passes to see whether things
 changed, and switches only when the other is faster by a margin. A trial lasts a few passes
 of small size but one of a large pass (a long prompt's prefill), so that measuring the
 slower thread count never costs more than about ``trial_tokens`` tokens' worth of passes.
+With a neighbour busy on the other core, a pass on two threads can take ten times one on
+one thread (each op waits for the descheduled thread), so a trial pass slower than
+``ABANDON_FACTOR`` times the running count's estimate ends its trial at once, and each
+trial that leaves the choice as it was doubles the wait before the next (up to
+``MAX_BACKOFF`` times ``explore_every``). A
+neighbour who starts is noticed at once (the running count's own passes slow down); one
+who stops, at the next trial.
 
 Invariants: ``choose`` returns one of ``candidates``; a bucket tries each candidate before
 it settles; a candidate's estimate only moves by ``record``.
@@ -21,6 +28,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+MAX_BACKOFF = 8
+"""The longest wait between two trials of a bucket, in multiples of ``explore_every``."""
+ABANDON_FACTOR = 2.0
+"""A trial pass this many times slower (per token) than the running count ends its trial."""
 
 
 @dataclass
@@ -35,6 +47,12 @@ class _Bucket:
     replaces its stale estimate, the next ones are averaged in."""
     trial_left: int = 0
     fresh: bool = False
+    explore_after: int = 0
+    """Passes between trials now (``explore_every``, doubled per trial that changed
+    nothing)."""
+    since_trial: int = 0
+    kept: int | None = None
+    """The choice when the last trial began (None before the first)."""
 
 
 class ThreadPolicy:
@@ -42,8 +60,8 @@ class ThreadPolicy:
 
     def __init__(self, max_threads: int, explore_every: int = 40, trial_passes: int = 4,
                  margin: float = 0.03, trial_tokens: int = 64):
-        """Every ``explore_every`` passes of a bucket, the thread count it does not run is
-        tried for ``trial_passes`` passes (fewer when they are large: as many as hold
+        """After ``explore_every`` passes of a bucket (more, see above), the thread count
+        it does not run is tried for ``trial_passes`` passes (fewer when they are large: as many as hold
         ``trial_tokens`` new tokens, at least one); the bucket switches when the other is
         faster by more than ``margin`` (a fraction), so noise does not make it flap."""
         self.candidates = sorted({1, max_threads})
@@ -56,14 +74,16 @@ class ThreadPolicy:
     def choose(self, num_tokens: int) -> int:
         """The thread count for a pass of ``num_tokens`` new tokens."""
         size = _bucket_of(num_tokens)
-        bucket = self._buckets.setdefault(size, _Bucket())
+        bucket = self._bucket(size)
         bucket.passes += 1
         if bucket.trial is None:
             passes = max(1, min(self.trial_passes, self.trial_tokens // size))
             untried = [n for n in self.candidates if n not in bucket.seconds_per_token]
+            bucket.since_trial += 1
             if untried:
                 self._start_trial(bucket, untried[0], passes)
-            elif bucket.passes % self.explore_every == 0 and len(self.candidates) > 1:
+            elif bucket.since_trial >= bucket.explore_after and len(self.candidates) > 1:
+                self._back_off(bucket)
                 other = next(n for n in self.candidates if n != bucket.current)
                 self._start_trial(bucket, other, passes)
         if bucket.trial is not None:
@@ -79,7 +99,7 @@ class ThreadPolicy:
         switches the bucket to the other thread count if that is now clearly faster."""
         if num_tokens <= 0:
             return
-        bucket = self._buckets.setdefault(_bucket_of(num_tokens), _Bucket())
+        bucket = self._bucket(_bucket_of(num_tokens))
         estimates = bucket.seconds_per_token
         per_token = seconds / num_tokens
         if threads not in estimates or (bucket.fresh and threads != bucket.current):
@@ -89,6 +109,9 @@ class ThreadPolicy:
             estimates[threads] = (estimates[threads] + per_token) / 2
         if bucket.current is None or bucket.current not in estimates:
             bucket.current = threads
+        if (threads == bucket.trial and threads != bucket.current
+                and per_token > estimates[bucket.current] * ABANDON_FACTOR):
+            bucket.trial, bucket.trial_left = None, 0  # clearly slower: seen enough
         best = min(estimates, key=estimates.__getitem__)
         if estimates[best] < estimates[bucket.current] * (1 - self.margin):
             bucket.current = best
@@ -106,9 +129,24 @@ class ThreadPolicy:
         """Each bucket's (smallest token count's) current choice, for reports."""
         return {size: bucket.current for size, bucket in sorted(self._buckets.items())}
 
+    def _bucket(self, size: int) -> _Bucket:
+        bucket = self._buckets.get(size)
+        if bucket is None:
+            bucket = self._buckets[size] = _Bucket(explore_after=self.explore_every)
+        return bucket
+
+    def _back_off(self, bucket: _Bucket) -> None:
+        """Before an exploring trial: waits longer after a trial that kept the choice."""
+        if bucket.kept is not None:
+            bucket.explore_after = (
+                min(bucket.explore_after * 2, self.explore_every * MAX_BACKOFF)
+                if bucket.current == bucket.kept else self.explore_every)
+        bucket.kept = bucket.current
+
     @staticmethod
     def _start_trial(bucket: _Bucket, threads: int, passes: int) -> None:
         bucket.trial, bucket.trial_left, bucket.fresh = threads, passes, True
+        bucket.since_trial = 0
 
 
 def _bucket_of(num_tokens: int) -> int:

@@ -103,7 +103,7 @@ class Scheduler(AdmissionSteps, OverlapSteps, HandoffSteps, BeamSteps):
         self.grammar_queue = GrammarQueue(sampler.grammar_backend)
         self._failed: list[Req] = []  # grammar failures to report at the next step
         self.decode_worker = None
-        if not args.disable_overlap_schedule:
+        if args.overlap_schedule():
             self.decode_worker = DecodeWorker(runner, output_processor, sampler,
                                               self.sampling_batch)
         self.in_flight: DecodeInFlight | None = None

@@ -3,7 +3,7 @@ and then so that a neighbour who starts (or stops) using the other core is notic
 
 from __future__ import annotations
 
-from radixlm.runtime.model_executor.thread_policy import ThreadPolicy
+from radixlm.runtime.model_executor.thread_policy import MAX_BACKOFF, ThreadPolicy
 
 
 def _serve(policy: ThreadPolicy, num_tokens: int, seconds_per_token: dict[int, float],
@@ -72,3 +72,26 @@ def test_a_trial_of_large_passes_is_short():
     policy = ThreadPolicy(max_threads=2, trial_passes=4, trial_tokens=64)
     assert _serve(policy, 512, {1: 2e-3, 2: 1e-3}, passes=6) == [1, 2, 2, 2, 2, 2]
     assert _serve(policy, 32, {1: 2e-3, 2: 1e-3}, passes=6) == [1, 1, 2, 2, 2, 2]
+
+
+def test_trials_that_change_nothing_come_ever_more_rarely_but_do_come():
+    """A busy neighbour makes two threads twice as slow for good: trials of them back off
+    to one per ``explore_every * MAX_BACKOFF`` passes; when it leaves, the next trial
+    (within that many passes) brings both threads back."""
+    policy = ThreadPolicy(max_threads=2, explore_every=20, trial_passes=4)
+    busy = _serve(policy, 1, {1: 1.0e-3, 2: 2.0e-3}, passes=2000)
+    tried = busy[8:].count(2)
+    assert tried <= 4 * (2000 // (20 * MAX_BACKOFF) + 4), tried  # without backoff: ~400
+    quiet = _serve(policy, 1, {1: 1.0e-3, 2: 0.5e-3}, passes=20 * MAX_BACKOFF + 8)
+    assert quiet[-8:] == [2] * 8 and policy.chosen()[1] == 2
+
+
+def test_a_trial_far_slower_than_the_running_count_ends_after_one_pass():
+    """With the other core taken, a pass on two threads can take ten times one on one
+    thread: a trial that slow is not repeated for its remaining passes."""
+    policy = ThreadPolicy(max_threads=2, explore_every=20, trial_passes=4)
+    chosen = _serve(policy, 1, {1: 1.0e-3, 2: 10.0e-3}, passes=100)
+    assert chosen[:5] == [1, 1, 1, 1, 2] and chosen[5:].count(2) <= 3, chosen
+    # Slower within the factor: the trial runs its course.
+    policy = ThreadPolicy(max_threads=2, explore_every=20, trial_passes=4)
+    assert _serve(policy, 1, {1: 1.0e-3, 2: 1.5e-3}, passes=8) == [1] * 4 + [2] * 4

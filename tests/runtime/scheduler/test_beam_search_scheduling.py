@@ -77,9 +77,9 @@ def check_searches(groups, searches) -> int:
 
 
 @pytest.mark.parametrize("options", [
-    {}, {"page_size": 4}, {"chunked_prefill_size": 16}, {"disable_overlap_schedule": True},
-    {"page_size": 4, "chunked_prefill_size": 16, "disable_overlap_schedule": True},
-], ids=["default", "page4", "chunked16", "no-overlap", "page4-chunked16-no-overlap"])
+    {}, {"page_size": 4}, {"chunked_prefill_size": 16}, {"disable_overlap_schedule": False},
+    {"page_size": 4, "chunked_prefill_size": 16, "disable_overlap_schedule": False},
+], ids=["default", "page4", "chunked16", "overlap", "page4-chunked16-overlap"])
 def test_beams_equal_transformers_however_the_scheduler_runs_them(
     scheduler_for, tiny_model_dir, options
 ):
