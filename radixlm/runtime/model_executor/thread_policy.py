@@ -15,9 +15,8 @@ With a neighbour busy on the other core, a pass on two threads can take ten time
 one thread (each op waits for the descheduled thread), so a trial pass slower than
 ``ABANDON_FACTOR`` times the running count's estimate ends its trial at once, and each
 trial that leaves the choice as it was doubles the wait before the next (up to
-``MAX_BACKOFF`` times ``explore_every``). A
-neighbour who starts is noticed at once (the running count's own passes slow down); one
-who stops, at the next trial.
+``MAX_BACKOFF`` times ``explore_every``). A neighbour who starts is noticed at once (the
+running count's own passes slow down); one who stops, at the next trial.
 
 Invariants: ``choose`` returns one of ``candidates``; a bucket tries each candidate before
 it settles; a candidate's estimate only moves by ``record``.
@@ -61,9 +60,10 @@ class ThreadPolicy:
     def __init__(self, max_threads: int, explore_every: int = 40, trial_passes: int = 4,
                  margin: float = 0.03, trial_tokens: int = 64):
         """After ``explore_every`` passes of a bucket (more, see above), the thread count
-        it does not run is tried for ``trial_passes`` passes (fewer when they are large: as many as hold
-        ``trial_tokens`` new tokens, at least one); the bucket switches when the other is
-        faster by more than ``margin`` (a fraction), so noise does not make it flap."""
+        it does not run is tried for ``trial_passes`` passes (fewer when they are large: as
+        many as hold ``trial_tokens`` new tokens, at least one); the bucket switches when
+        the other is faster by more than ``margin`` (a fraction), so noise does not make it
+        flap."""
         self.candidates = sorted({1, max_threads})
         self.explore_every = explore_every
         self.trial_passes = trial_passes
