@@ -7,7 +7,8 @@ noisy machine; medians of the rounds are printed. Absolute figures are for conte
 
 Systems:
 - transformers, in the CPU's auto dtype (bfloat16 with native bf16, else float32), with
-  torch's default threads (its reference configuration);
+  torch's default threads (its reference configuration) and, like radixlm's processes, the
+  OpenMP wait radixlm sets on import (a short spin, see ``radixlm/__init__.py``);
 - radixlm in the auto dtype, and with each ``--formats`` weight format (``fp16wo``,
   ``int8wo``);
 - llama.cpp through ``llama-cpp-python`` (optional, benchmark-only) on the GGUF files given
@@ -32,7 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "OMP_WAIT_POLICY" not in os.environ:  # radixlm's default wait, for transformers here too
+    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -93,13 +95,14 @@ class Transformers:
 
 
 class LlamaCpp:
-    """llama.cpp in a child process of its own, at its best: OpenMP threads left to spin
-    (``OMP_WAIT_POLICY=PASSIVE``, which suits torch, halves its two-thread decode) and no
-    torch in the process. Lines of JSON in, elapsed seconds out."""
+    """llama.cpp in a child process of its own, at its best: OpenMP threads left to spin as
+    long as they like (a passive wait halves its two-thread decode) and no torch in the
+    process. Lines of JSON in, elapsed seconds out."""
 
     def __init__(self, gguf: str, label: str):
         self.name = f"llama.cpp {label}"
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
         self.child = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("llama_cpp_worker.py")), gguf],
             env=env, text=True,
