@@ -20,6 +20,7 @@ Prompts differ in every run, so no system reuses a cached prefix.
     python benchmarks/bench_generation.py [--rounds 3] [--formats fp16wo int8wo]
         [--gguf-f16 smol-f16.gguf --gguf-q8 smol-q8_0.gguf]
 """
+# ruff: noqa: I001 - radixlm is imported before torch, for the reason given there
 
 from __future__ import annotations
 
@@ -33,16 +34,16 @@ import sys
 import time
 from pathlib import Path
 
-if "OMP_WAIT_POLICY" not in os.environ:  # radixlm's default wait, for transformers here too
-    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+# First: importing radixlm sets its OpenMP wait, which must precede torch's loading to
+# apply to transformers in this process too.
+import radixlm
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from machine import describe_machine  # noqa: E402
+import torch
+import transformers
+from machine import describe_machine
 
-import radixlm  # noqa: E402
-from radixlm.models.default_model import default_model_path  # noqa: E402
-from radixlm.runtime.server_args import ServerArgs  # noqa: E402
+from radixlm.models.default_model import default_model_path
+from radixlm.runtime.server_args import ServerArgs
 
 BATCH = 16
 _run_ids = itertools.count()

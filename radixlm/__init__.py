@@ -5,7 +5,7 @@ import os
 # Torch's OpenMP threads (libgomp) wait for the next op by spinning, by default for long
 # enough to starve a neighbour on a small shared CPU; not spinning at all (a passive wait
 # policy) makes each of a decode step's thousand ops wake the other thread (a short spin
-# decodes 23-35% faster on two cores). A short spin keeps them awake within a pass and
+# decodes 23-38% faster on two cores). A short spin keeps them awake within a pass and
 # asleep between passes; the runner's thread policy drops to one thread while the other
 # core is busy. The user's OMP_WAIT_POLICY or GOMP_SPINCOUNT win. Set before torch loads
 # (and inherited by the runtime's processes).

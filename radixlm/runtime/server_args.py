@@ -156,7 +156,7 @@ class ServerArgs:
     of processing one step while the next computes (see ``scheduler/overlap.py``). None:
     overlap on GPUs, the plain loop on CPUs, where the forward pass already uses every
     core and its Python would contend with the host's for the GIL (with the short OpenMP
-    spin radixlm sets, decode ran 24-33% faster without overlap on two cores); False
+    spin radixlm sets, decode ran 22-42% faster without overlap on two cores); False
     forces overlap there too."""
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@ the weight-only formats it accepts."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from radixlm.cli import add_server_options
 from radixlm.runtime.server_args import ServerArgs, cpu_has_native_bf16
 
 
@@ -66,10 +68,6 @@ def test_overlap_scheduling_is_on_for_gpus_and_asked_for_on_cpus():
     """Unset, ``disable_overlap_schedule`` means overlap on CUDA and the plain loop on a CPU
     (whose cores the forward pass already uses); either way an explicit value wins, and
     ``--disable-overlap-schedule`` stays a bare switch, as in SGLang."""
-    import argparse
-
-    from radixlm.cli import add_server_options
-
     assert not ServerArgs("m", device="cpu").overlap_schedule()
     assert ServerArgs("m", device="cuda").overlap_schedule()
     assert ServerArgs("m", device="cpu", disable_overlap_schedule=False).overlap_schedule()
