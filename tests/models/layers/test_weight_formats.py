@@ -13,6 +13,7 @@ from radixlm.models.layers.tensor_parallel import SINGLE
 from radixlm.models.layers.weight_formats import (
     HALF_GEMV_MAX_ROWS,
     INT8_KERNEL_MAX_ROWS,
+    INT8_KERNEL_MAX_ROWS_BF16,
     ConversionBuffer,
     HalfWeight,
     Int8Weight,
@@ -44,6 +45,19 @@ def test_each_path_multiplies_by_the_weight_it_stands_for(weight_format, rows):
     on_kernel = rows <= KERNEL_ROWS[weight_format]
     atol = KERNEL_ATOL[weight_format] if on_kernel else 1e-5
     torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, INT8_KERNEL_MAX_ROWS_BF16, INT8_KERNEL_MAX_ROWS_BF16 + 1, 80])
+def test_int8_passes_in_bfloat16_multiply_by_the_weight_they_stand_for(rows):
+    """Both paths in bfloat16 (the kernel up to 16 rows, the widened product beyond, its
+    columns scaled) agree with the float32 product to bfloat16's precision."""
+    torch.manual_seed(rows)
+    packed = Int8Weight.pack(torch.randn(96, 64) * 0.05, ConversionBuffer())
+    x = torch.randn(rows, 64)
+    got = packed.matmul(x.bfloat16())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    expected = x @ packed.dequantized().T  # magnitudes about 0.1-1
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_the_packed_weights_are_within_half_a_step_of_the_original():
