@@ -7,6 +7,7 @@ import logging
 import torch
 from torch import nn
 
+from radixlm.models.layers.cpu_weight_layout import lay_out_for_cpu, uses_blocked_layout
 from radixlm.models.layers.tensor_parallel import SINGLE, TensorParallel, building
 from radixlm.models.layers.weight_formats import pack_weights
 from radixlm.models.model_config import ModelConfig
@@ -26,7 +27,8 @@ def load_model(
     RoPE tables are sized by it. ``tp``: the share of a tensor-parallel rank (a size that
     does not divide the model's heads or intermediate sizes is a ``ValueError``).
     ``weight_format``: a weight-only format (``weight_formats.py``) the projections and the
-    output head are packed into, from the checkpoint's float32 weights.
+    output head are packed into, from the checkpoint's float32 weights. Without one, a
+    bfloat16 model on a CPU gets them in its kernel's layout (``cpu_weight_layout.py``).
     """
     cls = model_class(config.architecture)
     files = safetensors_files(config.path)
@@ -41,6 +43,9 @@ def load_model(
     for param in model.parameters():
         if not getattr(param, "keep_float32", False):
             param.data = param.data.to(dtype)
+    if weight_format is None and uses_blocked_layout(device, dtype):
+        laid_out = lay_out_for_cpu(model)
+        logger.info("weights laid out for oneDNN's bfloat16 kernels: %.1f MiB", laid_out / 2**20)
     return model.train(False).requires_grad_(False)
 
 

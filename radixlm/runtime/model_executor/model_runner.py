@@ -75,13 +75,14 @@ class ModelRunner:
         if self._fixed_threads is None and self.device.type == "cpu":
             self.thread_policy = ThreadPolicy(PROCESS_THREADS)
         self.context_length = args.context_length or model_config.max_position_embeddings
-        self._one_row_bypass = uses_matrix_vector_path(self.device, self.dtype)
         self.tp, self.cpu_group = SINGLE, None
         self.local_ranks: LocalRanks | None = None
         self.step_sender: StepSender | None = None
         if args.tp_size > 1:
             self._join_ranks(model_config, rank)
         self.weight_format = args.weight_format()
+        self._one_row_bypass = uses_matrix_vector_path(self.device, self.dtype,
+                                                       self.weight_format)
         self.model = load_model(model_config, self.dtype, self.device, self.context_length,
                                 self.tp, self.weight_format)
         self.max_total_tokens = self._kv_pool_tokens()

@@ -1,5 +1,6 @@
-"""One-row half-precision passes on CPUs skip oneDNN for torch's matrix-vector kernel: the
-switch applies only where it should, gives the same products and is always restored."""
+"""One-row half-precision passes on CPUs skip oneDNN for torch's matrix-vector kernel unless
+the weights are in oneDNN's layout: the switch applies only where it should, gives the same
+products and is always restored."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixlm.models.layers.cpu_weight_layout import uses_blocked_layout
 from radixlm.runtime.model_executor.cpu_matmul_path import (
     matrix_vector_path,
     uses_matrix_vector_path,
@@ -17,10 +19,16 @@ CPU = torch.device("cpu")
 
 def test_only_half_precision_passes_on_a_cpu_take_the_path():
     has_onednn = torch.backends.mkldnn.is_available()
-    assert uses_matrix_vector_path(CPU, torch.bfloat16) == has_onednn
+    assert uses_matrix_vector_path(CPU, torch.bfloat16, "int8wo") == has_onednn
     assert uses_matrix_vector_path(CPU, torch.float16) == has_onednn
     assert not uses_matrix_vector_path(CPU, torch.float32)
     assert not uses_matrix_vector_path(torch.device("meta"), torch.bfloat16)
+
+
+def test_weights_in_onednns_layout_take_onednn_for_one_row_too():
+    laid_out = uses_blocked_layout(CPU, torch.bfloat16)
+    assert uses_matrix_vector_path(CPU, torch.bfloat16) == (
+        torch.backends.mkldnn.is_available() and not laid_out)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

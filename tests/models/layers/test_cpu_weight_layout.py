@@ -1,0 +1,88 @@
+"""bfloat16 weights in oneDNN's blocked layout: each product equals torch's ``F.linear`` on
+the same weight; a bfloat16 CPU model gets the layout on its projections and head (and only
+then); a laid-out model serves as close to float32 as transformers' bfloat16 does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import reference_model
+
+from radixlm.models.layers.cpu_weight_layout import BlockedWeight, uses_blocked_layout
+from radixlm.models.layers.linear import Linear
+from radixlm.models.layers.weight_formats import Int8Weight
+from radixlm.models.loader import load_model
+from radixlm.models.model_config import ModelConfig
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not uses_blocked_layout(CPU, torch.bfloat16),
+                                reason="this torch or CPU has no oneDNN bfloat16 matmul")
+
+
+def test_the_layout_applies_to_bfloat16_on_cpus_only():
+    assert not uses_blocked_layout(CPU, torch.float32)
+    assert not uses_blocked_layout(CPU, torch.float16)
+    assert not uses_blocked_layout(torch.device("meta"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
+def test_a_laid_out_weight_multiplies_as_f_linear_does(rows):
+    torch.manual_seed(rows)
+    weight = (torch.randn(192, 160) * 0.05).bfloat16()
+    blocked = BlockedWeight.pack(weight)
+    assert torch.equal(blocked.dequantized(), weight.float())
+    assert blocked.nbytes() == 192 * 160 * 2
+    x = torch.randn(rows, 320).bfloat16()[:, ::2]  # a strided view, as a split's can be
+    got = blocked.matmul(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
+    # One bfloat16 step at most (oneDNN may block the sums differently for some sizes).
+    torch.testing.assert_close(got.float(), F.linear(x, weight).float(), atol=1e-2, rtol=1e-2)
+    assert blocked.matmul(x[:0]).shape == (0, 192)
+
+
+def _load(path, dtype, weight_format=None) -> torch.nn.Module:
+    return load_model(ModelConfig.from_path(str(path)), dtype, CPU, 128,
+                      weight_format=weight_format)
+
+
+def test_a_bfloat16_model_gets_the_layout_on_its_projections_and_head(tiny_model_dir):
+    path = tiny_model_dir("Qwen2ForCausalLM", "gqa", True)  # biased q/k/v, tied head
+    model = _load(path, torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.packed, BlockedWeight) and m.weight is None
+                           for m in linears)
+    head = model.embed_tokens  # the lookup keeps its rows
+    assert isinstance(head.packed, BlockedWeight) and head.weight.dtype == torch.bfloat16
+    assert torch.equal(head.packed.dequantized(), head.weight.float())
+    assert all(m.packed is None for m in _load(path, torch.float32).modules()
+               if isinstance(m, Linear))
+    int8 = _load(path, torch.bfloat16, "int8wo")  # a weight format packs them instead
+    assert all(isinstance(m.packed, Int8Weight) for m in int8.modules() if isinstance(m, Linear))
+
+
+@torch.inference_mode()
+def test_a_laid_out_model_is_as_close_to_float32_as_transformers_bfloat16(
+        engine_for, tiny_model_dir):
+    path = tiny_model_dir("Qwen2ForCausalLM", "gqa", True)
+    engine = engine_for("Qwen2ForCausalLM", "gqa", True, dtype="bfloat16")
+    torch.manual_seed(0)
+    prompts = [torch.randint(20, 380, (40,)).tolist() for _ in range(3)]
+    outs = engine.generate(input_ids=prompts, return_logprob=True, logprob_start_len=0,
+                           sampling_params={"max_new_tokens": 8, "temperature": 0.0,
+                                            "ignore_eos": True})
+    exact_model = reference_model(path)
+    bf16_model = type(exact_model).from_pretrained(path, dtype=torch.bfloat16).eval()
+    ours_error = theirs_error = 0.0
+    for ids, out in zip(prompts, outs):
+        sequence = torch.tensor([ids + out["output_ids"]])
+        targets = sequence[0, 1:, None]
+        exact = torch.log_softmax(exact_model(sequence).logits[0, :-1], -1).gather(1, targets)
+        theirs = torch.log_softmax(bf16_model(sequence).logits[0, :-1].float(), -1)
+        meta = out["meta_info"]
+        ours = torch.tensor([e[0] for e in meta["input_token_logprobs"][1:]]
+                            + [e[0] for e in meta["output_token_logprobs"]])
+        ours_error = max(ours_error, (ours - exact[:, 0]).abs().max().item())
+        theirs_error = max(theirs_error,
+                           (theirs.gather(1, targets) - exact).abs().max().item())
+    assert ours_error <= 2 * theirs_error + 1e-2, (ours_error, theirs_error)
