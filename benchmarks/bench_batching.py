@@ -15,20 +15,22 @@ random token ids (no two share a prefix, so the prefix cache gives radixlm nothi
     python benchmarks/bench_batching.py [--requests 256] [--repeats 1]
 """
 
+# ruff: noqa: I001 - radixlm is imported before torch, for the reason given there
+
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# First: importing radixlm sets its OpenMP wait (radixlm/__init__.py), which must precede
+# torch's loading to apply to this process (transformers included) and its servers.
+import radixlm  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-import radixlm  # noqa: E402
 from radixlm.models.default_model import default_model_path  # noqa: E402
 
 DTYPE = "bfloat16"

@@ -23,14 +23,11 @@ give the same answers; the agreement is printed as a check.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import radixlm as sgl  # noqa: E402
 

@@ -18,7 +18,7 @@ Systems:
 Prompts differ in every run, so no system reuses a cached prefix.
 
     python benchmarks/bench_generation.py [--rounds 3] [--formats fp16wo int8wo]
-        [--gguf-f16 smol-f16.gguf --gguf-q8 smol-q8_0.gguf]
+        [--gguf-f16 smol-f16.gguf --gguf-q8 smol-q8_0.gguf [--llama-no-extra-buffers]]
 """
 # ruff: noqa: I001 - radixlm is imported before torch, for the reason given there
 
@@ -100,19 +100,24 @@ class LlamaCpp:
     long as they like (a passive wait halves its two-thread decode) and no torch in the
     process. Lines of JSON in, elapsed seconds out."""
 
-    def __init__(self, gguf: str, label: str):
+    def __init__(self, gguf: str, label: str, extra_buffers: bool):
         self.name = f"llama.cpp {label}"
         env = {k: v for k, v in os.environ.items()
                if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        worker = [sys.executable, str(Path(__file__).with_name("llama_cpp_worker.py")), gguf]
         self.child = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("llama_cpp_worker.py")), gguf],
+            worker + ([] if extra_buffers else ["--no-extra-buffers"]),
             env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def generate(self, batch: list[list[int]], new_tokens: int) -> float:
         self.child.stdin.write(json.dumps({"batch": batch, "new_tokens": new_tokens}) + "\n")
         self.child.stdin.flush()
-        return float(self.child.stdout.readline())
+        line = self.child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} exited with code {self.child.wait()} "
+                               "(see llama_cpp_worker.py for --llama-no-extra-buffers)")
+        return float(line)
 
     def close(self) -> None:
         self.child.stdin.close()
@@ -134,6 +139,9 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=32)
     parser.add_argument("--gguf-f16", default=None, help="llama.cpp's F16 GGUF of the model")
     parser.add_argument("--gguf-q8", default=None, help="llama.cpp's Q8_0 GGUF of the model")
+    parser.add_argument("--llama-no-extra-buffers", action="store_true",
+                        help="llama.cpp without its repacked weight layouts (see "
+                             "llama_cpp_worker.py: Q8_0 crashes with them on AMX CPUs)")
     parser.add_argument("--workloads", nargs="+", default=["prefill", "decode", "batch"],
                         choices=["prefill", "decode", "batch"])
     args = parser.parse_args()
@@ -144,7 +152,7 @@ def main() -> None:
     systems += [Radixlm(path, name) for name in args.formats]
     for gguf, label in ((args.gguf_f16, "F16"), (args.gguf_q8, "Q8_0")):
         if gguf:
-            systems.append(LlamaCpp(gguf, label))
+            systems.append(LlamaCpp(gguf, label, not args.llama_no_extra_buffers))
     workloads = {  # name: (batch size, prompt tokens, new tokens, counts prompt tokens)
         f"prefill {args.prompt_tokens} tok/s": (1, args.prompt_tokens, 1, True),
         "decode b1 tok/s": (1, None, args.decode_tokens, False),

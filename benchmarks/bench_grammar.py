@@ -17,6 +17,8 @@ and jump-forward do to end-to-end throughput.
     python benchmarks/bench_grammar.py [--repeats 3] [--walk 64] [--dtype float32]
 """
 
+# ruff: noqa: I001 - radixlm is imported before torch, for the reason given there
+
 from __future__ import annotations
 
 import argparse
@@ -28,14 +30,16 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+# First: importing radixlm sets its OpenMP wait (radixlm/__init__.py), which must precede
+# torch's loading to apply to this process (transformers included) and its servers.
+import radixlm  # noqa: E402
 
 import torch  # noqa: E402
 from grammar_corpus import JSON_SCHEMAS, MAX_NEW_TOKENS, REGEXES, json_prompt  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-import radixlm  # noqa: E402
 from radixlm.models.default_model import default_model_path  # noqa: E402
 from radixlm.models.model_config import ModelConfig  # noqa: E402
 from radixlm.runtime.grammar.grammar_backend import GrammarKey  # noqa: E402
