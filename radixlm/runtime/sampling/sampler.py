@@ -2,19 +2,20 @@
 
 All rows of a batch are processed together as (B, V) tensors, with each row's settings read
 from the ``SamplingBatch`` as (B, 1) columns. Greedy rows take the argmax of the processed
-logits. Sampled rows draw with the exponential race (argmax of p / E, E ~ Exp(1)), which
-samples from p exactly and lets a seeded request draw its noise from its own generator,
-reseeded for (its seed, its output position), so its tokens depend only on those, never on
-what else is in the batch.
+logits. Sampled rows draw with the exponential race (argmax of p / E, E ~ Exp(1), made as
+-ln U from uniform U), which samples from p exactly and lets a seeded request draw its
+noise from its own generator, reseeded for (its seed, its output position), so its tokens
+depend only on those, never on what else is in the batch.
 
 A constrained request's grammar mask is applied last, after bias and penalties, so that
 whatever else is set, only tokens the grammar allows can be drawn. The ``min_new_tokens``
 ban on stop tokens yields to a grammar that is complete (else nothing might be allowed).
 
 Device-true: every tensor is made on the logits' device, and nothing waits on that device:
-what to run is decided from the batch's host state, and the draws use generators on the
-logits' device (one per device, seeded with the server's ``random_seed``; the ``meta``
-device, which has values for nothing, draws without one).
+what to run is decided from the batch's host state (on CPUs also from values, which costs
+nothing there), and the draws use generators on the logits' device (one per device, seeded
+with the server's ``random_seed``; the ``meta`` device, which has values for nothing, draws
+without one).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from radixlm.runtime.sampling.sampling_batch import (
     TOP_K_P,
     SamplingBatch,
 )
+
+TOP_CANDIDATES = 256  # tokens ranked first for top-k / top-p on CPUs (``_top_k_top_p``)
 
 
 class Sampler:
@@ -78,12 +81,15 @@ class Sampler:
         greedy = logits.argmax(dim=-1)
         probs = torch.softmax(logits / batch.temperatures.to(logits.dtype), dim=-1)  # (B, V)
         probs = _filter_probs(probs, batch)
-        noise = torch.empty_like(probs).exponential_(generator=self._generator(logits.device))
+        uniform = torch.empty_like(probs).uniform_(generator=self._generator(logits.device))
         seeded = self._seeded_generator(logits.device)
         for row, seed, position in batch.seeded_rows():
             if seeded is not None:
                 seeded.manual_seed(_seed_for_step(seed, position))
-            noise[row].exponential_(generator=seeded)
+            uniform[row].uniform_(generator=seeded)
+        # E = -ln U ~ Exp(1) (U in [0, 1), so E > 0; U = 0 gives E = inf: that token loses).
+        # On CPUs 5x cheaper than exponential_ (2.4 vs 12.6 ms for 16 rows of 49,152).
+        noise = uniform.log_().neg_()
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(batch.greedy, greedy, sampled)
 
@@ -129,17 +135,46 @@ class Sampler:
 def _filter_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Zeroes what top-k, top-p and min-p exclude (the sampling draws from the rest)."""
     if batch.uses(TOP_K_P):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # (1, V)
-        # Keep a token while the mass before it is below top_p (the first token always stays).
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        keep = (ranks < batch.top_ks) & (mass_before < batch.top_ps.to(probs.dtype))
-        sorted_probs = sorted_probs * keep  # (a product: on CPUs far cheaper than masked_fill)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = _top_k_top_p(probs, batch)
     if batch.uses(MIN_P):
         threshold = probs.max(dim=-1, keepdim=True).values * batch.min_ps.to(probs.dtype)
         probs = probs * (probs >= threshold)
     return probs
+
+
+def _top_k_top_p(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """(B, V) probs with what top-k and top-p exclude zeroed: a token stays while its rank
+    is below top_k and the mass ranked before it is below top_p (the first always stays).
+
+    On CPUs the ranking starts from the ``TOP_CANDIDATES`` most likely tokens of each row
+    (``topk``: 0.8 vs 21 ms for a full sort of 16 rows of 49,152); it is exact when every
+    row's kept tokens lie among them (its top_k is at most that many, or they hold top_p of
+    the mass, or it restricts nothing), else every row is sorted whole. That test reads a
+    value: free on a CPU, a wait on an accelerator, where the full sort always runs."""
+    vocab = probs.shape[-1]
+    if probs.device.type == "cpu" and vocab > TOP_CANDIDATES:
+        ranked, order = probs.topk(TOP_CANDIDATES, dim=-1)  # (B, K) descending
+        mass = ranked.cumsum(dim=-1)
+        unrestricted = (batch.top_ks >= vocab) & (batch.top_ps > 1)  # (B, 1)
+        inside = ((batch.top_ks <= TOP_CANDIDATES) | unrestricted
+                  | (mass[:, -1:] >= batch.top_ps.to(probs.dtype)))
+        if bool(inside.all()):
+            kept = _keep_ranked(probs, ranked, order, batch, mass)
+            return torch.where(unrestricted, probs, kept)
+    ranked, order = probs.sort(dim=-1, descending=True)
+    return _keep_ranked(probs, ranked, order, batch)
+
+
+def _keep_ranked(probs: torch.Tensor, ranked: torch.Tensor, order: torch.Tensor,
+                 batch: SamplingBatch, mass: torch.Tensor | None = None) -> torch.Tensor:
+    """``ranked`` (B, K): each row's K most likely probs, descending, at columns ``order``;
+    ``mass``: their running sum, if known. -> (B, V): the kept ones in place, zeros
+    elsewhere."""
+    ranks = torch.arange(ranked.shape[-1], device=probs.device)[None, :]  # (1, K)
+    mass_before = (ranked.cumsum(dim=-1) if mass is None else mass) - ranked
+    keep = (ranks < batch.top_ks) & (mass_before < batch.top_ps.to(probs.dtype))
+    ranked = ranked * keep  # (a product: on CPUs far cheaper than masked_fill)
+    return torch.zeros_like(probs).scatter_(-1, order, ranked)
 
 
 def _seed_for_step(seed: int, step: int) -> int:

@@ -286,3 +286,42 @@ def test_a_row_without_top_k_or_top_p_keeps_its_tail_when_another_row_sorts():
     filtered = _filter_probs(probs, batch)
     assert torch.equal(filtered[0], probs[0])
     assert filtered[1].tolist()[2:] == [0.0] * 6
+
+
+def _kept_by_full_sort(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """One row (V,) filtered by a plain loop over its tokens, most likely first."""
+    kept, mass = torch.zeros_like(probs), 0.0
+    for rank, token in enumerate(probs.argsort(descending=True, stable=True).tolist()):
+        if (top_k > 0 and rank >= top_k) or mass >= top_p:
+            break
+        kept[token] = probs[token]
+        mass += float(probs[token])
+    return kept
+
+
+@pytest.mark.parametrize("case", ["within the candidates", "beyond them"])
+def test_top_k_top_p_over_a_large_vocabulary_equal_the_full_ranking(case):
+    """With more tokens than TOP_CANDIDATES the CPU path ranks a few candidates first; what
+    it keeps is what ranking every token keeps, whether the kept tokens lie among the
+    candidates (a peaked row, small top_k, a row without limits) or not (a flat row's top_p,
+    a top_k beyond them, which then rank every token)."""
+    from radixlm.runtime.sampling.sampler import TOP_CANDIDATES, _filter_probs
+
+    vocab = 4 * TOP_CANDIDATES
+    torch.manual_seed(0)
+    peaked = torch.softmax(torch.randn(vocab) * 4, dim=-1)
+    flat = torch.softmax(torch.randn(vocab) * 0.1, dim=-1)
+    rows = {"within the candidates": [(peaked, -1, 0.9), (flat, 5, 1.0), (flat, -1, 1.0),
+                                      (peaked, 40, 0.5)],
+            "beyond them": [(peaked, -1, 0.9), (flat, -1, 0.9), (peaked, TOP_CANDIDATES + 9, 1.0),
+                            (flat, -1, 1.0)]}[case]
+    sampler = Sampler(vocab, {EOS}, 0)
+    batch = sampler.new_batch("cpu")
+    batch.add([make_req(temperature=1.0, top_k=k, top_p=p) for _, k, p in rows])
+    filtered = _filter_probs(torch.stack([row for row, _, _ in rows]), batch)
+    for got, (row, top_k, top_p) in zip(filtered, rows):
+        expected = row if (top_k < 0 and top_p >= 1.0) else _kept_by_full_sort(row, top_k, top_p)
+        assert torch.equal(got != 0, expected != 0)
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    if case == "beyond them":  # the flat row's top_p reaches past the candidates
+        assert int((filtered[1] != 0).sum()) > TOP_CANDIDATES

@@ -2,8 +2,8 @@
 the runtime has always used: logit bias; repetition penalty over prompt and output, then
 frequency and presence penalties over the output; the min_new_tokens ban on stop tokens
 (yielding to a complete grammar); the grammar mask; then greedy argmax, or softmax at the
-temperature, top-k / top-p / min-p, and the exponential race with noise from a generator
-seeded per (sampling_seed, output position).
+temperature, top-k / top-p / min-p, and the exponential race with noise (-ln U, U uniform)
+from a generator seeded per (sampling_seed, output position).
 
 A mixed batch runs for many steps while requests join (some with output already, as after a
 retraction), leave, and get tokens appended without a draw (as jump-forward appends them):
@@ -79,7 +79,7 @@ def reference_token(x: torch.Tensor, req) -> int | None:
         kept = kept * (kept >= kept.max() * params.min_p)
     generator = torch.Generator().manual_seed(
         seed_for_step(params.sampling_seed, len(req.output_ids)))
-    noise = torch.empty_like(kept).exponential_(generator=generator)
+    noise = -torch.empty_like(kept).uniform_(generator=generator).log()  # Exp(1)
     return int((kept / noise).argmax())
 
 
