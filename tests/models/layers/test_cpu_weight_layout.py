@@ -62,10 +62,17 @@ def test_a_bfloat16_model_gets_the_layout_on_its_projections_and_head(tiny_model
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("architecture", [
+    "Qwen2ForCausalLM",  # biased q/k/v, tied head
+    "Qwen3ForCausalLM",  # per-head q/k norms
+    "Qwen2MoeForCausalLM",  # routed and shared experts beside the laid-out attention
+    "DeepseekV3ForCausalLM",  # latent attention's projections, q-LoRA
+])
 def test_a_laid_out_model_is_as_close_to_float32_as_transformers_bfloat16(
-        engine_for, tiny_model_dir):
-    path = tiny_model_dir("Qwen2ForCausalLM", "gqa", True)
-    engine = engine_for("Qwen2ForCausalLM", "gqa", True, dtype="bfloat16")
+        engine_for, tiny_model_dir, architecture):
+    kv = "mha" if architecture.startswith("Deepseek") else "gqa"  # MLA has no KV groups
+    path = tiny_model_dir(architecture, kv, True)
+    engine = engine_for(architecture, kv, True, dtype="bfloat16")
     torch.manual_seed(0)
     prompts = [torch.randint(20, 380, (40,)).tolist() for _ in range(3)]
     outs = engine.generate(input_ids=prompts, return_logprob=True, logprob_start_len=0,
