@@ -43,7 +43,7 @@ def load_model(
     for param in model.parameters():
         if not getattr(param, "keep_float32", False):
             param.data = param.data.to(dtype)
-    if weight_format is None and uses_blocked_layout(device, dtype):
+    if uses_blocked_layout(device, dtype, weight_format):
         laid_out = lay_out_for_cpu(model)
         logger.info("weights laid out for oneDNN's bfloat16 kernels: %.1f MiB", laid_out / 2**20)
     return model.train(False).requires_grad_(False)

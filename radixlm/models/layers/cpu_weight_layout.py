@@ -26,10 +26,12 @@ from torch import nn
 from radixlm.models.layers.weight_formats import PackedWeight, pack_each_weight
 
 
-def uses_blocked_layout(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """True where ``lay_out_for_cpu`` applies: bfloat16 on a CPU with oneDNN's bfloat16."""
-    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
+def uses_blocked_layout(device: torch.device | str, dtype: torch.dtype,
+                        weight_format: str | None = None) -> bool:
+    """True where the loader lays the weights out (``lay_out_for_cpu``): bfloat16 on a CPU
+    with oneDNN's bfloat16, and no weight-only format packing them instead."""
+    return (weight_format is None and torch.device(device).type == "cpu"
+            and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

@@ -30,9 +30,8 @@ _HALF_DTYPES = (torch.bfloat16, torch.float16)
 def uses_matrix_vector_path(device: torch.device, dtype: torch.dtype,
                             weight_format: str | None = None) -> bool:
     """True where one-row passes should bypass oneDNN: half precision on a CPU whose torch
-    has oneDNN, unless the model's weights are in oneDNN's layout (no ``weight_format``
-    and ``uses_blocked_layout``)."""
-    if weight_format is None and uses_blocked_layout(device, dtype):
+    has oneDNN, unless the model's weights are in oneDNN's layout (``uses_blocked_layout``)."""
+    if uses_blocked_layout(device, dtype, weight_format):
         return False
     return (device.type == "cpu" and dtype in _HALF_DTYPES
             and torch.backends.mkldnn.is_available())

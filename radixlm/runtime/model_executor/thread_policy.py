@@ -40,7 +40,6 @@ class _Bucket:
     """Recent time per new token of each thread count measured."""
     current: int | None = None
     """The thread count this bucket runs (the fastest measured, with hysteresis)."""
-    passes: int = 0
     trial: int | None = None
     """A thread count being tried for ``trial_left`` more passes; its first measurement
     replaces its stale estimate, the next ones are averaged in."""
@@ -75,7 +74,6 @@ class ThreadPolicy:
         """The thread count for a pass of ``num_tokens`` new tokens."""
         size = _bucket_of(num_tokens)
         bucket = self._bucket(size)
-        bucket.passes += 1
         if bucket.trial is None:
             passes = max(1, min(self.trial_passes, self.trial_tokens // size))
             untried = [n for n in self.candidates if n not in bucket.seconds_per_token]

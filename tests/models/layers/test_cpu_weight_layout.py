@@ -24,6 +24,7 @@ def test_the_layout_applies_to_bfloat16_on_cpus_only():
     assert not uses_blocked_layout(CPU, torch.float32)
     assert not uses_blocked_layout(CPU, torch.float16)
     assert not uses_blocked_layout(torch.device("meta"), torch.bfloat16)
+    assert not uses_blocked_layout(CPU, torch.bfloat16, "int8wo")  # the format packs instead
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
