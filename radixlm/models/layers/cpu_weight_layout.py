@@ -7,7 +7,11 @@ costs more than the product: on the default model's projections (2 threads, an A
 one row took 19.8 ms for all of them through ``F.linear`` and 11.9 ms with weights
 reordered once; the head 2.5 vs 1.2 ms; 64 rows 26.0 vs 17.6 ms; 512 rows the same. The
 products come from the same kernels (bitwise equal to ``F.linear``'s at 1, 16 and 512 rows
-there; at 64, oneDNN may block the sum differently: within one bfloat16 step).
+there; at 64, oneDNN may block the sum differently: within one bfloat16 step). The routed
+experts of MoE layers get the layout too, one weight per expert and projection: for
+Mixtral-like experts scaled down (8 experts, hidden 1024, intermediate 2816) the gate/up
+products take 0.63 instead of 1.05 ms an expert at one row, the down products 0.16
+instead of 0.23.
 
 Applies to bfloat16 models on CPUs whose torch has oneDNN with bfloat16 support, when no
 weight-only format (``weight_formats.py``) packs the weights instead; float32 is left to
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.layers.weight_formats import PackedWeight, pack_each_weight
 
 
@@ -58,5 +63,8 @@ class BlockedWeight(PackedWeight):
 
 def lay_out_for_cpu(model: nn.Module) -> int:
     """Reorders the projections' and the output head's bfloat16 weights into oneDNN's
-    layout (``uses_blocked_layout`` must hold); returns their bytes."""
-    return pack_each_weight(model, BlockedWeight.pack)
+    layout, and the MoE layers' routed experts too (``uses_blocked_layout`` must hold);
+    returns their bytes."""
+    experts = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    return pack_each_weight(model, BlockedWeight.pack) + sum(
+        module.pack_expert_weights(BlockedWeight.pack) for module in experts)

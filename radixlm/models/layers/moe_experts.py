@@ -14,6 +14,7 @@ models: set ``StackedExperts.computation``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.models.layers import tensor_parallel
+from radixlm.models.layers.weight_formats import PackedWeight
 
 # Checkpoint names of an expert's projections -> (stacked parameter, shard).
 # Mixtral calls them w1 (gate), w3 (up), w2 (down); Qwen-MoE and DeepSeek use *_proj.
@@ -58,11 +60,26 @@ def grouped_experts_torch(
 
     At batch 1 only k experts run; at large batches every expert runs once on its rows.
     """
+    return grouped_by_expert(
+        x, topk_weights, topk_ids, w13.shape[0],
+        lambda expert, rows: F.linear(rows, w13[expert]),
+        lambda expert, hidden: F.linear(hidden, w2[expert]),
+    )
+
+
+def grouped_by_expert(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+    gate_up: Callable[[int, torch.Tensor], torch.Tensor],
+    down: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The grouping of ``grouped_experts_torch`` around any per-expert matmuls:
+    ``gate_up(e, rows)`` (n, H) -> (n, 2 I) and ``down(e, hidden)`` (n, I) -> (n, H) are
+    expert e's projections; each runs once per active expert, on all its tokens."""
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)  # (T k,)
     order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
     token_of_pair = order // k  # (T k,) the token of each sorted pair
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     x_sorted = x.index_select(0, token_of_pair)  # (T k, H)
     out_sorted = torch.empty_like(x_sorted)  # (T k, H)
     start = 0
@@ -70,8 +87,8 @@ def grouped_experts_torch(
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate, up = F.linear(x_sorted[rows], w13[expert]).chunk(2, dim=-1)  # (n, I) each
-        out_sorted[rows] = F.linear(F.silu(gate) * up, w2[expert])  # (n, H)
+        gate, up = gate_up(expert, x_sorted[rows]).chunk(2, dim=-1)  # (n, I) each
+        out_sorted[rows] = down(expert, F.silu(gate) * up)  # (n, H)
         start += count
     weights = topk_weights.reshape(-1).index_select(0, order).to(x.dtype)  # (T k,)
     out_sorted.mul_(weights[:, None])
@@ -101,7 +118,13 @@ class StackedExperts(nn.Module):
     calls ``load_expert_weight(e, proj, tensor)``, which copies the tensor into its slice
     and returns the key ``"<param>:<e>.<shard>"`` it filled. ``checkpoint_shards(param)``
     lists every key a complete checkpoint fills, so a missing expert tensor is reported.
+
+    After loading, ``pack_expert_weights`` may replace the stacked weights by one packed
+    weight per expert and projection (``packed``; ``w13`` and ``w2`` are then None): the
+    experts then run ``grouped_by_expert`` through them, whatever ``computation`` says.
     """
+
+    packed: tuple[list[PackedWeight], list[PackedWeight]] | None = None
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -126,8 +149,23 @@ class StackedExperts(nn.Module):
     ) -> torch.Tensor:
         """x (T, H), topk_weights (T, k), topk_ids (T, k) -> (T, H), summed over the
         ranks' slices (if ``reduce``)."""
-        out = self.computation(x, self.w13, self.w2, topk_weights, topk_ids)
+        if self.packed is None:
+            out = self.computation(x, self.w13, self.w2, topk_weights, topk_ids)
+        else:
+            gate_up, down = self.packed
+            out = grouped_by_expert(x, topk_weights, topk_ids, self.num_experts,
+                                    lambda expert, rows: gate_up[expert].matmul(rows),
+                                    lambda expert, hidden: down[expert].matmul(hidden))
         return self.tp.all_reduce(out) if self.reduce else out
+
+    def pack_expert_weights(self, packer: Callable[[torch.Tensor], PackedWeight]) -> int:
+        """Replaces ``w13`` and ``w2`` by ``packer`` of each expert's (out, in) projection
+        weight; returns the packed weights' bytes."""
+        gate_up = [packer(self.w13[expert].detach()) for expert in range(self.num_experts)]
+        down = [packer(self.w2[expert].detach()) for expert in range(self.num_experts)]
+        self.packed = (gate_up, down)
+        self.w13 = self.w2 = None
+        return sum(weight.nbytes() for weight in gate_up + down)
 
     def _shard_rows(self, shard: str) -> slice:
         i = self.intermediate_size

@@ -294,7 +294,8 @@ class ModelRunner:
             return False
         from radixlm.kernels.triton_ops.fused_moe import fused_experts
 
-        experts = [m for m in self.model.modules() if isinstance(m, StackedExperts)]
+        experts = [m for m in self.model.modules()  # (packed experts keep their own path)
+                   if isinstance(m, StackedExperts) and m.packed is None]
         for module in experts:
             module.computation = fused_experts
         return bool(experts)

@@ -11,6 +11,7 @@ from tiny_models import reference_model
 
 from radixlm.models.layers.cpu_weight_layout import BlockedWeight, uses_blocked_layout
 from radixlm.models.layers.linear import Linear
+from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.layers.weight_formats import Int8Weight
 from radixlm.models.loader import load_model
 from radixlm.models.model_config import ModelConfig
@@ -60,6 +61,36 @@ def test_a_bfloat16_model_gets_the_layout_on_its_projections_and_head(tiny_model
                if isinstance(m, Linear))
     int8 = _load(path, torch.bfloat16, "int8wo")  # a weight format packs them instead
     assert all(isinstance(m.packed, Int8Weight) for m in int8.modules() if isinstance(m, Linear))
+
+
+def test_a_bfloat16_moe_model_gets_the_layout_on_each_routed_expert(tiny_model_dir):
+    model = _load(tiny_model_dir("Qwen2MoeForCausalLM", "gqa", True), torch.bfloat16)
+    experts = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    assert experts and all(m.w13 is None and m.w2 is None for m in experts)
+    for module in experts:
+        gate_up, down = module.packed
+        assert len(gate_up) == len(down) == module.num_experts
+        assert all(isinstance(w, BlockedWeight) for w in gate_up + down)
+
+
+@torch.inference_mode()
+def test_laid_out_experts_compute_what_their_stacked_weights_do():
+    torch.manual_seed(0)
+    experts = StackedExperts(num_experts=4, hidden_size=64, intermediate_size=96)
+    with torch.no_grad():
+        experts.w13.normal_(0.0, 0.1)
+        experts.w2.normal_(0.0, 0.1)
+    experts = experts.bfloat16()
+    x = torch.randn(12, 64).bfloat16()
+    topk_ids = torch.stack([torch.randperm(4)[:2] for _ in range(12)])  # (12, 2), distinct
+    topk_weights = torch.rand(12, 2)
+    expected = experts(x, topk_weights, topk_ids)
+    nbytes = experts.pack_expert_weights(BlockedWeight.pack)
+    assert experts.w13 is None and nbytes == 4 * (2 * 96 * 64 + 64 * 96) * 2
+    got = experts(x, topk_weights, topk_ids)
+    assert got.dtype == torch.bfloat16 and got.shape == (12, 64)
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    assert experts(x[:0], topk_weights[:0], topk_ids[:0]).shape == (0, 64)
 
 
 @torch.inference_mode()
