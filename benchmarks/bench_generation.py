@@ -10,7 +10,8 @@ Systems:
   torch's default threads (its reference configuration) and, like radixlm's processes, the
   OpenMP wait radixlm sets on import (a short spin, see ``radixlm/__init__.py``);
 - radixlm in the auto dtype, and with each ``--formats`` weight format (``fp16wo``,
-  ``int8wo``);
+  ``int8wo``); with ``--torch-ops`` also without its fused CPU kernels
+  (``disable_cpu_kernels``, "radixlm torch ops");
 - llama.cpp through ``llama-cpp-python`` (optional, benchmark-only) on the GGUF files given
   (``--gguf-f16``, ``--gguf-q8``: the same weights converted by llama.cpp's
   ``convert_hf_to_gguf.py --outtype f16 / q8_0``); its batch of 16 runs sequentially.
@@ -18,7 +19,8 @@ Systems:
 Prompts differ in every run, so no system reuses a cached prefix.
 
     python benchmarks/bench_generation.py [--rounds 3] [--formats fp16wo int8wo]
-        [--gguf-f16 smol-f16.gguf --gguf-q8 smol-q8_0.gguf [--llama-no-extra-buffers]]
+        [--torch-ops] [--gguf-f16 smol-f16.gguf --gguf-q8 smol-q8_0.gguf
+        [--llama-no-extra-buffers]]
 """
 # ruff: noqa: I001 - radixlm is imported before torch, for the reason given there
 
@@ -62,9 +64,11 @@ def prompts(tokenizer, count: int, length: int | None = None) -> list[list[int]]
 
 
 class Radixlm:
-    def __init__(self, path: str, quantization: str | None):
-        self.name = "radixlm" + (f" {quantization}" if quantization else "")
-        self.engine = radixlm.Engine(path, quantization=quantization, max_total_tokens=16384)
+    def __init__(self, path: str, quantization: str | None, torch_ops: bool = False):
+        self.name = ("radixlm" + (f" {quantization}" if quantization else "")
+                     + (" torch ops" if torch_ops else ""))
+        self.engine = radixlm.Engine(path, quantization=quantization, max_total_tokens=16384,
+                                     disable_cpu_kernels=torch_ops)
 
     def generate(self, batch: list[list[int]], new_tokens: int) -> None:
         params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
@@ -142,6 +146,8 @@ def main() -> None:
     parser.add_argument("--llama-no-extra-buffers", action="store_true",
                         help="llama.cpp without its repacked weight layouts (see "
                              "llama_cpp_worker.py: Q8_0 crashes with them on AMX CPUs)")
+    parser.add_argument("--torch-ops", action="store_true",
+                        help="also radixlm without its fused CPU kernels (torch's operations)")
     parser.add_argument("--workloads", nargs="+", default=["prefill", "decode", "batch"],
                         choices=["prefill", "decode", "batch"])
     args = parser.parse_args()
@@ -150,6 +156,8 @@ def main() -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     systems = [Transformers(path, dtype, tokenizer), Radixlm(path, None)]
     systems += [Radixlm(path, name) for name in args.formats]
+    if args.torch_ops:
+        systems.append(Radixlm(path, None, torch_ops=True))
     for gguf, label in ((args.gguf_f16, "F16"), (args.gguf_q8, "Q8_0")):
         if gguf:
             systems.append(LlamaCpp(gguf, label, not args.llama_no_extra_buffers))

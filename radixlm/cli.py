@@ -23,6 +23,7 @@ SERVER_OPTION_HELP = {
     "attention_backend": "auto, torch_native, triton or flashinfer",
     "disable_cuda_graph": "run GPU decode eagerly (no CUDA graphs)",
     "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph",
+    "disable_cpu_kernels": "run CPU passes on torch's operations only (no fused C++ kernels)",
     "max_total_tokens": "KV pool size in tokens (default: from kv_cache_memory_fraction)",
     "kv_cache_memory_fraction": "share of free memory for the KV pool",
     "page_size": "tokens per KV page",

@@ -11,7 +11,9 @@ are latent + RoPE rows, values the latent alone, read as a view of the gathered 
 the output then has D_v per head.
 
 A decode batch whose requests share prefixes of slots (``ForwardBatch.shared_prefixes``, a
-beam search's beams) reads each shared prefix once for its run of requests.
+beam search's beams) reads each shared prefix once for its run of requests. Other decode
+batches on a CPU with the fused kernels on (``radixlm.kernels.cpu_ops.fused_ops``) attend
+over the keys where they lie in the pool, without the gather.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from radixlm.kernels.attention.shared_prefix_decode import (
     attend_shared_prefix,
     plan_runs,
 )
+from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.forward_batch import ForwardBatch
 
 
@@ -99,6 +102,9 @@ class TorchNativeAttentionBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch):
         """One query per request (see ``_decode``)."""
         layout = self._layout
+        kernels = fused_ops.active()
+        if layout.shared is None and kernels is not None and q.device.type == "cpu":
+            return self._decode_in_pool(kernels, q, k, v, layer, forward_batch)
         if layout.shared is None:
             keys, values = self._gather_kv(k, v, layer, forward_batch)  # (B, H_kv, S, D|D_v)
             return self._decode(q, keys, values, layer, layout.mask)
@@ -117,6 +123,15 @@ class TorchNativeAttentionBackend(AttentionBackend):
                                              pool.values_view_keys, layer.num_kv_heads,
                                              layer.scaling)
         return out
+
+    def _decode_in_pool(self, kernels, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
+        """Stores the new K/V, then attends over each request's keys where they lie in the
+        pool (the fused CPU kernel: no gather, no padding)."""
+        pool = fb.kv_pool
+        pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        k_buffer, v_buffer = pool.get_kv(layer.layer_id)  # (a latent pool's v: a view of k)
+        return kernels.paged_decode_attention(q, k_buffer, v_buffer, self._layout.kv_slots,
+                                              fb.seq_lens, layer.scaling)
 
     @staticmethod
     def _decode(q, keys, values, layer, mask) -> torch.Tensor:

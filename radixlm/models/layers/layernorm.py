@@ -1,10 +1,16 @@
-"""RMSNorm (Zhang & Sennrich 2019), with the residual add folded in as Llama-style models use it."""
+"""RMSNorm (Zhang & Sennrich 2019), with the residual add folded in as Llama-style models use it.
+
+On CPUs with the fused kernels on (``radixlm.kernels.cpu_ops.fused_ops``) each norm, with
+its residual add, is one kernel call instead of a chain of torch operations.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixlm.kernels.cpu_ops import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +25,12 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        kernels = fused_ops.active()
+        if (kernels is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype
+                and (residual is None or residual.dtype == x.dtype)):
+            if residual is None:
+                return kernels.rms_norm(x, self.weight, self.eps)
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             return self._norm(x), x

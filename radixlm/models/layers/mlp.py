@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.models.layers import tensor_parallel
 from radixlm.models.layers.linear import RowParallelLinear, StackedLinear
 
@@ -28,5 +29,14 @@ class GatedMLP(nn.Module):
                                            count, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I / tp) each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # (T, I / tp) in between
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2 I) gate | up -> silu(gate) * up (T, I); one kernel on CPUs with the fused
+    kernels on (``radixlm.kernels.cpu_ops.fused_ops``)."""
+    kernels = fused_ops.active()
+    if kernels is not None and gate_up.device.type == "cpu" and gate_up.stride(-1) == 1:
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
+    return F.silu(gate) * up

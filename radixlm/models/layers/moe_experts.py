@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.models.layers import tensor_parallel
+from radixlm.models.layers.mlp import silu_and_mul
 from radixlm.models.layers.weight_formats import PackedWeight
 
 # Checkpoint names of an expert's projections -> (stacked parameter, shard).
@@ -87,8 +88,7 @@ def grouped_by_expert(
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate, up = gate_up(expert, x_sorted[rows]).chunk(2, dim=-1)  # (n, I) each
-        out_sorted[rows] = down(expert, F.silu(gate) * up)  # (n, H)
+        out_sorted[rows] = down(expert, silu_and_mul(gate_up(expert, x_sorted[rows])))  # (n, H)
         start += count
     weights = topk_weights.reshape(-1).index_select(0, order).to(x.dtype)  # (T k,)
     out_sorted.mul_(weights[:, None])

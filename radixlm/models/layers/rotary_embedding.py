@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.models.layers.rope_scaling import default_inv_freq, llama3_inv_freq, yarn_inv_freq
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "deepseek_yarn")
@@ -85,6 +86,11 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotates each (first-half, second-half) pair of x (T, H, D) by its position's angle:
-    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as three fused elementwise ops."""
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as three fused elementwise ops (one
+    kernel on CPUs with the fused kernels on)."""
+    kernels = fused_ops.active()
+    if (kernels is not None and x.device.type == "cpu" and x.dim() == 3
+            and x.dtype == cos.dtype and x.stride(-1) == 1):
+        return kernels.rotary(x, cos, signed_sin)
     swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (x2, x1)
     return torch.addcmul(x * cos, swapped, signed_sin)

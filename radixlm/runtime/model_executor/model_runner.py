@@ -17,6 +17,7 @@ from radixlm.kernels.attention.backend_selection import (
     resolve_backend_name,
     triton_unavailable_reason,
 )
+from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
 from radixlm.kv_cache.memory_pool import (
@@ -85,6 +86,7 @@ class ModelRunner:
                                                        self.weight_format)
         self.model = load_model(model_config, self.dtype, self.device, self.context_length,
                                 self.tp, self.weight_format)
+        self.fused_cpu_kernels = self._use_fused_cpu_kernels()
         self.max_total_tokens = self._kv_pool_tokens()
         if self.cpu_group is not None:
             self.max_total_tokens = agree_on_pool_size(self.max_total_tokens, self.cpu_group)
@@ -284,6 +286,14 @@ class ModelRunner:
             num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
             page_size=self.args.page_size, dtype=self.dtype, scaling=layer.scaling,
         )
+
+    def _use_fused_cpu_kernels(self) -> bool:
+        """On CPUs (unless ``disable_cpu_kernels``) the layers' small operations run as fused
+        kernels, for this process; False where they are off or cannot be built."""
+        if self.device.type != "cpu" or self.args.disable_cpu_kernels:
+            fused_ops.disable()
+            return False
+        return fused_ops.enable()
 
     def _use_fused_moe(self) -> bool:
         """With a kernel backend (``uses_custom_kernels``), MoE experts run on the fused

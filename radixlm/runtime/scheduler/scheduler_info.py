@@ -48,6 +48,7 @@ def describe(scheduler) -> dict:
         "attention_backend": runner.attention_backend_name,
         "cuda_graph": runner.cuda_graph_runner is not None,
         "fused_moe": runner.fused_moe,
+        "fused_cpu_kernels": runner.fused_cpu_kernels,
         "vocab_size": runner.model_config.vocab_size,
         "stats": dataclasses.asdict(scheduler.stats),
         "tp_size": runner.tp.size,

@@ -1,0 +1,1 @@
+"""C++ kernels for CPUs: the small operations of a decode step, fused (``fused_ops.py``)."""

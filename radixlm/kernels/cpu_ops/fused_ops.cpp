@@ -1,0 +1,384 @@
+// Fused CPU kernels for the small operations of a decode step (see fused_ops.py).
+//
+// Each replaces a chain of torch operations whose cost on a CPU is their dispatch, not their
+// arithmetic. Arithmetic is float32 whatever the storage type (float32, bfloat16, float16),
+// in ATen's SIMD vectors (the build defines CPU_CAPABILITY for the building CPU); results and
+// intermediates are rounded to the storage type where torch's chains round them, so bfloat16
+// outputs equal torch's but where a float32 sum is ordered differently.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+// float32, bfloat16 and float16 storage (the serving dtypes).
+#define DISPATCH_STORAGE_TYPES(TYPE, NAME, ...)                    \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                   \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+
+// Attention work below this many multiply-adds runs on the calling thread (waking the others
+// costs more); row kernels give each thread at least torch's grain of elements.
+constexpr int64_t kParallelWork = 1 << 18;
+constexpr int64_t kElementGrain = 32768;  // torch's at::internal::GRAIN_SIZE
+
+template <typename T>
+inline float load(const T* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+// kLanes values from p, widened to float32.
+template <typename T>
+inline Vec load_vec(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float(p, out);
+    return out;
+  }
+}
+
+// kLanes values to p, rounded to T.
+template <typename T>
+inline void store_vec(T* p, const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p);
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, kLanes);
+  }
+}
+
+// v rounded to T and widened back: where torch's chain of operations stores an intermediate.
+template <typename T>
+inline Vec round_vec(const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    T rounded[kLanes];
+    store_vec(rounded, v);
+    return load_vec(rounded);
+  }
+}
+
+template <typename T>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+inline float sum_lanes(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// sum_i a[i] * b[i] over n.
+template <typename A, typename B>
+inline float dot(const A* a, const B* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = at::vec::fmadd(load_vec(a + i), load_vec(b + i), acc);
+  float sum = sum_lanes(acc);
+  for (; i < n; ++i) sum += load(a, i) * load(b, i);
+  return sum;
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w over one row of d.
+template <typename T>
+void norm_row(const T* x, const T* w, T* y, int64_t d, float eps) {
+  const float scale = 1.f / std::sqrt(dot(x, x, d) / static_cast<float>(d) + eps);
+  const Vec scale_vec(scale);
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    store_vec(y + i, load_vec(x + i) * scale_vec * load_vec(w + i));
+  }
+  for (; i < d; ++i) y[i] = static_cast<T>(load(x, i) * scale * load(w, i));
+}
+
+// Rows [begin, end) of (rows, d) x: s = x + residual (rounded, if residual is given), y = norm(s).
+template <typename T>
+void norm_rows(const T* x, const T* residual, const T* w, T* s, T* y, int64_t begin,
+               int64_t end, int64_t d, float eps) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* row = x + r * d;
+    if (residual != nullptr) {
+      const T* res = residual + r * d;
+      T* sum = s + r * d;
+      int64_t i = 0;
+      for (; i + kLanes <= d; i += kLanes) {
+        store_vec(sum + i, load_vec(row + i) + load_vec(res + i));
+      }
+      for (; i < d; ++i) sum[i] = static_cast<T>(load(row, i) + load(res, i));
+      row = sum;
+    }
+    norm_row(row, w, y + r * d, d, eps);
+  }
+}
+
+// out[i] = a[i] * c[i] + b[i] * s[i] over n, the product a * c rounded to T first (as
+// apply_rotary's `x * cos` is, before its addcmul).
+template <typename T>
+inline void rotate_part(const T* a, const T* b, const T* c, const T* s, T* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec scaled = round_vec<T>(load_vec(a + i) * load_vec(c + i));
+    store_vec(out + i, scaled + load_vec(b + i) * load_vec(s + i));
+  }
+  for (; i < n; ++i) {
+    out[i] = static_cast<T>(round_to<T>(load(a, i) * load(c, i)) + load(b, i) * load(s, i));
+  }
+}
+
+// Rows [begin, end) of (T, H) heads of d: y = x * cos + (x2, x1) * signed_sin.
+template <typename T>
+void rotate_rows(const T* x, const T* cos, const T* sin, T* y, int64_t begin, int64_t end,
+                 int64_t heads, int64_t d, int64_t token_stride, int64_t head_stride) {
+  const int64_t half = d / 2;
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t t = row / heads, h = row % heads;
+    const T* in = x + t * token_stride + h * head_stride;
+    const T* c = cos + t * d;
+    const T* s = sin + t * d;
+    T* out = y + row * d;
+    rotate_part(in, in + half, c, s, out, half);
+    rotate_part(in + half, in, c + half, s + half, out + half, half);
+  }
+}
+
+// Rows [begin, end) of (T, 2 I) gate|up: y = silu(gate) * up.
+template <typename T>
+void silu_mul_rows(const T* x, T* y, int64_t begin, int64_t end, int64_t width,
+                   int64_t row_stride) {
+  const Vec one(1.f);
+  for (int64_t r = begin; r < end; ++r) {
+    const T* gate = x + r * row_stride;
+    const T* up = gate + width;
+    T* out = y + r * width;
+    int64_t i = 0;
+    for (; i + kLanes <= width; i += kLanes) {  // silu(gate) rounded to T, as F.silu's is
+      const Vec g = load_vec(gate + i);
+      store_vec(out + i, round_vec<T>(g / (one + g.neg().exp())) * load_vec(up + i));
+    }
+    for (; i < width; ++i) {
+      const float g = load(gate, i);
+      out[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(-g))) * load(up, i));
+    }
+  }
+}
+
+// p[0, n) <- softmax(p[0, n)).
+inline void softmax(float* p, int64_t n) {
+  const float top = *std::max_element(p, p + n);
+  Vec total_vec(0.f);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const Vec e = (Vec::loadu(p + j) - Vec(top)).exp();
+    e.store(p + j);
+    total_vec = total_vec + e;
+  }
+  float total = sum_lanes(total_vec);
+  for (; j < n; ++j) {
+    p[j] = std::exp(p[j] - top);
+    total += p[j];
+  }
+  const float inv = 1.f / total;
+  j = 0;
+  for (; j + kLanes <= n; j += kLanes) (Vec::loadu(p + j) * Vec(inv)).store(p + j);
+  for (; j < n; ++j) p[j] *= inv;
+}
+
+struct DecodeShape {
+  int64_t batch, heads, kv_heads, group, dim, v_dim, width, pool;
+  int64_t k_slot_stride, k_head_stride, v_slot_stride, v_head_stride;
+};
+
+// Tasks [begin, end) of (request, KV head): the group's queries over the request's keys.
+template <typename T>
+void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens,
+                  T* out, const DecodeShape& s, float scale, int64_t begin, int64_t end) {
+  std::vector<float> qf(s.group * s.dim), scores(s.group * s.width), acc(s.group * s.v_dim);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t b = task / s.kv_heads, hk = task % s.kv_heads, len = lens[b];
+    const int64_t* row_slots = slots + b * s.width;
+    const int64_t first_head = b * s.heads + hk * s.group;
+    for (int64_t g = 0; g < s.group; ++g) {
+      const T* qh = q + (first_head + g) * s.dim;
+      for (int64_t i = 0; i < s.dim; ++i) qf[g * s.dim + i] = load(qh, i) * scale;
+    }
+    for (int64_t j = 0; j < len; ++j) {  // each key row is read once for the whole group
+      TORCH_CHECK(row_slots[j] >= 0 && row_slots[j] < s.pool, "slot out of the pool");
+      const T* key = k + row_slots[j] * s.k_slot_stride + hk * s.k_head_stride;
+      for (int64_t g = 0; g < s.group; ++g) {
+        scores[g * s.width + j] = dot(qf.data() + g * s.dim, key, s.dim);
+      }
+    }
+    for (int64_t g = 0; g < s.group; ++g) softmax(scores.data() + g * s.width, len);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t j = 0; j < len; ++j) {  // each value row is read once for the whole group
+      const T* value = v + row_slots[j] * s.v_slot_stride + hk * s.v_head_stride;
+      for (int64_t g = 0; g < s.group; ++g) {
+        const float p = scores[g * s.width + j];
+        float* a = acc.data() + g * s.v_dim;
+        int64_t i = 0;
+        for (; i + kLanes <= s.v_dim; i += kLanes) {
+          at::vec::fmadd(Vec(p), load_vec(value + i), Vec::loadu(a + i)).store(a + i);
+        }
+        for (; i < s.v_dim; ++i) a[i] += p * load(value, i);
+      }
+    }
+    for (int64_t g = 0; g < s.group; ++g) {
+      T* o = out + (first_head + g) * s.v_dim;
+      for (int64_t i = 0; i < s.v_dim; ++i) o[i] = static_cast<T>(acc[g * s.v_dim + i]);
+    }
+  }
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight dtypes differ");
+  TORCH_CHECK(weight.dim() == 1 && x.dim() >= 1 && x.size(-1) == weight.size(0),
+              "weight must be (d,) for x (..., d)");
+}
+
+int64_t row_grain(int64_t row_size) {
+  return std::max<int64_t>(1, kElementGrain / std::max<int64_t>(row_size, 1));
+}
+
+std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* residual,
+                                        const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  const int64_t d = x.size(-1);
+  const at::Tensor a = x.contiguous();
+  const at::Tensor b = residual != nullptr ? residual->contiguous() : at::Tensor();
+  const at::Tensor w = weight.contiguous();
+  at::Tensor sum = residual != nullptr ? at::empty_like(a) : at::Tensor();
+  at::Tensor out = at::empty_like(a);
+  const int64_t rows = d == 0 ? 0 : a.numel() / d;
+  DISPATCH_STORAGE_TYPES(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* bp = residual != nullptr ? b.data_ptr<scalar_t>() : nullptr;
+    scalar_t* sp = residual != nullptr ? sum.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, rows, row_grain(d), [&](int64_t begin, int64_t end) {
+      norm_rows(a.data_ptr<scalar_t>(), bp, w.data_ptr<scalar_t>(), sp,
+                out.data_ptr<scalar_t>(), begin, end, d, static_cast<float>(eps));
+    });
+  });
+  return {out, sum};
+}
+
+}  // namespace
+
+// rms_norm(x (..., d), weight (d,)) -> (..., d): F.rms_norm's result (one rounding).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(norm(x, nullptr, weight, eps));
+}
+
+// add_rms_norm(x, residual, weight) -> (rms_norm(s), s), s = x + residual rounded to the
+// storage type as torch's `x + residual` rounds it; x and residual (..., d) alike.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual differ in shape or dtype");
+  return norm(x, &residual, weight, eps);
+}
+
+// paged_decode_attention: one query token per request over its keys in the paged pool.
+//   q (B, H, D); k_buffer (N, H_kv, D) and v_buffer (N, H_kv, D_v), any strides with unit
+//   stride in the last dim (values may be a view of the keys); slots (B, S) int64, the pool
+//   slot of each request's key j (entries at j >= seq_lens[b] are not read); seq_lens (B,)
+//   int64 in [1, S]. Query head h reads KV head h / (H / H_kv).
+//   Returns (B, H, D_v) in q's dtype: softmax(q . k * scale) . v, float32 inside.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
+                                  const at::Tensor& v_buffer, const at::Tensor& slots,
+                                  const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3,
+              "q, k_buffer and v_buffer must be 3-D");
+  TORCH_CHECK(q.device().is_cpu() && k_buffer.device().is_cpu() && v_buffer.device().is_cpu(),
+              "CPU tensors expected");
+  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() &&
+                  q.scalar_type() == v_buffer.scalar_type(), "q, k and v dtypes differ");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "slots and seq_lens must be int64");
+  TORCH_CHECK(k_buffer.stride(2) == 1 && v_buffer.stride(2) == 1,
+              "k_buffer and v_buffer need unit stride in their last dim");
+  DecodeShape s{};
+  s.batch = q.size(0), s.heads = q.size(1), s.dim = q.size(2);
+  s.kv_heads = k_buffer.size(1), s.v_dim = v_buffer.size(2);
+  TORCH_CHECK(k_buffer.size(2) == s.dim && v_buffer.size(1) == s.kv_heads && s.kv_heads > 0 &&
+                  s.heads % s.kv_heads == 0, "q, k_buffer and v_buffer heads do not match");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == s.batch && seq_lens.numel() == s.batch,
+              "slots must be (B, S) and seq_lens (B,)");
+  s.group = s.heads / s.kv_heads, s.width = slots.size(1);
+  s.k_slot_stride = k_buffer.stride(0), s.k_head_stride = k_buffer.stride(1);
+  s.v_slot_stride = v_buffer.stride(0), s.v_head_stride = v_buffer.stride(1);
+  const at::Tensor query = q.contiguous();
+  const at::Tensor table = slots.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  const int64_t* len_p = lens.data_ptr<int64_t>();
+  const int64_t* slot_p = table.data_ptr<int64_t>();
+  s.pool = std::min(k_buffer.size(0), v_buffer.size(0));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    TORCH_CHECK(len_p[b] >= 1 && len_p[b] <= s.width, "seq_lens out of [1, S]");
+  }
+  at::Tensor out = at::empty({s.batch, s.heads, s.v_dim}, q.options());
+  const int64_t tasks = s.batch * s.kv_heads;
+  const int64_t work = s.batch * s.heads * s.width * (s.dim + s.v_dim);
+  const int64_t grain = work < kParallelWork ? std::max<int64_t>(tasks, 1) : 1;
+  DISPATCH_STORAGE_TYPES(q.scalar_type(), "decode", [&] {
+    at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+      decode_tasks(query.data_ptr<scalar_t>(), k_buffer.data_ptr<scalar_t>(),
+                   v_buffer.data_ptr<scalar_t>(), slot_p, len_p, out.data_ptr<scalar_t>(), s,
+                   static_cast<float>(scale), begin, end);
+    });
+  });
+  return out;
+}
+
+// rotary(x (T, H, D), cos (T, 1, D), signed_sin (T, 1, D)) -> (T, H, D): the "rotate half"
+// RoPE of rotary_embedding.apply_rotary, x * cos + (x2, x1) * signed_sin (x may be a view
+// with unit stride in D).
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "x must be (T, H, D) with even D and unit stride in D");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == cos.scalar_type() &&
+                  x.scalar_type() == signed_sin.scalar_type(), "x, cos and sin dtypes differ");
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
+  TORCH_CHECK(cos.numel() == tokens * d && signed_sin.numel() == tokens * d,
+              "cos and sin must be (T, 1, D)");
+  const at::Tensor c = cos.contiguous();
+  const at::Tensor s = signed_sin.contiguous();
+  at::Tensor out = at::empty({tokens, heads, d}, x.options());
+  DISPATCH_STORAGE_TYPES(x.scalar_type(), "rotary", [&] {
+    at::parallel_for(0, tokens * heads, row_grain(d), [&](int64_t begin, int64_t end) {
+      rotate_rows(x.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
+                  out.data_ptr<scalar_t>(), begin, end, heads, d, x.stride(0), x.stride(1));
+    });
+  });
+  return out;
+}
+
+// silu_mul(gate_up (T, 2 I)) -> (T, I): silu(gate_up[:, :I]) * gate_up[:, I:].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
+              "gate_up must be (T, 2 I) with unit stride in its last dim");
+  TORCH_CHECK(gate_up.device().is_cpu(), "a CPU tensor expected");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, width}, gate_up.options());
+  DISPATCH_STORAGE_TYPES(gate_up.scalar_type(), "silu", [&] {
+    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+      silu_mul_rows(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), begin, end, width,
+                    gate_up.stride(0));
+    });
+  });
+  return out;
+}
