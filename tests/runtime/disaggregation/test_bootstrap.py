@@ -3,6 +3,7 @@ server's lookups in it never block and report a dead service clearly."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -44,8 +45,11 @@ def test_a_registered_rank_is_found_with_sglangs_queries(service):
 def test_the_directory_looks_up_off_the_callers_thread(service):
     register(service, {"rank_ip": "10.0.0.2", "rank_port": 9000})
     directory = BootstrapDirectory()
+    silent = socket.create_server(("127.0.0.1", 0))  # takes connections, never answers
     try:
-        assert directory.peer(service) is None  # asked: the answer comes from a thread
+        hung = f"127.0.0.1:{silent.getsockname()[1]}"
+        assert directory.peer(hung) is None  # asked: the lookup hangs on a thread, not here
+        assert directory.peer(hung) is None
         deadline = time.monotonic() + 10
         while (peer := directory.peer(service)) is None:
             assert time.monotonic() < deadline
@@ -57,4 +61,5 @@ def test_the_directory_looks_up_off_the_callers_thread(service):
             time.sleep(0.01)
         assert "did not answer" in answer and dead in answer
     finally:
+        silent.close()  # resets the hung lookup's connection
         directory.close()
