@@ -102,8 +102,8 @@ class TorchNativeAttentionBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch):
         """One query per request (see ``_decode``)."""
         layout = self._layout
-        kernels = fused_ops.active()
-        if layout.shared is None and kernels is not None and q.device.type == "cpu":
+        kernels = fused_ops.for_tensor(q)
+        if layout.shared is None and kernels is not None:
             return self._decode_in_pool(kernels, q, k, v, layer, forward_batch)
         if layout.shared is None:
             keys, values = self._gather_kv(k, v, layer, forward_batch)  # (B, H_kv, S, D|D_v)

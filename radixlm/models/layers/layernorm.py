@@ -25,8 +25,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
-        kernels = fused_ops.active()
-        if (kernels is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype
+        kernels = fused_ops.for_tensor(x)
+        if (kernels is not None and x.dtype == self.weight.dtype
                 and (residual is None or residual.dtype == x.dtype)):
             if residual is None:
                 return kernels.rms_norm(x, self.weight, self.eps)

@@ -35,8 +35,8 @@ class GatedMLP(nn.Module):
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(T, 2 I) gate | up -> silu(gate) * up (T, I); one kernel on CPUs with the fused
     kernels on (``radixlm.kernels.cpu_ops.fused_ops``)."""
-    kernels = fused_ops.active()
-    if kernels is not None and gate_up.device.type == "cpu" and gate_up.stride(-1) == 1:
+    kernels = fused_ops.for_tensor(gate_up)
+    if kernels is not None and gate_up.stride(-1) == 1:
         return kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
     return F.silu(gate) * up

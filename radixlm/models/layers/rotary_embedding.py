@@ -88,9 +88,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     """Rotates each (first-half, second-half) pair of x (T, H, D) by its position's angle:
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as three fused elementwise ops (one
     kernel on CPUs with the fused kernels on)."""
-    kernels = fused_ops.active()
-    if (kernels is not None and x.device.type == "cpu" and x.dim() == 3
-            and x.dtype == cos.dtype and x.stride(-1) == 1):
+    kernels = fused_ops.for_tensor(x)
+    if kernels is not None and x.dim() == 3 and x.dtype == cos.dtype and x.stride(-1) == 1:
         return kernels.rotary(x, cos, signed_sin)
     swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (x2, x1)
     return torch.addcmul(x * cos, swapped, signed_sin)
