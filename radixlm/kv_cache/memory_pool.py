@@ -7,7 +7,9 @@
   of compressed latents and rotated shared keys; the values are a view of it.
 
 Slot indices come from ``TokenToKVPoolAllocator``; slots of page 0 are padding. Both token
-pools answer ``set_kv``, ``get_kv``, ``layer_buffers`` and ``bytes_per_token``;
+pools answer ``set_kv``, ``get_kv``, ``layer_buffers`` and ``bytes_per_token``; ``set_kv``
+writes through ``write_rows`` (``buffer.index_copy_(0, slots, rows)``, or a faster function
+of the same effect the runner passes in, such as the fused CPU kernels' ``scatter_rows``);
 ``values_view_keys`` tells an attention backend that the values are the first
 ``v_buffer.shape[-1]`` dims of the keys, so it may gather keys once and slice the values
 out of them.
@@ -17,7 +19,16 @@ No KV tensor is ever allocated per request: a request owns indices, not memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+RowWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""write_rows(buffer (N, ...), slots (T,), rows (T, ...)): buffer[slots] = rows."""
+
+
+def index_copy_rows(buffer: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    buffer.index_copy_(0, slots, rows)
 
 
 class ReqToTokenPool:
@@ -71,18 +82,19 @@ class MHATokenToKVPool:
 
     def __init__(
         self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: str | torch.device,
+        dtype: torch.dtype, device: str | torch.device, write_rows: RowWriter = index_copy_rows,
     ):
         self.num_slots = num_slots
         self.dtype = dtype
+        self.write_rows = write_rows
         shape = (num_slots, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores k, v (T, H_kv, D) of the new tokens at ``slots`` (T,)."""
-        self.k_buffers[layer_id].index_copy_(0, slots, k)
-        self.v_buffers[layer_id].index_copy_(0, slots, v)
+        self.write_rows(self.k_buffers[layer_id], slots, k)
+        self.write_rows(self.v_buffers[layer_id], slots, v)
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
@@ -120,10 +132,11 @@ class MLATokenToKVPool:
 
     def __init__(
         self, num_slots: int, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
-        dtype: torch.dtype, device: str | torch.device,
+        dtype: torch.dtype, device: str | torch.device, write_rows: RowWriter = index_copy_rows,
     ):
         self.num_slots = num_slots
         self.dtype = dtype
+        self.write_rows = write_rows
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         shape = (num_slots, 1, kv_lora_rank + qk_rope_head_dim)
@@ -135,7 +148,7 @@ class MLATokenToKVPool:
         self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None
     ) -> None:
         """Stores the new tokens' rows k (T, 1, kv_lora_rank + qk_rope_head_dim) at ``slots``."""
-        self.kv_buffers[layer_id].index_copy_(0, slots, k)
+        self.write_rows(self.kv_buffers[layer_id], slots, k)
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         buffer = self.kv_buffers[layer_id]

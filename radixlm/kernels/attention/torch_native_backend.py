@@ -4,7 +4,8 @@ Each batch is turned once into a padded layout shared by all layers: a (B, S) ta
 slots (S = the longest sequence), where each request's queries sit in a (B, Q) grid, and a
 boolean mask that lets query i of request b see keys 0 .. prefix_b + i. Each layer then
 gathers its K and V through the table and runs one ``scaled_dot_product_attention`` for
-the whole batch, prefill and decode alike.
+the whole batch, prefill and decode alike. A single sequence with no cached prefix (a
+fresh prompt's prefill) attends over its new K/V as computed, without reading them back.
 
 Values may have a head dim D_v other than the keys' D (multi-head latent attention: keys
 are latent + RoPE rows, values the latent alone, read as a view of the gathered keys);
@@ -152,6 +153,17 @@ class TorchNativeAttentionBackend(AttentionBackend):
         return self._read_kv(pool, layer, self._layout.kv_slots)
 
     @staticmethod
+    def _store_fresh_kv(k, v, layer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores the new K/V and returns them as (1, H_kv, T, D) and (1, H_kv, T, D_v):
+        for a sequence with no cached prefix they are all its keys, so nothing is read
+        back (the pool holds them in the same dtype)."""
+        pool = fb.kv_pool
+        pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        if pool.values_view_keys:
+            v = k[..., : pool.get_kv(layer.layer_id)[1].shape[-1]]
+        return k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
+
+    @staticmethod
     def _read_kv(pool, layer, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V at ``slots`` (B, S) as (B, H_kv, S, D) and (B, H_kv, S, D_v). A latent
         (MLA) pool's values are a slice of its keys: one gather."""
@@ -167,7 +179,10 @@ class TorchNativeAttentionBackend(AttentionBackend):
 
     def _attend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
         layout = self._layout
-        keys, values = self._gather_kv(k, v, layer, fb)  # (B, H_kv, S, D|D_v)
+        if layout.is_causal:  # a single fresh sequence: its K/V are the new ones
+            keys, values = self._store_fresh_kv(k, v, layer, fb)  # (1, H_kv, T, D|D_v)
+        else:
+            keys, values = self._gather_kv(k, v, layer, fb)  # (B, H_kv, S, D|D_v)
         b, num_q = layout.batch_size, layout.max_queries
         if layout.query_rows is None:
             queries = q.view(b, num_q, *q.shape[1:])  # (B, Q, H, D)

@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -52,25 +54,51 @@ inline Vec load_vec(const T* p) {
   }
 }
 
-// kLanes values to p, rounded to T.
+// The row loops below step by kStep values: one vector of a 16-bit type, two of float32,
+// so that a 16-bit row is read and written in whole vectors.
+constexpr int64_t kStep = 2 * kLanes;
+
+// kStep values as two float32 vectors.
+struct VecPair {
+  Vec lo, hi;
+};
+
+inline VecPair operator+(const VecPair& a, const VecPair& b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline VecPair operator*(const VecPair& a, const VecPair& b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline VecPair operator*(const VecPair& a, const Vec& b) { return {a.lo * b, a.hi * b}; }
+
+// kStep values from p, widened to float32.
 template <typename T>
-inline void store_vec(T* p, const Vec& v) {
+inline VecPair load_step(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
-    v.store(p);
+    return {Vec::loadu(p), Vec::loadu(p + kLanes)};
   } else {
-    at::vec::convert_from_float<T>(v, v).store(p, kLanes);
+    static_assert(at::vec::Vectorized<T>::size() == kStep, "a 16-bit vector holds kStep values");
+    auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
+    return {lo, hi};
   }
 }
 
-// v rounded to T and widened back: where torch's chain of operations stores an intermediate.
+// kStep values to p, rounded to T.
 template <typename T>
-inline Vec round_vec(const Vec& v) {
+inline void store_step(T* p, const VecPair& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.lo.store(p);
+    v.hi.store(p + kLanes);
+  } else {
+    at::vec::convert_from_float<T>(v.lo, v.hi).store(p);
+  }
+}
+
+// v rounded to T and widened back (in registers): where torch's chain of operations stores
+// an intermediate.
+template <typename T>
+inline VecPair round_step(const VecPair& v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
-    T rounded[kLanes];
-    store_vec(rounded, v);
-    return load_vec(rounded);
+    auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v.lo, v.hi));
+    return {lo, hi};
   }
 }
 
@@ -100,9 +128,7 @@ void norm_row(const T* x, const T* w, T* y, int64_t d, float eps) {
   const float scale = 1.f / std::sqrt(dot(x, x, d) / static_cast<float>(d) + eps);
   const Vec scale_vec(scale);
   int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) {
-    store_vec(y + i, load_vec(x + i) * scale_vec * load_vec(w + i));
-  }
+  for (; i + kStep <= d; i += kStep) store_step(y + i, load_step(x + i) * scale_vec * load_step(w + i));
   for (; i < d; ++i) y[i] = static_cast<T>(load(x, i) * scale * load(w, i));
 }
 
@@ -116,9 +142,7 @@ void norm_rows(const T* x, const T* residual, const T* w, T* s, T* y, int64_t be
       const T* res = residual + r * d;
       T* sum = s + r * d;
       int64_t i = 0;
-      for (; i + kLanes <= d; i += kLanes) {
-        store_vec(sum + i, load_vec(row + i) + load_vec(res + i));
-      }
+      for (; i + kStep <= d; i += kStep) store_step(sum + i, load_step(row + i) + load_step(res + i));
       for (; i < d; ++i) sum[i] = static_cast<T>(load(row, i) + load(res, i));
       row = sum;
     }
@@ -131,9 +155,9 @@ void norm_rows(const T* x, const T* residual, const T* w, T* s, T* y, int64_t be
 template <typename T>
 inline void rotate_part(const T* a, const T* b, const T* c, const T* s, T* out, int64_t n) {
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const Vec scaled = round_vec<T>(load_vec(a + i) * load_vec(c + i));
-    store_vec(out + i, scaled + load_vec(b + i) * load_vec(s + i));
+  for (; i + kStep <= n; i += kStep) {
+    const VecPair scaled = round_step<T>(load_step(a + i) * load_step(c + i));
+    store_step(out + i, scaled + load_step(b + i) * load_step(s + i));
   }
   for (; i < n; ++i) {
     out[i] = static_cast<T>(round_to<T>(load(a, i) * load(c, i)) + load(b, i) * load(s, i));
@@ -166,9 +190,10 @@ void silu_mul_rows(const T* x, T* y, int64_t begin, int64_t end, int64_t width,
     const T* up = gate + width;
     T* out = y + r * width;
     int64_t i = 0;
-    for (; i + kLanes <= width; i += kLanes) {  // silu(gate) rounded to T, as F.silu's is
-      const Vec g = load_vec(gate + i);
-      store_vec(out + i, round_vec<T>(g / (one + g.neg().exp())) * load_vec(up + i));
+    for (; i + kStep <= width; i += kStep) {  // silu(gate) rounded to T, as F.silu's is
+      const VecPair g = load_step(gate + i);
+      const VecPair silu{g.lo / (one + g.lo.neg().exp()), g.hi / (one + g.hi.neg().exp())};
+      store_step(out + i, round_step<T>(silu) * load_step(up + i));
     }
     for (; i < width; ++i) {
       const float g = load(gate, i);
@@ -177,11 +202,16 @@ void silu_mul_rows(const T* x, T* y, int64_t begin, int64_t end, int64_t width,
   }
 }
 
-// p[0, n) <- softmax(p[0, n)).
-inline void softmax(float* p, int64_t n) {
-  const float top = *std::max_element(p, p + n);
-  Vec total_vec(0.f);
+// p[0, n) <- exp(p[0, n) - max p); returns their sum (softmax without the division).
+inline float exp_shifted(float* p, int64_t n) {
+  Vec top_vec(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) top_vec = at::vec::maximum(top_vec, Vec::loadu(p + j));
+  float top = at::vec::vec_reduce_all<float>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, top_vec);
+  for (; j < n; ++j) top = std::max(top, p[j]);
+  Vec total_vec(0.f);
+  j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     const Vec e = (Vec::loadu(p + j) - Vec(top)).exp();
     e.store(p + j);
@@ -192,10 +222,37 @@ inline void softmax(float* p, int64_t n) {
     p[j] = std::exp(p[j] - top);
     total += p[j];
   }
-  const float inv = 1.f / total;
-  j = 0;
-  for (; j + kLanes <= n; j += kLanes) (Vec::loadu(p + j) * Vec(inv)).store(p + j);
-  for (; j < n; ++j) p[j] *= inv;
+  return total;
+}
+
+// out[0, n) = scale * sum_j w[j] * row_j[0, n) over j < len, row_j = base + slots[j] * stride:
+// a few vectors of out at a time, their sums held in registers over all the rows.
+template <typename T>
+void weighted_rows(const float* w, const T* base, const int64_t* slots, int64_t len,
+                   int64_t stride, float scale, T* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
+    Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+    for (int64_t j = 0; j < len; ++j) {
+      const T* row = base + slots[j] * stride + i;
+      const Vec weight(w[j]);
+      a0 = at::vec::fmadd(weight, load_vec(row), a0);
+      a1 = at::vec::fmadd(weight, load_vec(row + kLanes), a1);
+      a2 = at::vec::fmadd(weight, load_vec(row + 2 * kLanes), a2);
+      a3 = at::vec::fmadd(weight, load_vec(row + 3 * kLanes), a3);
+    }
+    float sums[4 * kLanes];
+    (a0 * Vec(scale)).store(sums);
+    (a1 * Vec(scale)).store(sums + kLanes);
+    (a2 * Vec(scale)).store(sums + 2 * kLanes);
+    (a3 * Vec(scale)).store(sums + 3 * kLanes);
+    for (int64_t l = 0; l < 4 * kLanes; ++l) out[i + l] = static_cast<T>(sums[l]);
+  }
+  for (; i < n; ++i) {
+    float a = 0.f;
+    for (int64_t j = 0; j < len; ++j) a += w[j] * load(base + slots[j] * stride, i);
+    out[i] = static_cast<T>(a * scale);
+  }
 }
 
 struct DecodeShape {
@@ -207,39 +264,29 @@ struct DecodeShape {
 template <typename T>
 void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens,
                   T* out, const DecodeShape& s, float scale, int64_t begin, int64_t end) {
-  std::vector<float> qf(s.group * s.dim), scores(s.group * s.width), acc(s.group * s.v_dim);
+  std::vector<float> qf(s.group * s.dim), scores(s.group * s.width);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t b = task / s.kv_heads, hk = task % s.kv_heads, len = lens[b];
     const int64_t* row_slots = slots + b * s.width;
     const int64_t first_head = b * s.heads + hk * s.group;
+    for (int64_t j = 0; j < len; ++j) {
+      TORCH_CHECK(row_slots[j] >= 0 && row_slots[j] < s.pool, "slot out of the pool");
+    }
     for (int64_t g = 0; g < s.group; ++g) {
       const T* qh = q + (first_head + g) * s.dim;
       for (int64_t i = 0; i < s.dim; ++i) qf[g * s.dim + i] = load(qh, i) * scale;
     }
     for (int64_t j = 0; j < len; ++j) {  // each key row is read once for the whole group
-      TORCH_CHECK(row_slots[j] >= 0 && row_slots[j] < s.pool, "slot out of the pool");
       const T* key = k + row_slots[j] * s.k_slot_stride + hk * s.k_head_stride;
       for (int64_t g = 0; g < s.group; ++g) {
         scores[g * s.width + j] = dot(qf.data() + g * s.dim, key, s.dim);
       }
     }
-    for (int64_t g = 0; g < s.group; ++g) softmax(scores.data() + g * s.width, len);
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t j = 0; j < len; ++j) {  // each value row is read once for the whole group
-      const T* value = v + row_slots[j] * s.v_slot_stride + hk * s.v_head_stride;
-      for (int64_t g = 0; g < s.group; ++g) {
-        const float p = scores[g * s.width + j];
-        float* a = acc.data() + g * s.v_dim;
-        int64_t i = 0;
-        for (; i + kLanes <= s.v_dim; i += kLanes) {
-          at::vec::fmadd(Vec(p), load_vec(value + i), Vec::loadu(a + i)).store(a + i);
-        }
-        for (; i < s.v_dim; ++i) a[i] += p * load(value, i);
-      }
-    }
-    for (int64_t g = 0; g < s.group; ++g) {
-      T* o = out + (first_head + g) * s.v_dim;
-      for (int64_t i = 0; i < s.v_dim; ++i) o[i] = static_cast<T>(acc[g * s.v_dim + i]);
+    for (int64_t g = 0; g < s.group; ++g) {  // the group's value rows stay in cache
+      float* p = scores.data() + g * s.width;
+      const float total = exp_shifted(p, len);
+      weighted_rows(p, v + hk * s.v_head_stride, row_slots, len, s.v_slot_stride, 1.f / total,
+                    out + (first_head + g) * s.v_dim, s.v_dim);
     }
   }
 }
@@ -381,4 +428,37 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     });
   });
   return out;
+}
+
+// scatter_rows(buffer (N, ...), slots (T,) int64, rows (T, ...)): buffer[slots[t]] = rows[t],
+// as buffer.index_copy_(0, slots, rows) (a KV pool's store); buffer contiguous, each row of
+// rows contiguous (rows may be a view with any stride between rows), slots in [0, N).
+void scatter_rows(at::Tensor& buffer, const at::Tensor& slots, const at::Tensor& rows) {
+  TORCH_CHECK(buffer.device().is_cpu() && rows.device().is_cpu() && slots.device().is_cpu(),
+              "CPU tensors expected");
+  TORCH_CHECK(buffer.scalar_type() == rows.scalar_type(), "buffer and rows dtypes differ");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1, "slots must be (T,) int64");
+  TORCH_CHECK(buffer.is_contiguous() && buffer.dim() >= 1, "buffer must be contiguous");
+  TORCH_CHECK(rows.dim() == buffer.dim() && rows.size(0) == slots.size(0) &&
+                  rows.sizes().slice(1) == buffer.sizes().slice(1),
+              "rows must be (T, ...) with buffer's row shape");
+  const int64_t count = rows.size(0);
+  if (count == 0) return;
+  const at::Tensor source = rows[0].is_contiguous() ? rows : rows.contiguous();
+  const at::Tensor index = slots.contiguous();
+  const int64_t* slot_p = index.data_ptr<int64_t>();
+  const int64_t pool = buffer.size(0);
+  for (int64_t t = 0; t < count; ++t) {
+    TORCH_CHECK(slot_p[t] >= 0 && slot_p[t] < pool, "slot out of the buffer");
+  }
+  const int64_t row_bytes = buffer.numel() / std::max<int64_t>(pool, 1) * buffer.element_size();
+  const int64_t source_stride = source.stride(0) * source.element_size();
+  const char* from = static_cast<const char*>(source.data_ptr());
+  char* to = static_cast<char*>(buffer.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, kElementGrain * 4 / std::max<int64_t>(row_bytes, 1));
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(to + slot_p[t] * row_bytes, from + t * source_stride, row_bytes);
+    }
+  });
 }

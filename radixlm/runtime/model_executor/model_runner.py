@@ -24,6 +24,7 @@ from radixlm.kv_cache.memory_pool import (
     MHATokenToKVPool,
     MLATokenToKVPool,
     ReqToTokenPool,
+    index_copy_rows,
 )
 from radixlm.models.layers.attention import PagedAttention
 from radixlm.models.layers.moe_experts import StackedExperts
@@ -262,16 +263,19 @@ class ModelRunner:
         return max(self.args.page_size, min(budget // per_token, useful))
 
     def _make_kv_pool(self, num_slots: int) -> MHATokenToKVPool | MLATokenToKVPool:
-        """The pool layout the model attends over: latents for MLA models, else K and V."""
+        """The pool layout the model attends over: latents for MLA models, else K and V
+        (stored by the fused kernels' row copy where they are on)."""
         config = self.model_config
+        kernels = fused_ops.active() if self.fused_cpu_kernels else None
+        write_rows = kernels.scatter_rows if kernels is not None else index_copy_rows
         if config.uses_mla:
             return MLATokenToKVPool(
                 num_slots, config.num_layers, config.kv_lora_rank, config.qk_rope_head_dim,
-                self.dtype, self.device,
+                self.dtype, self.device, write_rows,
             )
         return MHATokenToKVPool(
             num_slots, config.num_layers, self.attention_layer.num_kv_heads, config.head_dim,
-            self.dtype, self.device,
+            self.dtype, self.device, write_rows,
         )
 
     def _make_attention_backend(self) -> AttentionBackend:

@@ -31,23 +31,24 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5),
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norms_compute_what_f_rms_norm_computes(kernels, dtype):
+@pytest.mark.parametrize("d", [96, 100])  # whole vectors; and a scalar tail
+def test_norms_compute_what_f_rms_norm_computes(kernels, dtype, d):
     torch.manual_seed(0)
-    x, residual = torch.randn(2, 7, 96, dtype=dtype), torch.randn(2, 7, 96, dtype=dtype)
-    weight = torch.randn(96, dtype=dtype)
-    expected = F.rms_norm(x, (96,), weight, 1e-6)
+    x, residual = torch.randn(2, 7, d, dtype=dtype), torch.randn(2, 7, d, dtype=dtype)
+    weight = torch.randn(d, dtype=dtype)
+    expected = F.rms_norm(x, (d,), weight, 1e-6)
     torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), expected, **TOLERANCE[dtype])
-    strided = torch.randn(7, 3, 192, dtype=dtype)[..., ::2]  # a view, as q/k norms get
+    strided = torch.randn(7, 3, 2 * d, dtype=dtype)[..., ::2]  # a view, as q/k norms get
     torch.testing.assert_close(kernels.rms_norm(strided, weight, 1e-6),
-                               F.rms_norm(strided, (96,), weight, 1e-6), **TOLERANCE[dtype])
+                               F.rms_norm(strided, (d,), weight, 1e-6), **TOLERANCE[dtype])
     normed, summed = kernels.add_rms_norm(x, residual, weight, 1e-6)
     assert torch.equal(summed, x + residual)  # rounded as torch rounds the add
-    torch.testing.assert_close(normed, F.rms_norm(x + residual, (96,), weight, 1e-6),
+    torch.testing.assert_close(normed, F.rms_norm(x + residual, (d,), weight, 1e-6),
                                **TOLERANCE[dtype])
-    assert kernels.rms_norm(x[:, :0], weight, 1e-6).shape == (2, 0, 96)
+    assert kernels.rms_norm(x[:, :0], weight, 1e-6).shape == (2, 0, d)
     eps = 0.5  # eps enters as torch adds it
     torch.testing.assert_close(kernels.rms_norm(x, weight, eps),
-                               F.rms_norm(x, (96,), weight, eps), **TOLERANCE[dtype])
+                               F.rms_norm(x, (d,), weight, eps), **TOLERANCE[dtype])
 
 
 def test_norms_reject_mismatched_arguments(kernels):
@@ -61,18 +62,20 @@ def test_norms_reject_mismatched_arguments(kernels):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_and_silu_mul_compute_what_torch_computes(kernels, dtype):
+@pytest.mark.parametrize("head_dim", [64, 80])  # halves of whole vectors; and a scalar tail
+def test_rotary_and_silu_mul_compute_what_torch_computes(kernels, dtype, head_dim):
     torch.manual_seed(1)
-    rope = RotaryEmbedding(64, 256, {"rope_theta": 10000.0}, 256)
-    cos, signed_sin = rope.lookup(torch.tensor([0, 5, 17, 255]), dtype)  # (4, 1, 64) each
-    qkv = torch.randn(4, 12, 64, dtype=dtype)
+    rope = RotaryEmbedding(head_dim, 256, {"rope_theta": 10000.0}, 256)
+    cos, signed_sin = rope.lookup(torch.tensor([0, 5, 17, 255]), dtype)  # (4, 1, D) each
+    qkv = torch.randn(4, 12, head_dim, dtype=dtype)
     qk = qkv[:, :9]  # q and k heads as a view of the projection's output
-    expected = torch.addcmul(qk * cos, torch.roll(qk, 32, dims=-1), signed_sin)  # apply_rotary's
+    expected = torch.addcmul(qk * cos, torch.roll(qk, head_dim // 2, dims=-1),
+                             signed_sin)  # apply_rotary's
     got = kernels.rotary(qk, cos, signed_sin)
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
     if dtype == torch.bfloat16:  # no sums: rounded where torch rounds, so bit for bit
         assert torch.equal(got, expected)
-    assert kernels.rotary(qk[:0], cos[:0], signed_sin[:0]).shape == (0, 9, 64)
+    assert kernels.rotary(qk[:0], cos[:0], signed_sin[:0]).shape == (0, 9, head_dim)
     with pytest.raises(RuntimeError, match=r"must be \(T, 1, D\)"):
         kernels.rotary(qk, cos[:3], signed_sin[:3])
     gate_up = torch.randn(6, 2 * 40, dtype=dtype)
@@ -104,6 +107,7 @@ def _reference_decode(q, k_buffer, v_buffer, slots, seq_lens, scale):
     (9, 3, 64, 64),  # grouped-query attention
     (4, 4, 32, 32),  # multi-head
     (8, 1, 80, 64),  # latent attention: one KV head, values a view of the keys' first dims
+    (4, 2, 96, 96),  # value rows of whole vector blocks and a remainder
 ])
 def test_decode_attention_over_the_pool_equals_gathered_sdpa(kernels, dtype, heads, kv_heads,
                                                               dim, v_dim):
@@ -145,6 +149,35 @@ def test_decode_attention_rejects_lengths_and_slots_outside_their_bounds(kernels
     with pytest.raises(RuntimeError, match="heads do not match"):
         kernels.paged_decode_attention(torch.randn(2, 3, 8), k_buffer, v_buffer, slots,
                                        torch.tensor([1, 1]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_rows_stores_what_index_copy_stores(kernels, dtype):
+    torch.manual_seed(3)
+    buffer = torch.randn(50, 2, 8, dtype=dtype)
+    qkv = torch.randn(40, 5, 8, dtype=dtype)
+    rows = qkv[:, 3:]  # V as a view of the projection's output (stride between rows 40)
+    slots = torch.randperm(50)[:40]
+    expected = buffer.clone().index_copy_(0, slots, rows)
+    kernels.scatter_rows(buffer, slots, rows)
+    assert torch.equal(buffer, expected)
+    kernels.scatter_rows(buffer, slots[:0], rows[:0])  # nothing to store
+    assert torch.equal(buffer, expected)
+
+
+def test_scatter_rows_rejects_slots_and_rows_that_do_not_fit(kernels):
+    buffer, rows = torch.zeros(10, 2, 4), torch.ones(3, 2, 4)
+    with pytest.raises(RuntimeError, match="slot out of the buffer"):
+        kernels.scatter_rows(buffer, torch.tensor([0, 10, 1]), rows)
+    with pytest.raises(RuntimeError, match="slot out of the buffer"):
+        kernels.scatter_rows(buffer, torch.tensor([0, -1, 1]), rows)
+    assert not buffer.any()  # checked before anything is written
+    with pytest.raises(RuntimeError, match="row shape"):
+        kernels.scatter_rows(buffer, torch.tensor([0, 1, 2]), torch.ones(3, 4, 2))
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        kernels.scatter_rows(buffer, torch.tensor([0, 1, 2]), rows.double())
+    with pytest.raises(RuntimeError, match="int64"):
+        kernels.scatter_rows(buffer, torch.tensor([0, 1, 2], dtype=torch.int32), rows)
 
 
 @torch.inference_mode()

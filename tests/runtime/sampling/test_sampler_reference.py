@@ -2,7 +2,8 @@
 the runtime has always used: logit bias; repetition penalty over prompt and output, then
 frequency and presence penalties over the output; the min_new_tokens ban on stop tokens
 (yielding to a complete grammar); the grammar mask; then greedy argmax, or softmax at the
-temperature, top-k / top-p / min-p, and the exponential race with noise (-ln U, U uniform)
+temperature, top-k / top-p / min-p, and inverse transform sampling (the first token whose
+running sum of kept probability exceeds U times their total, one uniform U in float64)
 from a generator seeded per (sampling_seed, output position).
 
 A mixed batch runs for many steps while requests join (some with output already, as after a
@@ -13,6 +14,7 @@ must equal the naive log-softmax.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -79,8 +81,15 @@ def reference_token(x: torch.Tensor, req) -> int | None:
         kept = kept * (kept >= kept.max() * params.min_p)
     generator = torch.Generator().manual_seed(
         seed_for_step(params.sampling_seed, len(req.output_ids)))
-    noise = -torch.empty_like(kept).uniform_(generator=generator).log()  # Exp(1)
-    return int((kept / noise).argmax())
+    uniform = float(torch.empty(1, dtype=torch.float64).uniform_(generator=generator))
+    total = sum(float(p) for p in kept)  # float64, summed in token order
+    target = min(uniform * total, math.nextafter(total, 0.0))
+    running = 0.0
+    for token, p in enumerate(kept.tolist()):
+        running += p
+        if running > target:
+            return token
+    raise AssertionError("no token reached the target")
 
 
 def req(backend=None, output_ids=(), regex=None, **params):
