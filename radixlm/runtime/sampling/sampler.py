@@ -101,7 +101,8 @@ class Sampler:
             uniform[row].uniform_(generator=seeded)
         # U * total may round up to total; below it some running sum still exceeds it.
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+        drawn = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (B,)
+        return drawn.clamp_(max=probs.shape[-1] - 1)  # a row of NaNs finds no token: stay in range
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch,
                        banning: list[int] | None = None) -> torch.Tensor:

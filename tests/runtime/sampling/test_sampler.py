@@ -130,6 +130,14 @@ def test_sampled_frequencies_follow_softmax_of_logits_over_temperature(temperatu
     torch.testing.assert_close(counts / DRAWS, expected, atol=0.035, rtol=0)
 
 
+def test_draws_skip_tokens_without_mass_wherever_they_lie():
+    row = torch.full((VOCAB,), float("-inf"))  # mass on the first and last ids only
+    row[0], row[VOCAB - 1] = 0.0, math.log(3.0)
+    counts = draw(row, make_req())
+    assert support(counts) == {0, VOCAB - 1}
+    assert abs(counts[VOCAB - 1] / DRAWS - 0.75) < 0.03
+
+
 def test_lower_temperature_sharpens_the_distribution():
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -1.5, -2.0, -3.0])
     top_share = [int(draw(row, make_req(temperature=t))[0]) for t in (2.0, 1.0, 0.5, 0.25)]
