@@ -26,6 +26,9 @@ HEAD_DIM = 16
 CASES = {
     "extend_ragged_with_prefixes": (ForwardMode.EXTEND, [0, 5, 3, 9], [7, 1, 4, 2]),
     "extend_fresh_batch": (ForwardMode.EXTEND, [0, 0, 0], [3, 8, 1]),
+    # long enough to attend sequence by sequence (FRESH_SPLIT_MIN_QUERIES)
+    "extend_fresh_batch_one_by_one": (ForwardMode.EXTEND, [0, 0, 0], [40, 7, 33]),
+    "extend_long_fresh_beside_a_prefix": (ForwardMode.EXTEND, [0, 6], [40, 3]),
     "extend_one_fresh_sequence": (ForwardMode.EXTEND, [0], [9]),
     "extend_one_sequence_after_prefix": (ForwardMode.EXTEND, [6], [5]),
     "extend_one_token_prompt": (ForwardMode.EXTEND, [0], [1]),
@@ -40,7 +43,7 @@ def build_batch(mode, prefix_lens, extend_lens, num_heads, seed):
     """Pools with random prefix KV at scattered slots, plus the new tokens' q, k, v."""
     gen = torch.Generator().manual_seed(seed)
     allocator = TokenToKVPoolAllocator(POOL_TOKENS)
-    req_pool = ReqToTokenPool(max_requests=8, max_context_len=32, device="cpu")
+    req_pool = ReqToTokenPool(max_requests=8, max_context_len=64, device="cpu")
     kv_pool = MHATokenToKVPool(
         POOL_TOKENS + 1, NUM_LAYERS, KV_HEADS, HEAD_DIM, torch.float32, "cpu"
     )
@@ -49,7 +52,7 @@ def build_batch(mode, prefix_lens, extend_lens, num_heads, seed):
         kv_pool.k_buffers[layer].normal_(generator=gen)
         kv_pool.v_buffers[layer].normal_(generator=gen)
     # Stale slot indices in every row, as left behind by earlier requests.
-    req_pool.req_to_token.copy_(torch.randint(0, POOL_TOKENS + 1, (8, 32), generator=gen))
+    req_pool.req_to_token.copy_(torch.randint(0, POOL_TOKENS + 1, (8, 64), generator=gen))
 
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     all_slots = allocator.alloc(sum(seq_lens))
