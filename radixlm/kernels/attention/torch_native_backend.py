@@ -5,9 +5,9 @@ slots (S = the longest sequence), where each request's queries sit in a (B, Q) g
 boolean mask that lets query i of request b see keys 0 .. prefix_b + i. Each layer then
 gathers its K and V through the table and runs one ``scaled_dot_product_attention`` for
 the whole batch, prefill and decode alike. A single sequence with no cached prefix (a
-fresh prompt's prefill) attends over its new K/V as computed, without reading them back;
-so does a batch of such sequences whose longest is long enough to make the padding
-costly, one sequence after another.
+fresh prompt's prefill) attends over its new K/V as computed, without reading them back.
+An extend batch whose padded grid would cost more than its sequences' own attention
+(``_split_pays``: ragged lengths, long prompts) attends sequence by sequence instead.
 
 Values may have a head dim D_v other than the keys' D (multi-head latent attention: keys
 are latent + RoPE rows, values the latent alone, read as a view of the gathered keys);
@@ -38,6 +38,16 @@ from radixlm.kernels.forward_batch import ForwardBatch
 
 
 @dataclass
+class _Sequence:
+    """One sequence of an extend batch, attended on its own."""
+
+    start: int  # its first new token in the batch
+    length: int  # its new tokens
+    slots: torch.Tensor | None  # (S,) the KV slots of all its keys; None: fresh (no prefix)
+    mask: torch.Tensor | None  # (length, S) True where the key is visible; None: fresh
+
+
+@dataclass
 class _PaddedLayout:
     kv_slots: torch.Tensor  # (B, S) slot of key j of request b (padding: any valid slot)
     query_rows: torch.Tensor | None  # (T,) row of each new token in the flattened (B * Q) grid
@@ -45,19 +55,31 @@ class _PaddedLayout:
     is_causal: bool  # a single fresh sequence: plain causal attention, no mask
     batch_size: int
     max_queries: int
-    fresh_runs: list[tuple[int, int]] | None = None
-    """Extend only, a batch of fresh sequences (no cached prefixes; see
-    ``FRESH_SPLIT_MIN_QUERIES``): each one's (first token, length); they attend one by one."""
+    sequences: list[_Sequence] | None = None
+    """Extend only, where attending sequence by sequence costs less than the padded grid
+    (``_split_pays``): the batch's sequences; the padded fields are then unused."""
     shared: list[SharedPrefixRun] | None = None
     """Decode only: runs of requests sharing a prefix (``shared_prefix_decode.py``); the
     other requests are ``plain_rows``."""
     plain_rows: torch.Tensor | None = None
 
 
-FRESH_SPLIT_MIN_QUERIES = 32
-"""A batch of fresh sequences whose longest has this many tokens or more attends sequence by
-sequence (causal, unpadded) instead of in one padded, masked call: 8 prompts of 26-243
-tokens took 3.6 ms a layer padded. Below it the padded call costs less than the calls."""
+CALL_COST_PAIRS = 4096
+"""What one attention call costs beyond its work, in query-key pairs (about 25 us on a CPU,
+where the padded call over 8 prompts of 26-243 tokens did 131 pairs a microsecond)."""
+
+
+def _split_pays(extend_lens: list[int], seq_lens: list[int]) -> bool:
+    """Whether an extend batch attends for less sequence by sequence than in the padded
+    (B, Q, S) grid: a fresh sequence's causal call skips the blocks above the diagonal
+    (half its pairs), a sequence after a prefix gets a mask over its own keys (all pairs),
+    and each call adds ``CALL_COST_PAIRS``."""
+    if len(seq_lens) < 2 or max(extend_lens) < 2:
+        return False
+    padded = len(seq_lens) * max(extend_lens) * max(seq_lens)
+    split = sum(n * s // (2 if n == s else 1) + CALL_COST_PAIRS
+                for n, s in zip(extend_lens, seq_lens))
+    return split < padded
 
 
 class TorchNativeAttentionBackend(AttentionBackend):
@@ -77,10 +99,9 @@ class TorchNativeAttentionBackend(AttentionBackend):
         single_fresh = batch_size == 1 and extend_lens[0] == seq_lens[0]
         uniform_decode = max_q == 1 and min(seq_lens) == max_kv
         query_rows = mask = None
-        if batch_size > 1 and max_q >= FRESH_SPLIT_MIN_QUERIES and extend_lens == seq_lens:
-            starts = itertools.accumulate(extend_lens[:-1], initial=0)
+        if _split_pays(extend_lens, seq_lens):
             self._layout = _PaddedLayout(kv_slots, None, None, False, batch_size, max_q,
-                                         fresh_runs=list(zip(starts, extend_lens)))
+                                         sequences=self._sequences(kv_slots, fb))
             return
         if max_q > 1 and batch_size > 1:
             starts = torch.tensor(extend_lens, device=device).cumsum(0) - fb.extend_seq_lens
@@ -102,6 +123,22 @@ class TorchNativeAttentionBackend(AttentionBackend):
         )
         if max_q == 1 and fb.shared_prefixes:
             self._plan_shared(fb)
+
+    @staticmethod
+    def _sequences(kv_slots: torch.Tensor, fb: ForwardBatch) -> list[_Sequence]:
+        """The batch's sequences, each with its slots and mask if it has a prefix."""
+        sequences = []
+        starts = itertools.accumulate(fb.extend_seq_lens_list[:-1], initial=0)
+        for row, (start, new, total) in enumerate(
+                zip(starts, fb.extend_seq_lens_list, fb.seq_lens_list)):
+            if new == total:
+                sequences.append(_Sequence(start, new, None, None))
+                continue
+            i = torch.arange(new, device=kv_slots.device)[:, None]
+            j = torch.arange(total, device=kv_slots.device)[None, :]
+            sequences.append(_Sequence(start, new, kv_slots[row, :total],
+                                       j <= total - new + i))  # (new, total)
+        return sequences
 
     def _plan_shared(self, fb: ForwardBatch) -> None:
         layout = self._layout
@@ -194,28 +231,31 @@ class TorchNativeAttentionBackend(AttentionBackend):
             values = values.view(*slots.shape, *v_buffer.shape[1:])
         return keys.transpose(1, 2), values.transpose(1, 2)
 
-    def _attend_each_fresh(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
-        """Fresh sequences one by one, each causal over its own new K/V: no padding, no
-        mask (so the kernel skips the blocks above the diagonal), nothing read back."""
-        keys, values = self._store_fresh_kv(k, v, layer, fb)  # (1, H_kv, T, D|D_v)
+    def _attend_each(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
+        """Sequence by sequence, unpadded: a fresh one causal over its own new K/V (as
+        computed: nothing read back), one after a prefix over its own keys, gathered, with
+        its mask."""
+        pool = fb.kv_pool
+        new_keys, new_values = self._store_fresh_kv(k, v, layer, fb)  # (1, H_kv, T, D|D_v)
         queries = q.unsqueeze(0).transpose(1, 2)  # (1, H, T, D)
-        outs = [
-            F.scaled_dot_product_attention(
-                queries[:, :, start : start + length],
-                keys[:, :, start : start + length],
-                values[:, :, start : start + length],
-                is_causal=True,
-                scale=layer.scaling,
+        outs = []
+        for seq in self._layout.sequences:
+            new = slice(seq.start, seq.start + seq.length)
+            if seq.slots is None:
+                keys, values = new_keys[:, :, new], new_values[:, :, new]
+            else:
+                keys, values = self._read_kv(pool, layer, seq.slots[None])  # (1, H_kv, S, .)
+            outs.append(F.scaled_dot_product_attention(
+                queries[:, :, new], keys, values, attn_mask=seq.mask,
+                is_causal=seq.mask is None, scale=layer.scaling,
                 enable_gqa=layer.num_heads != layer.num_kv_heads,
-            )  # (1, H, n, D_v)
-            for start, length in self._layout.fresh_runs
-        ]
+            ))  # (1, H, n, D_v)
         return torch.cat(outs, dim=2)[0].transpose(0, 1)  # (T, H, D_v)
 
     def _attend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
         layout = self._layout
-        if layout.fresh_runs is not None:
-            return self._attend_each_fresh(q, k, v, layer, fb)
+        if layout.sequences is not None:
+            return self._attend_each(q, k, v, layer, fb)
         if layout.is_causal:  # a single fresh sequence: its K/V are the new ones
             keys, values = self._store_fresh_kv(k, v, layer, fb)  # (1, H_kv, T, D|D_v)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixlm.kernels.attention import torch_native_backend
 from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
@@ -22,12 +23,29 @@ LAYER = 1
 KV_HEADS = 2
 HEAD_DIM = 16
 
+@pytest.fixture(params=["cost", "split"])
+def layout_choice(request, monkeypatch):
+    """"cost": the backend picks padded or sequence-by-sequence attention by its cost model;
+    "split": calls cost nothing, so every extend batch of two or more sequences attends
+    sequence by sequence."""
+    if request.param == "split":
+        monkeypatch.setattr(torch_native_backend, "CALL_COST_PAIRS", 0)
+    return request.param
+
+
+def assert_layout_follows(choice, backend, mode, extend_lens):
+    split = backend._layout.sequences is not None
+    if choice == "split" and mode is ForwardMode.EXTEND and len(extend_lens) > 1:
+        assert split == (max(extend_lens) > 1)
+    if choice == "cost" and max(extend_lens) < 16:  # small batches: one padded call
+        assert not split
+
+
 # (mode, prefix lengths, extend lengths)
 CASES = {
     "extend_ragged_with_prefixes": (ForwardMode.EXTEND, [0, 5, 3, 9], [7, 1, 4, 2]),
     "extend_fresh_batch": (ForwardMode.EXTEND, [0, 0, 0], [3, 8, 1]),
-    # long enough to attend sequence by sequence (FRESH_SPLIT_MIN_QUERIES)
-    "extend_fresh_batch_one_by_one": (ForwardMode.EXTEND, [0, 0, 0], [40, 7, 33]),
+    "extend_long_ragged_fresh_batch": (ForwardMode.EXTEND, [0, 0, 0], [40, 7, 33]),
     "extend_long_fresh_beside_a_prefix": (ForwardMode.EXTEND, [0, 6], [40, 3]),
     "extend_one_fresh_sequence": (ForwardMode.EXTEND, [0], [9]),
     "extend_one_sequence_after_prefix": (ForwardMode.EXTEND, [6], [5]),
@@ -112,7 +130,7 @@ def naive_attention(q, k_new, v_new, k_prefix, v_prefix, prefix_len, scale):
 
 @pytest.mark.parametrize("gqa_ratio", [1, 4])
 @pytest.mark.parametrize("case", list(CASES))
-def test_attention_matches_naive_reference_and_writes_new_kv(case, gqa_ratio):
+def test_attention_matches_naive_reference_and_writes_new_kv(case, gqa_ratio, layout_choice):
     mode, prefix_lens, extend_lens = CASES[case]
     num_heads = KV_HEADS * gqa_ratio
     batch, slots_of, q, k, v = build_batch(mode, prefix_lens, extend_lens, num_heads, seed=7)
@@ -124,6 +142,7 @@ def test_attention_matches_naive_reference_and_writes_new_kv(case, gqa_ratio):
 
     backend = batch.attn_backend
     backend.init_forward_metadata(batch)
+    assert_layout_follows(layout_choice, backend, mode, extend_lens)
     call = backend.forward_decode if mode is ForwardMode.DECODE else backend.forward_extend
     out = call(q, k, v, layer, batch)
 
@@ -189,7 +208,7 @@ LATENT, ROPE = 12, 4
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_latent_pool_attention_matches_naive_reference_and_stores_rows_once(case):
+def test_latent_pool_attention_matches_naive_reference_and_stores_rows_once(case, layout_choice):
     """MLA layout: one KV head whose keys are latent + RoPE rows and whose values are the
     first LATENT dims of the same rows; the output has LATENT dims per head."""
     mode, prefix_lens, extend_lens = CASES[case]
@@ -207,6 +226,7 @@ def test_latent_pool_attention_matches_naive_reference_and_stores_rows_once(case
 
     backend = batch.attn_backend
     backend.init_forward_metadata(batch)
+    assert_layout_follows(layout_choice, backend, mode, extend_lens)
     out = backend.forward(q, k, k[..., :LATENT], layer, batch)
 
     assert out.shape == (total, num_heads, LATENT)
