@@ -128,7 +128,9 @@ void norm_row(const T* x, const T* w, T* y, int64_t d, float eps) {
   const float scale = 1.f / std::sqrt(dot(x, x, d) / static_cast<float>(d) + eps);
   const Vec scale_vec(scale);
   int64_t i = 0;
-  for (; i + kStep <= d; i += kStep) store_step(y + i, load_step(x + i) * scale_vec * load_step(w + i));
+  for (; i + kStep <= d; i += kStep) {
+    store_step(y + i, load_step(x + i) * scale_vec * load_step(w + i));
+  }
   for (; i < d; ++i) y[i] = static_cast<T>(load(x, i) * scale * load(w, i));
 }
 
@@ -142,7 +144,9 @@ void norm_rows(const T* x, const T* residual, const T* w, T* s, T* y, int64_t be
       const T* res = residual + r * d;
       T* sum = s + r * d;
       int64_t i = 0;
-      for (; i + kStep <= d; i += kStep) store_step(sum + i, load_step(row + i) + load_step(res + i));
+      for (; i + kStep <= d; i += kStep) {
+        store_step(sum + i, load_step(row + i) + load_step(res + i));
+      }
       for (; i < d; ++i) sum[i] = static_cast<T>(load(row, i) + load(res, i));
       row = sum;
     }

@@ -18,7 +18,7 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
   store, as row copies split between the threads (the runner hands it to the pool).
 
 Each works a row at a time in whole SIMD vectors (16-bit rows converted in registers),
-split between the threads by rows. A 512-token prefill spends about 15 ms in them (the
+split between the threads by rows. A 512-token prefill spends about 20 ms in them (the
 MLP's SiLU-and-multiply 10 of it, at torch's own speed), beside 64 ms of matmuls and 33 of
 attention.
 
