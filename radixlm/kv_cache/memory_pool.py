@@ -69,7 +69,7 @@ def copy_slots(pool: MHATokenToKVPool | MLATokenToKVPool, src: torch.Tensor,
     device), in every layer: a page shared by two sequences that go on differently is
     copied on write (beam search)."""
     for buffer in pool.layer_buffers():
-        buffer.index_copy_(0, dst, buffer.index_select(0, src))
+        pool.write_rows(buffer, dst, buffer.index_select(0, src))
 
 
 class MHATokenToKVPool:

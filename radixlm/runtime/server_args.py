@@ -51,8 +51,8 @@ class ServerArgs:
     """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
     disable_cpu_kernels: bool = False
     """On CPUs, run every operation through torch instead of the fused C++ kernels for the
-    small operations of decode steps (``radixlm.kernels.cpu_ops.fused_ops``; built on the
-    first start on a machine: a C++ compiler and ninja, about 20 s)."""
+    small operations between a forward pass's matmuls (``radixlm.kernels.cpu_ops.fused_ops``;
+    built on the first start on a machine: a C++ compiler and ninja, about 20 s)."""
     max_total_tokens: int | None = None
     """KV pool size in tokens; None: sized from ``kv_cache_memory_fraction``."""
     kv_cache_memory_fraction: float = 0.2

@@ -65,8 +65,10 @@ class _PaddedLayout:
 
 
 CALL_COST_PAIRS = 4096
-"""What one attention call costs beyond its work, in query-key pairs (about 25 us on a CPU,
-where the padded call over 8 prompts of 26-243 tokens did 131 pairs a microsecond)."""
+"""What one attention call costs beyond its work, in query-key pairs. Measured on a 2-core
+CPU with the default model's heads: a call over 1-16 tokens takes 10-18 us, and the padded
+call over 8 prompts of 26-243 tokens did 131 pairs a microsecond; 4,096 pairs (about 30 us)
+leaves some margin toward the single padded call."""
 
 
 def _split_pays(extend_lens: list[int], seq_lens: list[int]) -> bool:

@@ -1,4 +1,4 @@
-"""Fused CPU kernels for the small operations between a decode step's matmuls.
+"""Fused CPU kernels for the small operations between a forward pass's matmuls.
 
 On a CPU the operations between the matmuls cost their dispatch, not their arithmetic: on
 the default model (batch-1 decode, bfloat16, a 2-core AMX CPU) the step spent about 8 ms
@@ -22,9 +22,10 @@ split between the threads by rows. A 512-token prefill spends about 20 ms in the
 MLP's SiLU-and-multiply 10 of it, at torch's own speed), beside 64 ms of matmuls and 33 of
 attention.
 
-They compute in float32 whatever the storage type and round once where torch's chains
-round twice, so bfloat16 results may differ from torch's by one rounding step; float32
-results agree to float32 rounding (the tests hold them to both).
+They compute in float32 whatever the storage type and round intermediates to it where
+torch's chains store them, so bfloat16 results equal torch's bit for bit except where a
+float32 sum is ordered differently (the norms, attention: within one bfloat16 step), and
+float32 results agree to float32 rounding (the tests hold them to both).
 
 The kernels are compiled for the CPU that builds them, with torch's C++ extension builder
 (g++ and ninja; about 20 s on 2 cores), once per machine: the build is cached in torch's

@@ -266,8 +266,7 @@ class ModelRunner:
         """The pool layout the model attends over: latents for MLA models, else K and V
         (stored by the fused kernels' row copy where they are on)."""
         config = self.model_config
-        kernels = fused_ops.active() if self.fused_cpu_kernels else None
-        write_rows = kernels.scatter_rows if kernels is not None else index_copy_rows
+        write_rows = fused_ops.active().scatter_rows if self.fused_cpu_kernels else index_copy_rows
         if config.uses_mla:
             return MLATokenToKVPool(
                 num_slots, config.num_layers, config.kv_lora_rank, config.qk_rope_head_dim,
