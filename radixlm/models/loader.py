@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 def load_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int,
     tp: TensorParallel = SINGLE, weight_format: str | None = None,
+    keep_weight_rows: bool = False,
 ) -> nn.Module:
     """The model of ``config.architecture`` with its checkpoint weights, in eval mode.
 
@@ -28,7 +29,9 @@ def load_model(
     does not divide the model's heads or intermediate sizes is a ``ValueError``).
     ``weight_format``: a weight-only format (``weight_formats.py``) the projections and the
     output head are packed into, from the checkpoint's float32 weights. Without one, a
-    bfloat16 model on a CPU gets them in its kernel's layout (``cpu_weight_layout.py``).
+    bfloat16 model on a CPU gets them in its kernel's layout (``cpu_weight_layout.py``),
+    keeping their plain rows too with ``keep_weight_rows`` (for the fused CPU kernels'
+    few-row matmul).
     """
     cls = model_class(config.architecture)
     files = safetensors_files(config.path)
@@ -44,7 +47,7 @@ def load_model(
         if not getattr(param, "keep_float32", False):
             param.data = param.data.to(dtype)
     if uses_blocked_layout(device, dtype, weight_format):
-        laid_out = lay_out_for_cpu(model)
+        laid_out = lay_out_for_cpu(model, keep_weight_rows)
         logger.info("weights laid out for oneDNN's bfloat16 kernels: %.1f MiB", laid_out / 2**20)
     return model.train(False).requires_grad_(False)
 

@@ -6,17 +6,18 @@ shard goes and loads it there. Under tensor parallelism (``tensor_parallel``) a 
 layer is column-parallel: each rank holds a slice of every shard's rows; ``RowParallelLinear``
 holds the matching slice of the next projection's columns and sums the partial outputs.
 After loading, a weight-only format (``weight_formats.py``) may replace a layer's weight
-with a packed one; the layer then multiplies through it.
+with a packed one; the layer then multiplies through it. An unpacked layer multiplies
+through ``weight_formats.plain_matmul`` (``F.linear``, or on CPUs the fused kernels for
+float32 passes of a few rows).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixlm.models.layers.tensor_parallel import TensorParallel
-from radixlm.models.layers.weight_formats import PackedWeight
+from radixlm.models.layers.weight_formats import PackedWeight, plain_matmul
 
 
 class Linear(nn.Linear):
@@ -28,13 +29,13 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> (T, out)."""
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
+            return plain_matmul(x, self.weight, self.bias)
         y = self.packed.matmul(x)
         return y if self.bias is None else y + self.bias
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> x @ weight.T (T, out), without the bias."""
-        return F.linear(x, self.weight) if self.packed is None else self.packed.matmul(x)
+        return plain_matmul(x, self.weight) if self.packed is None else self.packed.matmul(x)
 
     def pack_weight(self, packer) -> int:
         """Replaces the weight by ``packer(weight)`` (a ``PackedWeight``); returns its bytes."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.models.layers import tensor_parallel
-from radixlm.models.layers.weight_formats import PackedWeight
+from radixlm.models.layers.weight_formats import PackedWeight, plain_matmul
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -46,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         """hidden (N, hidden) -> float32 logits (N, vocab_size), on every rank (a
         collective: every rank calls it with the same rows)."""
         if self.packed is None:
-            local = torch.matmul(hidden, self.weight.t())  # (N, vocab / tp)
+            local = plain_matmul(hidden, self.weight)  # (N, vocab / tp)
         else:
             local = self.packed.matmul(hidden)
         if self.tp.size > 1:

@@ -6,21 +6,29 @@ each, so on a CPU its time is the weights' bytes over the memory bandwidth. A fo
 the weight of each projection (``linear.Linear``) and of the output head
 (``VocabParallelEmbedding.logits``; the embedding lookup keeps its own rows) after loading:
 
-- ``fp16wo``: IEEE half (2 bytes a weight). Passes of up to ``HALF_GEMV_MAX_ROWS`` rows
-  (small-batch decode) run torch's half matrix-vector kernel row by row: the row is rounded
-  to half, the products summed in float32 (what llama.cpp's F16 path does; an activation
-  beyond half's range, 65504, would overflow there). Larger passes convert the weight into
-  a reused buffer in the serving dtype and multiply there.
+- ``fp16wo``: IEEE half (2 bytes a weight). Passes of up to ``HALF_FUSED_MAX_ROWS`` rows
+  run the fused CPU kernels' ``dense_matmul`` where they are on (activations as stored,
+  float32 sums; the default model's weights, float32 activations: one row 12.7 ms against
+  29.3 on torch's kernel, 16 rows 34.8 against 64.6). Without them, passes of up to
+  ``HALF_GEMV_MAX_ROWS`` rows (small-batch decode) run torch's half matrix-vector kernel
+  row by row: the row is rounded to half, the products summed in float32 (what llama.cpp's
+  F16 path does; an activation beyond half's range, 65504, would overflow there). Larger
+  passes convert the weight into a reused buffer in the serving dtype and multiply there.
 - ``int8wo``: symmetric int8 with one float scale per output row (1 byte a weight). Passes
-  of up to ``int8_kernel_max_rows`` rows run torch's int8 weight-only kernel (inside it the
-  activations are bfloat16, the sums float32); larger ones widen the integers into the
-  buffer, multiply, and scale the product's columns.
+  of up to ``int8_kernel_max_rows`` rows run the fused CPU kernels' ``int8_matmul`` where
+  they are on (activations as stored, float32 sums; the default model's weights at one row:
+  7.4 ms against 12.6 for torch's kernel, at 16 rows 30.5 against 47.6), else torch's int8
+  weight-only kernel (inside it the activations are bfloat16, the sums float32); larger
+  passes widen the integers into the buffer, multiply, and scale the product's columns.
 
-The row limits are where the measured costs cross on 2-core AVX2, AVX-512 and AMX CPUs (the
-kernels' cost grows with the rows, the conversion's does not). Outputs come back in the
-serving dtype. Invariant: packing changes which bytes a layer reads, never its shapes, its
-bias or the model's interface; the buffer is shared by one model's layers, so forward
-passes of one model must not run concurrently (the scheduler runs them one at a time).
+The row limits of torch's kernels are where the measured costs cross on 2-core AVX2,
+AVX-512 and AMX CPUs (the kernels' cost grows with the rows, the conversion's does not);
+the fused kernels' were measured on the AMX CPU only (at 32 rows, float16 weights: 55 vs
+74 ms in float32, 65 vs 125 in bfloat16; int8 passes keep torch's kernel's limits, below
+which the fused one was faster at every size). Outputs come back in the serving dtype.
+Invariant: packing changes which bytes a layer reads, never its shapes, its bias or the
+model's interface; the buffer is shared by one model's layers, so forward passes of one
+model must not run concurrently (the scheduler runs them one at a time).
 """
 
 from __future__ import annotations
@@ -32,10 +40,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.kernels.cpu_ops import fused_ops
+
 HALF_GEMV_MAX_ROWS = 4
+HALF_FUSED_MAX_ROWS = 32
+FLOAT32_FUSED_ROWS = range(3, 17)
 INT8_KERNEL_MAX_ROWS = 32
 INT8_KERNEL_MAX_ROWS_BF16 = 16
 WEIGHT_FORMATS = ("fp16wo", "int8wo")
+
+
+def plain_matmul(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for an unpacked weight, x (T, in): float32 passes of
+    ``FLOAT32_FUSED_ROWS`` rows on a CPU run the fused kernels' ``dense_matmul`` where they
+    are on, else ``F.linear``. torch's float32 GEMM is slow for 3-16 rows: the default
+    model's weights on a 2-core AMX CPU, kernels built for AVX2, 4 rows 40.6 ms against
+    30.3, 8 rows 54.4 against 38.2, 16 rows 57.3 against 53.1 (32 rows 74.7 against 83.9);
+    a whole float32 decode step there (kernels built for its AVX-512) at batch 4 49.7 -> 38.1
+    ms, at batch 16 85.3 -> 68.2. At one row torch's matrix-vector kernel is the faster (a
+    step 27.4 against 30.0 ms), at two they are even."""
+    if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] in FLOAT32_FUSED_ROWS
+            and weight.dtype == torch.float32 and weight.is_contiguous()):
+        kernels = fused_ops.for_tensor(x)
+        if kernels is not None:
+            out = kernels.dense_matmul(x, weight)
+            return out if bias is None else out.add_(bias)
+    return F.linear(x, weight, bias)
 
 
 def int8_kernel_max_rows(dtype: torch.dtype) -> int:
@@ -88,6 +119,10 @@ class HalfWeight(PackedWeight):
         return cls(buffer, weight.to(torch.float16).contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= HALF_FUSED_MAX_ROWS:
+            kernels = fused_ops.for_tensor(x)
+            if kernels is not None:  # x as stored, float32 sums
+                return kernels.dense_matmul(x, self.weight)
         if x.shape[0] == 1:
             return F.linear(x.to(torch.float16), self.weight).to(x.dtype)
         if x.shape[0] <= HALF_GEMV_MAX_ROWS:  # one matrix-vector product per row
@@ -119,6 +154,9 @@ class Int8Weight(PackedWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= int8_kernel_max_rows(x.dtype):
+            kernels = fused_ops.for_tensor(x)
+            if kernels is not None:  # x as stored, float32 scales and sums
+                return kernels.int8_matmul(x, self.weight, self.scales)
             out = torch.ops.aten._weight_int8pack_mm(
                 x.to(torch.bfloat16), self.weight, self.kernel_scales)  # (T, out) bfloat16
             return out.to(x.dtype)

@@ -85,9 +85,10 @@ class ModelRunner:
         self.weight_format = args.weight_format()
         self._one_row_bypass = uses_matrix_vector_path(self.device, self.dtype,
                                                        self.weight_format)
-        self.model = load_model(model_config, self.dtype, self.device, self.context_length,
-                                self.tp, self.weight_format)
         self.fused_cpu_kernels = self._use_fused_cpu_kernels()
+        self.model = load_model(model_config, self.dtype, self.device, self.context_length,
+                                self.tp, self.weight_format,
+                                self.fused_cpu_kernels and not args.disable_cpu_weight_rows)
         self.max_total_tokens = self._kv_pool_tokens()
         if self.cpu_group is not None:
             self.max_total_tokens = agree_on_pool_size(self.max_total_tokens, self.cpu_group)

@@ -1,6 +1,7 @@
 """bfloat16 weights in oneDNN's blocked layout: each product equals torch's ``F.linear`` on
-the same weight; a bfloat16 CPU model gets the layout on its projections and head (and only
-then); a laid-out model serves as close to float32 as transformers' bfloat16 does."""
+the same weight (also where the plain rows kept beside it serve passes of a few rows); a
+bfloat16 CPU model gets the layout on its projections and head (and only then); a laid-out
+model serves as close to float32 as transformers' bfloat16 does."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import torch
 import torch.nn.functional as F
 from tiny_models import reference_model
 
-from radixlm.models.layers.cpu_weight_layout import BlockedWeight, uses_blocked_layout
+from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.models.layers.cpu_weight_layout import (
+    FEW_ROWS,
+    BlockedWeight,
+    uses_blocked_layout,
+)
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.layers.weight_formats import Int8Weight
@@ -28,13 +34,26 @@ def test_the_layout_applies_to_bfloat16_on_cpus_only():
     assert not uses_blocked_layout(CPU, torch.bfloat16, "int8wo")  # the format packs instead
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
-def test_a_laid_out_weight_multiplies_as_f_linear_does(rows):
+@pytest.fixture
+def kernels_on():
+    """The fused CPU kernels on for the test (few-row passes over kept rows use them)."""
+    was_on = fused_ops.active() is not None
+    assert fused_ops.enable(), "the fused CPU kernels did not build"
+    yield
+    if not was_on:
+        fused_ops.disable()
+
+
+@pytest.mark.parametrize("keep_rows", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, FEW_ROWS + 1, 16, 64, 300])
+def test_a_laid_out_weight_multiplies_as_f_linear_does(kernels_on, rows, keep_rows):
+    """Through oneDNN, or (kept rows, up to FEW_ROWS) the fused kernels' dense_matmul."""
     torch.manual_seed(rows)
     weight = (torch.randn(192, 160) * 0.05).bfloat16()
-    blocked = BlockedWeight.pack(weight)
+    blocked = BlockedWeight.pack(weight, keep_rows=keep_rows)
     assert torch.equal(blocked.dequantized(), weight.float())
-    assert blocked.nbytes() == 192 * 160 * 2
+    assert blocked.nbytes() == 192 * 160 * 2 * (2 if keep_rows else 1)
+    assert (blocked.rows is not None) == keep_rows
     x = torch.randn(rows, 320).bfloat16()[:, ::2]  # a strided view, as a split's can be
     got = blocked.matmul(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
@@ -43,9 +62,9 @@ def test_a_laid_out_weight_multiplies_as_f_linear_does(rows):
     assert blocked.matmul(x[:0]).shape == (0, 192)
 
 
-def _load(path, dtype, weight_format=None) -> torch.nn.Module:
+def _load(path, dtype, weight_format=None, keep_weight_rows=False) -> torch.nn.Module:
     return load_model(ModelConfig.from_path(str(path)), dtype, CPU, 128,
-                      weight_format=weight_format)
+                      weight_format=weight_format, keep_weight_rows=keep_weight_rows)
 
 
 def test_a_bfloat16_model_gets_the_layout_on_its_projections_and_head(tiny_model_dir):
@@ -61,6 +80,20 @@ def test_a_bfloat16_model_gets_the_layout_on_its_projections_and_head(tiny_model
                if isinstance(m, Linear))
     int8 = _load(path, torch.bfloat16, "int8wo")  # a weight format packs them instead
     assert all(isinstance(m.packed, Int8Weight) for m in int8.modules() if isinstance(m, Linear))
+    assert all(m.packed.rows is None for m in linears)
+
+
+def test_kept_rows_are_the_weights_themselves(tiny_model_dir):
+    """With ``keep_weight_rows`` each laid-out weight keeps its plain (out, in) rows; a tied
+    head's are the embedding's own tensor, not a copy."""
+    path = tiny_model_dir("Qwen2ForCausalLM", "gqa", True)
+    model = _load(path, torch.bfloat16, keep_weight_rows=True)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            assert module.packed.rows.is_contiguous()
+            assert torch.equal(module.packed.rows.float(), module.packed.dequantized())
+    head = model.embed_tokens
+    assert head.packed.rows.data_ptr() == head.weight.data_ptr()
 
 
 def test_a_bfloat16_moe_model_gets_the_layout_on_each_routed_expert(tiny_model_dir):
@@ -125,3 +158,4 @@ def test_a_laid_out_model_is_as_close_to_float32_as_transformers_bfloat16(
         theirs_error = max(theirs_error,
                            (theirs.gather(1, targets) - exact).abs().max().item())
     assert ours_error <= 2 * theirs_error + 1e-2, (ours_error, theirs_error)
+

@@ -1,0 +1,218 @@
+// Matmuls for the few rows of a decode step (see fused_ops.py).
+//
+// out = x @ (w * scales[:, None]).T for x (M, K) in float32, bfloat16 or float16 and w (N, K)
+// either int8 with scales (N,) float32 (int8_matmul) or of x's own type or float16
+// (dense_matmul, no scales). Weights are widened to float32 in registers and the sums kept in float32; x is read
+// as it is stored (no rounding of float32 activations), and each output is rounded once to x's
+// type. For a few rows the product reads each weight once and does little with it, so its
+// time is the weights' bytes over the memory bandwidth: the loops ask for the weights a fixed
+// distance ahead of where they read (the CPU's own prefetcher, on the short rows of a
+// projection, keeps too little in flight: 12 GB/s of the 25 two threads can read on a 2-core
+// AMX CPU, 17-21 with these requests).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+// float32, bfloat16 and float16 activations (the serving dtypes).
+#define DISPATCH_ACTIVATION_TYPES(TYPE, NAME, ...)                 \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                   \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace radixlm_matmul {
+
+// How far ahead of the rows being read the weights are requested, in bytes of the
+// (contiguous) rows of a thread's blocks: 16 KiB measured best of 4-32 KiB.
+constexpr int64_t kPrefetchBytes = 16 * 1024;
+// Work below this many multiply-adds runs on the calling thread (waking the others costs
+// more than the work saves).
+constexpr int64_t kParallelWork = 1 << 17;
+
+// One SIMD register of float32 lanes as GCC's and Clang's vector extension: arrays of these
+// stay in registers where arrays of ATen's vector class are kept on the stack.
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kWidth = Vec::size();
+typedef float Lanes __attribute__((vector_size(sizeof(float) * kWidth)));
+
+inline Lanes to_lanes(const Vec& v) {
+  Lanes out;
+  v.store(&out);
+  return out;
+}
+
+// kWidth int8 weights from p, widened to float32.
+inline Lanes load_int8(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return to_lanes(Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return to_lanes(Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))));
+#else
+  Lanes out;
+  for (int64_t i = 0; i < kWidth; ++i) out[i] = static_cast<float>(p[i]);
+  return out;
+#endif
+}
+
+// kWidth activations from p, widened to float32.
+template <typename T>
+inline Lanes load_activations(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return to_lanes(Vec::loadu(p));
+  } else {
+    Vec out;
+    at::vec::load_to_float(p, out);
+    return to_lanes(out);
+  }
+}
+
+// kWidth weights from p, widened to float32.
+template <typename W>
+inline Lanes load_weights(const W* p) {
+  if constexpr (std::is_same_v<W, int8_t>) {
+    return load_int8(p);
+  } else {
+    return load_activations(p);
+  }
+}
+
+// A tile of the product: rows [0, MB) of x against weight rows [0, R) (rows of K, each
+// scaled by scales[r] unless scales is null) into out[m * out_stride + r]. With `prefetch`,
+// the weights kPrefetchBytes past the tile's own (the next tiles' rows) are requested as it
+// reads.
+template <int R, int MB, typename T, typename W>
+inline void tile(const T* x, int64_t x_stride, const W* w, const float* scales, int64_t K,
+                 T* out, int64_t out_stride, bool prefetch) {
+  Lanes acc[MB][R] = {};
+  int64_t k = 0;
+  for (; k + kWidth <= K; k += kWidth) {
+    if (prefetch) {  // the tile reads R * kWidth weights a step: ask for as many ahead
+      const char* ahead = reinterpret_cast<const char*>(w + k * R) + kPrefetchBytes;
+      constexpr int64_t step_bytes = R * kWidth * static_cast<int64_t>(sizeof(W));
+      for (int64_t j = 0; j < step_bytes; j += 64) __builtin_prefetch(ahead + j, 0, 3);
+    }
+    Lanes wide[R];
+    for (int r = 0; r < R; ++r) wide[r] = load_weights(w + r * K + k);
+    for (int m = 0; m < MB; ++m) {
+      const Lanes xv = load_activations(x + m * x_stride + k);
+      for (int r = 0; r < R; ++r) acc[m][r] += xv * wide[r];
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    const T* row = x + m * x_stride;
+    for (int r = 0; r < R; ++r) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < kWidth; ++i) sum += acc[m][r][i];
+      for (int64_t j = k; j < K; ++j) {
+        sum += static_cast<float>(row[j]) * static_cast<float>(w[r * K + j]);
+      }
+      out[m * out_stride + r] = static_cast<T>(scales == nullptr ? sum : sum * scales[r]);
+    }
+  }
+}
+
+// Rows [0, M) of x against weight rows [0, R), x's rows MB at a time (the widened weights
+// are reused across them; the weights stay in L1 between the groups).
+template <int R, typename T, typename W>
+inline void tile_rows(const T* x, int64_t M, int64_t K, const W* w, const float* scales,
+                      T* out, int64_t N) {
+  if (M == 1) {
+    tile<R, 1>(x, K, w, scales, K, out, N, true);
+    return;
+  }
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile<R, 4>(x + m * K, K, w, scales, K, out + m * N, N, m == 0);
+  switch (M - m) {
+    case 3: tile<R, 3>(x + m * K, K, w, scales, K, out + m * N, N, m == 0); break;
+    case 2: tile<R, 2>(x + m * K, K, w, scales, K, out + m * N, N, m == 0); break;
+    case 1: tile<R, 1>(x + m * K, K, w, scales, K, out + m * N, N, m == 0); break;
+    default: break;
+  }
+}
+
+inline const float* scaled(const float* scales, int64_t n) {
+  return scales == nullptr ? nullptr : scales + n;
+}
+
+// One row of x: 8 weight rows a tile (8 streams of weights against one of x); more rows:
+// 4 weight rows by 4 of x (16 accumulators).
+template <typename T, typename W>
+void matmul(const T* x, int64_t M, int64_t K, const W* w, const float* scales, T* out,
+            int64_t N) {
+  const int64_t R = M == 1 ? 8 : 4;
+  const int64_t tiles = N / R;
+  const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(R * K * M, 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * R;
+      if (M == 1) {
+        tile_rows<8>(x, M, K, w + n * K, scaled(scales, n), out + n, N);
+      } else {
+        tile_rows<4>(x, M, K, w + n * K, scaled(scales, n), out + n, N);
+      }
+    }
+  });
+  for (int64_t n = tiles * R; n < N; ++n) {  // rows past the last whole tile
+    tile_rows<1>(x, M, K, w + n * K, scaled(scales, n), out + n, N);
+  }
+}
+
+void check_args(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous (N, K)");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1), "x must be (M, K) for weight (N, K)");
+}
+
+}  // namespace radixlm_matmul
+
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  radixlm_matmul::check_args(x, weight);
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "weight must be int8");
+  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat &&
+                  scales.dim() == 1 && scales.size(0) == weight.size(0),
+              "scales must be (N,) float32");
+  const at::Tensor a = x.contiguous();
+  const at::Tensor s = scales.contiguous();
+  const int64_t M = a.size(0), K = a.size(1), N = weight.size(0);
+  at::Tensor out = at::empty({M, N}, a.options());
+  if (M == 0 || N == 0) return out;
+  DISPATCH_ACTIVATION_TYPES(a.scalar_type(), "int8_matmul", [&] {
+    radixlm_matmul::matmul(a.data_ptr<scalar_t>(), M, K, weight.data_ptr<int8_t>(),
+                           s.data_ptr<float>(), out.data_ptr<scalar_t>(), N);
+  });
+  return out;
+}
+
+at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& weight) {
+  radixlm_matmul::check_args(x, weight);
+  const bool half_weight = weight.scalar_type() == at::kHalf;
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || half_weight,
+              "weight must be of x's dtype or float16");
+  const at::Tensor a = x.contiguous();
+  const int64_t M = a.size(0), K = a.size(1), N = weight.size(0);
+  at::Tensor out = at::empty({M, N}, a.options());
+  if (M == 0 || N == 0) return out;
+  const float* no_scales = nullptr;
+  DISPATCH_ACTIVATION_TYPES(a.scalar_type(), "dense_matmul", [&] {
+    if (half_weight) {
+      radixlm_matmul::matmul(a.data_ptr<scalar_t>(), M, K, weight.data_ptr<at::Half>(),
+                             no_scales, out.data_ptr<scalar_t>(), N);
+    } else {
+      radixlm_matmul::matmul(a.data_ptr<scalar_t>(), M, K, weight.data_ptr<scalar_t>(),
+                             no_scales, out.data_ptr<scalar_t>(), N);
+    }
+  });
+  return out;
+}
