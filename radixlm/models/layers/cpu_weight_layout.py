@@ -18,7 +18,8 @@ fused CPU kernels' ``dense_matmul`` over the plain (out, in) rows, which ask for
 ahead of where they read (default model, one row, all weights: 13.3 ms against oneDNN's
 16.1; 2 rows 14.7 vs 16.1, 4 rows 15.4 vs 16.1, 8 rows 22.2 vs 16.4). Those rows are kept
 beside the blocked copy where the runner asks (``keep_rows``: the fused kernels on, and
-``disable_cpu_weight_rows`` not set), which doubles the projections' memory.
+``disable_cpu_weight_rows`` not set), which doubles the projections' memory. Prompt passes
+stay on oneDNN whatever their rows (``row_invariant_products``).
 
 Applies to bfloat16 models on CPUs whose torch has oneDNN with bfloat16 support, when no
 weight-only format (``weight_formats.py``) packs the weights instead; float32 is left to
@@ -29,7 +30,9 @@ change; the layout is opaque, so nothing may read a laid-out layer's ``weight``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +43,7 @@ from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.layers.weight_formats import PackedWeight, pack_each_weight
 
 FEW_ROWS = 4  # the most rows a pass multiplies over kept rows
+_few_row_kernels = True  # False inside row_invariant_products()
 
 
 def uses_blocked_layout(device: torch.device | str, dtype: torch.dtype,
@@ -68,7 +72,7 @@ class BlockedWeight(PackedWeight):
         return cls(blocked, weight.contiguous() if keep_rows else None)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows is not None and x.shape[0] <= FEW_ROWS:
+        if self.rows is not None and x.shape[0] <= FEW_ROWS and _few_row_kernels:
             kernels = fused_ops.for_tensor(x)
             if kernels is not None:
                 return kernels.dense_matmul(x, self.rows)
@@ -80,6 +84,24 @@ class BlockedWeight(PackedWeight):
     def nbytes(self) -> int:
         rows = 0 if self.rows is None else self.rows.numel() * self.rows.element_size()
         return self.weight.numel() * self.weight.element_size() + rows
+
+
+@contextlib.contextmanager
+def row_invariant_products(active: bool = True) -> Iterator[None]:
+    """While ``active``, passes over laid-out weights all run on oneDNN, whose products do
+    not depend on a pass's number of rows (bitwise equal at 1, 16 and 512), so the few new
+    tokens of a prompt after a cache hit get the hidden states, and the KV, that a pass over
+    the whole prompt computes for them: the runner runs prompt (extend) passes so. (The
+    few-row kernel rounds its bfloat16 outputs from other sums; at a tie between bfloat16
+    logits, which the default model's answer to a chat question starts with, that was enough
+    to change a greedy reply.) Process-wide: forward passes must not overlap."""
+    global _few_row_kernels
+    before = _few_row_kernels
+    _few_row_kernels = before and not active
+    try:
+        yield
+    finally:
+        _few_row_kernels = before
 
 
 def lay_out_for_cpu(model: nn.Module, keep_rows: bool = False) -> int:

@@ -27,6 +27,7 @@ from radixlm.kv_cache.memory_pool import (
     index_copy_rows,
 )
 from radixlm.models.layers.attention import PagedAttention
+from radixlm.models.layers.cpu_weight_layout import row_invariant_products
 from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.layers.tensor_parallel import SINGLE
 from radixlm.models.loader import load_model, validate_split
@@ -122,9 +123,11 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(forward_batch)
 
         one_row = self._one_row_bypass and len(forward_batch.input_ids) == 1
+        extend = forward_batch.mode is ForwardMode.EXTEND
 
         def run() -> torch.Tensor:
-            with torch.inference_mode(), matrix_vector_path(one_row):
+            with (torch.inference_mode(), matrix_vector_path(one_row),
+                  row_invariant_products(extend)):
                 return self.model(forward_batch.input_ids, forward_batch.positions,
                                   forward_batch)
 

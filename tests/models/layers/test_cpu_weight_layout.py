@@ -14,6 +14,7 @@ from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.models.layers.cpu_weight_layout import (
     FEW_ROWS,
     BlockedWeight,
+    row_invariant_products,
     uses_blocked_layout,
 )
 from radixlm.models.layers.linear import Linear
@@ -60,6 +61,26 @@ def test_a_laid_out_weight_multiplies_as_f_linear_does(kernels_on, rows, keep_ro
     # One bfloat16 step at most (oneDNN may block the sums differently for some sizes).
     torch.testing.assert_close(got.float(), F.linear(x, weight).float(), atol=1e-2, rtol=1e-2)
     assert blocked.matmul(x[:0]).shape == (0, 192)
+
+
+def test_prompt_passes_leave_the_kept_rows_alone(kernels_on):
+    """Inside ``row_invariant_products`` (the runner's prompt passes) a few-row pass reads
+    oneDNN's layout, outside it the kept rows; the setting is restored after, also nested.
+    (The kept rows are zeroed here so that the two paths tell apart.)"""
+    torch.manual_seed(0)
+    weight = (torch.randn(64, 32) * 0.05).bfloat16()
+    blocked = BlockedWeight.pack(weight, keep_rows=True)
+    blocked.rows = torch.zeros_like(weight)
+    x = torch.randn(2, 32).bfloat16()
+    expected = F.linear(x, weight)
+    assert not blocked.matmul(x).any()  # the kept (zeroed) rows
+    with row_invariant_products():
+        torch.testing.assert_close(blocked.matmul(x), expected, atol=1e-2, rtol=1e-2)
+        with row_invariant_products(False):  # an inner decode pass does not undo it
+            assert blocked.matmul(x).any()
+    with row_invariant_products(False):
+        assert not blocked.matmul(x).any()
+    assert not blocked.matmul(x).any()
 
 
 def _load(path, dtype, weight_format=None, keep_weight_rows=False) -> torch.nn.Module:
@@ -158,4 +179,3 @@ def test_a_laid_out_model_is_as_close_to_float32_as_transformers_bfloat16(
         theirs_error = max(theirs_error,
                            (theirs.gather(1, targets) - exact).abs().max().item())
     assert ours_error <= 2 * theirs_error + 1e-2, (ours_error, theirs_error)
-
