@@ -59,7 +59,8 @@ def uses_blocked_layout(device: torch.device | str, dtype: torch.dtype,
 class BlockedWeight(PackedWeight):
     """A bfloat16 (out, in) weight in oneDNN's blocked layout (an opaque tensor), and
     optionally its plain rows for passes of up to ``FEW_ROWS`` rows, which the fused CPU
-    kernels' ``dense_matmul`` multiplies faster where they are on."""
+    kernels' ``dense_matmul`` multiplies faster where they are on (outside
+    ``row_invariant_products``: not in prompt passes)."""
 
     weight: torch.Tensor  # (out, in), layout torch._mkldnn
     rows: torch.Tensor | None = None  # (out, in) bfloat16, contiguous

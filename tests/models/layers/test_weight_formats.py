@@ -13,6 +13,7 @@ from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.tensor_parallel import SINGLE
 from radixlm.models.layers.weight_formats import (
+    FLOAT32_FUSED_ROWS,
     HALF_FUSED_MAX_ROWS,
     HALF_GEMV_MAX_ROWS,
     INT8_KERNEL_MAX_ROWS,
@@ -98,7 +99,12 @@ def test_plain_float32_passes_compute_what_f_linear_computes(rows, biased, cpu_k
     weight, x = torch.randn(96, 64) * 0.05, torch.randn(rows, 64)
     bias = torch.randn(96) if biased else None
     expected = F.linear(x, weight, bias)
-    torch.testing.assert_close(plain_matmul(x, weight, bias), expected, atol=1e-5, rtol=1e-5)
+    got = plain_matmul(x, weight, bias)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    kernels = fused_ops.active()
+    taken = (kernels.dense_matmul(x, weight) + (0 if bias is None else bias)
+             if kernels is not None and rows in FLOAT32_FUSED_ROWS else expected)
+    assert torch.equal(got, taken)  # the path the rows call for, bit for bit
     strided = torch.randn(64, 96).T * 0.05  # (96, 64), not contiguous
     torch.testing.assert_close(plain_matmul(x, strided, bias), F.linear(x, strided, bias),
                                atol=1e-5, rtol=1e-5)
