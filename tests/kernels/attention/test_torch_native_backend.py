@@ -33,12 +33,37 @@ def layout_choice(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["mask", "padded"])
+def causal_padding(request, monkeypatch):
+    """"mask": a sequence after a prefix always attends under a mask; "padded": one whose
+    prefix is short enough (at most an eighth of its new tokens) attends causally after
+    zero queries at any length."""
+    if request.param == "mask":
+        monkeypatch.setattr(torch_native_backend, "CAUSAL_PAD_MAX_PREFIX", 0)
+    else:
+        monkeypatch.setattr(torch_native_backend, "CAUSAL_PAD_MIN_KEYS", 0)
+    return request.param
+
+
 def assert_layout_follows(choice, backend, mode, extend_lens):
     split = backend._layout.sequences is not None
     if choice == "split" and mode is ForwardMode.EXTEND and len(extend_lens) > 1:
         assert split == (max(extend_lens) > 1)
     if choice == "cost" and max(extend_lens) < 16:  # small batches: one padded call
         assert not split
+
+
+def assert_padding_follows(choice, backend, prefix_lens, extend_lens):
+    """Every sequence after a prefix of at most an eighth of its new tokens attends without
+    a mask under "padded", and under a mask under "mask"."""
+    layout = backend._layout
+    short = [0 < p <= e / 8 for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    if layout.sequences is not None:
+        unmasked = [s.slots is not None and s.mask is None for s in layout.sequences]
+        assert unmasked == [choice == "padded" and s for s in short]
+    elif len(short) == 1 and extend_lens[0] > 1 and prefix_lens[0] > 0:
+        assert layout.is_causal == (choice == "padded" and short[0])
+        assert (layout.mask is None) == layout.is_causal
 
 
 # (mode, prefix lengths, extend lengths)
@@ -49,6 +74,8 @@ CASES = {
     "extend_long_fresh_beside_a_prefix": (ForwardMode.EXTEND, [0, 6], [40, 3]),
     "extend_one_fresh_sequence": (ForwardMode.EXTEND, [0], [9]),
     "extend_one_sequence_after_prefix": (ForwardMode.EXTEND, [6], [5]),
+    "extend_one_sequence_after_short_prefix": (ForwardMode.EXTEND, [3], [40]),
+    "extend_sequences_after_short_prefixes": (ForwardMode.EXTEND, [2, 0, 4], [30, 7, 35]),
     "extend_one_token_prompt": (ForwardMode.EXTEND, [0], [1]),
     "extend_single_tokens_after_prefixes": (ForwardMode.EXTEND, [4, 0, 2], [1, 1, 1]),
     "decode_ragged": (ForwardMode.DECODE, [4, 11, 1, 7], [1, 1, 1, 1]),
@@ -130,7 +157,8 @@ def naive_attention(q, k_new, v_new, k_prefix, v_prefix, prefix_len, scale):
 
 @pytest.mark.parametrize("gqa_ratio", [1, 4])
 @pytest.mark.parametrize("case", list(CASES))
-def test_attention_matches_naive_reference_and_writes_new_kv(case, gqa_ratio, layout_choice):
+def test_attention_matches_naive_reference_and_writes_new_kv(case, gqa_ratio, layout_choice,
+                                                            causal_padding):
     mode, prefix_lens, extend_lens = CASES[case]
     num_heads = KV_HEADS * gqa_ratio
     batch, slots_of, q, k, v = build_batch(mode, prefix_lens, extend_lens, num_heads, seed=7)
@@ -143,6 +171,7 @@ def test_attention_matches_naive_reference_and_writes_new_kv(case, gqa_ratio, la
     backend = batch.attn_backend
     backend.init_forward_metadata(batch)
     assert_layout_follows(layout_choice, backend, mode, extend_lens)
+    assert_padding_follows(causal_padding, backend, prefix_lens, extend_lens)
     call = backend.forward_decode if mode is ForwardMode.DECODE else backend.forward_extend
     out = call(q, k, v, layer, batch)
 
@@ -208,7 +237,8 @@ LATENT, ROPE = 12, 4
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_latent_pool_attention_matches_naive_reference_and_stores_rows_once(case, layout_choice):
+def test_latent_pool_attention_matches_naive_reference_and_stores_rows_once(case, layout_choice,
+                                                                          causal_padding):
     """MLA layout: one KV head whose keys are latent + RoPE rows and whose values are the
     first LATENT dims of the same rows; the output has LATENT dims per head."""
     mode, prefix_lens, extend_lens = CASES[case]
