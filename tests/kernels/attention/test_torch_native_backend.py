@@ -276,3 +276,12 @@ def test_latent_pool_attention_matches_naive_reference_and_stores_rows_once(case
     untouched[loc] = False
     assert torch.equal(pool.kv_buffers[LAYER][untouched], before[LAYER][untouched])
     assert torch.equal(pool.kv_buffers[1 - LAYER], before[1 - LAYER])
+
+
+def test_only_long_sequences_after_short_prefixes_attend_causally_after_zero_queries():
+    pads = torch_native_backend._pads_causally  # (new tokens, all keys)
+    assert pads(510, 512) and pads(456, 512) and pads(950, 1000)
+    assert not pads(512, 512)  # fresh: causal over its own keys, nothing to pad
+    assert not pads(248, 256)  # too few keys for the causal kernel to skip blocks
+    assert not pads(440, 512)  # a prefix of more than an eighth of the new tokens
+    assert not pads(1, 600)  # a decode step
