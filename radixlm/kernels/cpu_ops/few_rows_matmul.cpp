@@ -2,13 +2,13 @@
 //
 // out = x @ (w * scales[:, None]).T for x (M, K) in float32, bfloat16 or float16 and w (N, K)
 // either int8 with scales (N,) float32 (int8_matmul) or of x's own type or float16
-// (dense_matmul, no scales). Weights are widened to float32 in registers and the sums kept in float32; x is read
-// as it is stored (no rounding of float32 activations), and each output is rounded once to x's
-// type. For a few rows the product reads each weight once and does little with it, so its
-// time is the weights' bytes over the memory bandwidth: the loops ask for the weights a fixed
-// distance ahead of where they read (the CPU's own prefetcher, on the short rows of a
-// projection, keeps too little in flight: on a 2-core AMX CPU, 12 GB/s over 108 MB of weights
-// of the 24-29 two threads read in a plain loop, 17-21 with these requests).
+// (dense_matmul, no scales). Weights are widened to float32 in registers and the sums kept in
+// float32; x is read as it is stored (no rounding of float32 activations), and each output is
+// rounded once to x's type. For a few rows the product reads each weight once and does little
+// with it, so its time is the weights' bytes over the memory bandwidth: the loops ask for the
+// weights a fixed distance ahead of where they read (the CPU's own prefetcher, on the short
+// rows of a projection, keeps too little in flight: on a 2-core AMX CPU, 12 GB/s over 108 MB
+// of weights of the 24-29 two threads read in a plain loop, 17-21 with these requests).
 
 #include <torch/extension.h>
 
