@@ -12,6 +12,7 @@ import torch
 
 from radixlm.kernels.attention import torch_native_backend
 from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
+from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
 from radixlm.kv_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
@@ -84,13 +85,13 @@ CASES = {
 }
 
 
-def build_batch(mode, prefix_lens, extend_lens, num_heads, seed):
+def build_batch(mode, prefix_lens, extend_lens, num_heads, seed, dtype=torch.float32):
     """Pools with random prefix KV at scattered slots, plus the new tokens' q, k, v."""
     gen = torch.Generator().manual_seed(seed)
     allocator = TokenToKVPoolAllocator(POOL_TOKENS)
     req_pool = ReqToTokenPool(max_requests=8, max_context_len=64, device="cpu")
     kv_pool = MHATokenToKVPool(
-        POOL_TOKENS + 1, NUM_LAYERS, KV_HEADS, HEAD_DIM, torch.float32, "cpu"
+        POOL_TOKENS + 1, NUM_LAYERS, KV_HEADS, HEAD_DIM, dtype, "cpu"
     )
     # Garbage everywhere, so a key read through a wrong or stale index changes the result.
     for layer in range(NUM_LAYERS):
@@ -113,9 +114,9 @@ def build_batch(mode, prefix_lens, extend_lens, num_heads, seed):
         out_cache_loc.append(slots[prefix:])
 
     total = sum(extend_lens)
-    q = torch.randn(total, num_heads, HEAD_DIM, generator=gen)
-    k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
-    v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
+    q = torch.randn(total, num_heads, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
 
     def as_tensor(values):
         return torch.tensor(values, dtype=torch.int64)
@@ -199,6 +200,46 @@ def test_attention_matches_naive_reference_and_writes_new_kv(case, gqa_ratio, la
         assert torch.equal(pool.k_buffers[layer_id][untouched], before_k[layer_id][untouched])
         assert torch.equal(pool.v_buffers[layer_id][untouched], before_v[layer_id][untouched])
     assert torch.equal(batch.req_to_token, req_to_token_before)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][0] is ForwardMode.EXTEND])
+def test_bfloat16_extends_attend_through_the_prefill_kernel(case, layout_choice):
+    """Where the fused causal prefill attention serves (bfloat16, AVX-512 BF16, no AMX),
+    every sequence that attends on its own goes to it, unmasked, fresh or after a prefix;
+    the outputs are float32 attention's over the same bfloat16 inputs, to a bfloat16 step."""
+    mode, prefix_lens, extend_lens = CASES[case]
+    batch, slots_of, q, k, v = build_batch(mode, prefix_lens, extend_lens, 4, seed=9,
+                                           dtype=torch.bfloat16)
+    was_on = fused_ops.active() is not None
+    fused_ops.enable()
+    try:
+        if fused_ops.causal_prefill_attention(*batch.kv_pool.get_kv(LAYER)) is None:
+            pytest.skip("the prefill kernel does not serve on this CPU")
+        before_k = batch.kv_pool.k_buffers[LAYER].clone()
+        before_v = batch.kv_pool.v_buffers[LAYER].clone()
+        layer = PagedAttention(LAYER, 4, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+        backend = batch.attn_backend
+        backend.init_forward_metadata(batch)
+        layout = backend._layout
+        if max(extend_lens) > 1:
+            assert layout.prefill_kernel is not None
+            if layout.sequences is not None:
+                assert all(seq.mask is None for seq in layout.sequences)
+            elif len(extend_lens) == 1:
+                assert layout.is_causal and layout.mask is None
+        out = backend.forward_extend(q, k, v, layer, batch)
+    finally:
+        if not was_on:
+            fused_ops.disable()
+    offset = 0
+    for slots, prefix, extend in zip(slots_of, prefix_lens, extend_lens, strict=True):
+        new = slice(offset, offset + extend)
+        offset += extend
+        expected = naive_attention(
+            q[new].float(), k[new].float(), v[new].float(), before_k[slots[:prefix]].float(),
+            before_v[slots[:prefix]].float(), prefix, layer.scaling,
+        )
+        torch.testing.assert_close(out[new].float(), expected, atol=2e-2, rtol=1e-2)
 
 
 def test_forward_dispatches_by_mode_to_the_same_result():

@@ -1,0 +1,138 @@
+"""The causal prefill attention kernel (``prefill_attention.cpp``) computes what causal
+attention computes: against float32 attention over the same bfloat16 inputs it errs no
+more than torch's bfloat16 SDPA does (one bfloat16 step), for fresh prompts and prompts
+after a cached prefix, grouped-query heads, every tail of its row and key blocks, and
+strided views of a fused QKV output; it rejects what it cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixlm.kernels.cpu_ops import fused_ops
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    was_on = fused_ops.active() is not None
+    assert fused_ops.enable(), "the fused CPU kernels did not build"
+    module = fused_ops.active()
+    if not module.prefill_attention_available():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    yield module.prefill_attention
+    if not was_on:
+        fused_ops.disable()
+
+
+def reference(q, k, v, scale):
+    """q (n, H, D) as the last n of the S positions of k (S, H_kv, D), v (S, H_kv, D_v), in
+    float32, query by query over the keys it sees."""
+    q, k, v = q.float(), k.float(), v.float()
+    n, total, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = torch.empty(n, q.shape[1], v.shape[-1])
+    for i in range(n):
+        seen = total - n + i + 1
+        scores = torch.einsum("hd,shd->hs", q[i], k[:seen]) * scale
+        out[i] = torch.einsum("hs,shd->hd", scores.softmax(-1), v[:seen])
+    return out
+
+
+def sdpa_bfloat16(q, k, v, scale):
+    """torch's bfloat16 causal SDPA over the same inputs (zero queries before the n)."""
+    pad = k.shape[0] - q.shape[0]
+    queries = F.pad(q.transpose(0, 1)[None], (0, 0, pad, 0))
+    out = F.scaled_dot_product_attention(queries, k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], is_causal=True,
+                                         scale=scale, enable_gqa=True)
+    return out[0, :, pad:].transpose(0, 1)
+
+
+# (new tokens n, all keys S, heads H, KV heads, D, D_v)
+SHAPES = [
+    (1, 1, 4, 4, 64, 64),  # one token
+    (7, 7, 4, 2, 64, 64),  # fewer rows than a row group
+    (64, 64, 9, 3, 64, 64),  # whole blocks, the default model's heads
+    (77, 77, 9, 3, 64, 64),  # a tail of rows and of keys
+    (33, 100, 8, 2, 64, 64),  # after a cached prefix
+    (1, 50, 4, 1, 64, 64),  # one token after a prefix (a decode-like extend)
+    (40, 131, 4, 4, 128, 128),  # wide heads, an odd count of keys
+    (19, 19, 2, 1, 48, 32),  # D not a multiple of 32, D_v of 16
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_it_errs_from_float32_attention_no_more_than_torch_sdpa(kernel, shape):
+    n, total, heads, kv_heads, dim, v_dim = shape
+    gen = torch.Generator().manual_seed(n * 1000 + total)
+    q = torch.randn(n, heads, dim, generator=gen).bfloat16()
+    k = (2 * torch.randn(total, kv_heads, dim, generator=gen)).bfloat16()
+    v = torch.randn(total, kv_heads, v_dim, generator=gen).bfloat16()
+    scale = dim**-0.5
+    got = kernel(q, k, v, scale)
+    assert got.shape == (n, heads, v_dim) and got.dtype == torch.bfloat16
+    want = reference(q, k, v, scale)
+    torch_error = (sdpa_bfloat16(q, k, v, scale).float() - want).abs().max().item()
+    error = (got.float() - want).abs().max().item()
+    assert error <= max(torch_error, 2**-8) * 1.01, (error, torch_error)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)  # one bfloat16 step
+
+
+def test_it_reads_strided_views_of_a_fused_projection(kernel):
+    """q, k and v as the column slices of one (T, (H + 2 H_kv) D) output, unpacked."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(90, (8 + 2 * 2) * 64, generator=gen).bfloat16()
+    q, k, v = qkv.split([8 * 64, 2 * 64, 2 * 64], dim=1)
+    q, k, v = q.view(90, 8, 64), k.view(90, 2, 64), v.view(90, 2, 64)
+    got = kernel(q, k, v, 0.125)
+    assert torch.equal(got, kernel(q.contiguous(), k.contiguous(), v.contiguous(), 0.125))
+    torch.testing.assert_close(got.float(), reference(q, k, v, 0.125), atol=2e-2, rtol=1e-2)
+
+
+def test_a_later_query_changes_no_earlier_output(kernel):
+    """Causality: the first rows' outputs are those of the prompt cut after them."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(70, 4, 64, generator=gen).bfloat16()
+    k = torch.randn(70, 2, 64, generator=gen).bfloat16()
+    v = torch.randn(70, 2, 64, generator=gen).bfloat16()
+    whole = kernel(q, k, v, 0.125)
+    assert torch.equal(whole[:37], kernel(q[:37], k[:37], v[:37], 0.125))
+
+
+@pytest.mark.parametrize("cached", [1, 31, 64, 100])
+def test_a_prompt_after_a_cache_hit_computes_what_the_whole_prompt_did(kernel, cached):
+    """Rows after a cached prefix equal, bit for bit, the same rows of the whole prompt:
+    key blocks start at position 0 whatever the rows, and keys a row does not see add
+    exact zeros."""
+    gen = torch.Generator().manual_seed(cached)
+    q = torch.randn(150, 9, 64, generator=gen).bfloat16()
+    k = torch.randn(150, 3, 64, generator=gen).bfloat16()
+    v = torch.randn(150, 3, 64, generator=gen).bfloat16()
+    assert torch.equal(kernel(q[cached:], k, v, 0.125), kernel(q, k, v, 0.125)[cached:])
+
+
+def test_it_rejects_what_it_cannot_take(kernel):
+    q = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
+    k = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        kernel(q.float(), k.float(), k.float(), 1.0)
+    with pytest.raises(RuntimeError, match="1 <= n <= S"):
+        kernel(torch.zeros(9, 4, 64, dtype=torch.bfloat16), k, k, 1.0)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        kernel(torch.zeros(4, 3, 64, dtype=torch.bfloat16), k, k, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernel(q, k, k[..., :40], 1.0)
+    with pytest.raises(RuntimeError, match="unit stride"):
+        kernel(q, k.transpose(1, 2).contiguous().transpose(1, 2), k, 1.0)
+
+
+def test_the_backend_takes_it_only_where_it_serves(kernel):
+    """bfloat16 pools of head dims it takes, on a CPU without AMX; nothing else."""
+    keys = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    amx = "amx_bf16" in fused_ops._cpu_flags()
+    assert (fused_ops.causal_prefill_attention(keys, keys) is not None) == (not amx)
+    assert fused_ops.causal_prefill_attention(keys.float(), keys.float()) is None
+    assert fused_ops.causal_prefill_attention(keys, keys[..., :40]) is None
+    latent = torch.zeros(8, 1, 576, dtype=torch.bfloat16)  # MLA: values of 512 dims
+    assert fused_ops.causal_prefill_attention(latent, latent[..., :512]) is None
