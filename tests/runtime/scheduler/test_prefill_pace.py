@@ -7,6 +7,7 @@ import pytest
 
 from radixlm.runtime.scheduler.prefill_pace import (
     ALONE_TARGET_FACTOR,
+    MAX_FIXED_SHARE,
     MIN_CHUNK_TOKENS,
     UNMEASURED_CHUNK_TOKENS,
     PrefillPace,
@@ -50,6 +51,27 @@ def test_the_estimate_follows_recent_steps():
     for _ in range(20):
         pace.observe(1000, 4.0)
     assert pace.chunk_tokens() == pytest.approx(250, abs=2)
+
+
+def test_a_steps_fixed_cost_does_not_shrink_the_next_chunks():
+    """A chunk and its short remainder (each pass pays a fixed ~100 ms) fit a fixed part
+    and a time per further token: the next lone 512-token prompt goes in one pass."""
+    pace = PrefillPace(max_chunk=1024, target_s=0.25)
+    for _ in range(3):
+        pace.observe(400, 0.100 + 400 * 0.0006)
+        pace.observe(112, 0.100 + 112 * 0.0006)
+    assert pace.seconds_per_token == pytest.approx(0.0006, rel=0.01)
+    assert pace.fixed_s == pytest.approx(0.100, rel=0.01)
+    assert pace.chunk_tokens(alone=True) == pytest.approx(666, abs=2)
+    assert pace.chunk_tokens() == pytest.approx(250, abs=2)
+
+
+def test_the_fixed_part_is_at_most_half_a_step():
+    pace = PrefillPace(max_chunk=4096, target_s=0.25)
+    pace.observe(256, 0.25)
+    pace.observe(420, 0.26)  # noise: a fixed 0.24 s and 0.05 ms a token fits these
+    assert pace.fixed_s <= MAX_FIXED_SHARE * 0.255 + 1e-9
+    assert pace.chunk_tokens() <= 2 * 338
 
 
 def test_without_a_target_or_without_chunking_the_pace_does_nothing():
