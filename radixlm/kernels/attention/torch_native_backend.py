@@ -139,9 +139,9 @@ class TorchNativeAttentionBackend(AttentionBackend):
         extend_lens = fb.extend_seq_lens_list
         seq_lens = fb.seq_lens_list
         batch_size, max_q, max_kv = len(seq_lens), max(extend_lens), max(seq_lens)
+        device = fb.input_ids.device
         kv_slots = fb.req_to_token[fb.req_pool_indices, :max_kv].contiguous()
         single_fresh = batch_size == 1 and extend_lens[0] == seq_lens[0]
-        device = fb.input_ids.device
         kernel = None if max_q == 1 else fused_ops.causal_prefill_attention(
             *fb.kv_pool.get_kv(0))  # (keys and values of the pool's layout)
         single_causal = single_fresh or (batch_size == 1 and (

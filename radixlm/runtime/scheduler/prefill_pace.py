@@ -57,9 +57,9 @@ class PrefillPace:
     measured)."""
     fixed_s: float = 0.0
     """The running estimate of a step's time beside its tokens' (never negative)."""
-    _sums: tuple[float, ...] | None = None
-    """Weighted sums over the measured steps of 1, tokens, seconds, tokens² and
-    tokens * seconds (the fit's moments)."""
+    _means: tuple[float, float, float, float] | None = None
+    """Weighted means (weights summing to 1, the newest ``SMOOTHING``) over the measured
+    steps of tokens, seconds, tokens² and tokens * seconds: the fit's moments."""
 
     def chunk_tokens(self, alone: bool = False) -> int | None:
         """The most prompt tokens one chunk may take now; ``alone``: nobody else is
@@ -76,10 +76,10 @@ class PrefillPace:
         """Records a prefill step of ``tokens`` new prompt tokens that took ``seconds``."""
         if tokens < MIN_MEASURED_TOKENS or seconds <= 0:
             return
-        step = (1.0, float(tokens), seconds, float(tokens) ** 2, tokens * seconds)
-        self._sums = step if self._sums is None else tuple(
-            SMOOTHING * new + (1 - SMOOTHING) * old for new, old in zip(step, self._sums))
-        _, x, y, xx, xy = (total / self._sums[0] for total in self._sums)  # means
+        step = (float(tokens), seconds, float(tokens) ** 2, tokens * seconds)
+        self._means = step if self._means is None else tuple(
+            SMOOTHING * new + (1 - SMOOTHING) * old for new, old in zip(step, self._means))
+        x, y, xx, xy = self._means
         spread = xx - x * x  # the steps' variance in size
         slope = (xy - x * y) / spread if spread > (0.05 * x) ** 2 else 0.0
         fixed = min(y - slope * x, MAX_FIXED_SHARE * y)

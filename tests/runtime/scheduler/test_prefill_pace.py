@@ -69,9 +69,12 @@ def test_a_steps_fixed_cost_does_not_shrink_the_next_chunks():
 def test_the_fixed_part_is_at_most_half_a_step():
     pace = PrefillPace(max_chunk=4096, target_s=0.25)
     pace.observe(256, 0.25)
-    pace.observe(420, 0.26)  # noise: a fixed 0.24 s and 0.05 ms a token fits these
+    pace.observe(420, 0.26)  # noise: a fixed 0.23 s and 0.06 ms a token fit these
     assert pace.fixed_s <= MAX_FIXED_SHARE * 0.255 + 1e-9
     assert pace.chunk_tokens() <= 2 * 338
+    # uncapped, the lone chunk would be (0.5 - 0.234) / 0.000061 = 4,354 tokens; capped, at
+    # most twice what the mean time per token (0.255 s / 338) fits in 0.5 s
+    assert pace.chunk_tokens(alone=True) <= 2 * 0.5 / (0.255 / 338)
 
 
 def test_without_a_target_or_without_chunking_the_pace_does_nothing():
