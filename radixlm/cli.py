@@ -24,8 +24,8 @@ SERVER_OPTION_HELP = {
     "disable_cuda_graph": "run GPU decode eagerly (no CUDA graphs)",
     "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph",
     "disable_cpu_kernels": "run CPU passes on torch's operations only (no fused C++ kernels)",
-    "disable_cpu_weight_rows": "bfloat16 on CPUs: no plain copy of the weights beside oneDNN's "
-                               "layout (half the projections' memory; slower decode of 1-4 rows)",
+    "disable_cpu_weight_rows": "bfloat16 on CPUs: oneDNN's weight layout alone, no copy in the "
+                               "fused kernels' layouts (slower decode)",
     "max_total_tokens": "KV pool size in tokens (default: from kv_cache_memory_fraction)",
     "kv_cache_memory_fraction": "share of free memory for the KV pool",
     "page_size": "tokens per KV page",

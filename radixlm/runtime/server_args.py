@@ -54,10 +54,11 @@ class ServerArgs:
     small operations between a forward pass's matmuls (``radixlm.kernels.cpu_ops.fused_ops``;
     built on the first start on a machine: a C++ compiler and ninja, about 20 s)."""
     disable_cpu_weight_rows: bool = False
-    """A bfloat16 model on a CPU keeps each projection's plain weight beside oneDNN's layout
-    of it, for decode passes of up to 4 rows, which the fused kernels multiply faster (the
-    default model's batch-1 step: about 3 of 16 ms of matmuls); this drops the copies, which
-    double the projections' memory, and leaves every pass to oneDNN."""
+    """A bfloat16 model on a CPU gives the fused kernels a copy of each weight in their own
+    layout (``models/layers/cpu_weight_layout.py``): on AVX-512 BF16 CPUs without AMX, column
+    pairs in place of oneDNN's layout, for every pass; elsewhere the plain weight beside it,
+    for decode passes of up to 4 rows (which doubles the projections' memory). This keeps
+    oneDNN's layout alone and leaves every pass to oneDNN."""
     max_total_tokens: int | None = None
     """KV pool size in tokens; None: sized from ``kv_cache_memory_fraction``."""
     kv_cache_memory_fraction: float = 0.2

@@ -14,15 +14,10 @@ from radixlm.kernels.cpu_ops import fused_ops
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    was_on = fused_ops.active() is not None
-    assert fused_ops.enable(), "the fused CPU kernels did not build"
-    module = fused_ops.active()
-    if not module.prefill_attention_available():
+def kernel(kernels):
+    if not kernels.prefill_attention_available():
         pytest.skip("this CPU has no AVX-512 BF16")
-    yield module.prefill_attention
-    if not was_on:
-        fused_ops.disable()
+    return kernels.prefill_attention
 
 
 def reference(q, k, v, scale):

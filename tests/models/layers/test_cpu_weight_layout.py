@@ -1,7 +1,8 @@
-"""bfloat16 weights in oneDNN's blocked layout: each product equals torch's ``F.linear`` on
-the same weight (also where the plain rows kept beside it serve passes of a few rows); a
-bfloat16 CPU model gets the layout on its projections and head (and only then); a laid-out
-model serves as close to float32 as transformers' bfloat16 does."""
+"""bfloat16 weights in oneDNN's blocked layout or the fused kernels' column pairs: each
+product equals torch's ``F.linear`` on the same weight (also where the plain rows kept beside
+oneDNN's serve passes of a few rows); a bfloat16 CPU model gets the layouts on its
+projections, head and experts (and only then); a laid-out model serves as close to float32
+as transformers' bfloat16 does."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.models.layers.cpu_weight_layout import (
     FEW_ROWS,
     BlockedWeight,
+    PairedWeight,
     row_invariant_products,
     uses_blocked_layout,
 )
@@ -83,6 +85,52 @@ def test_prompt_passes_leave_the_kept_rows_alone(kernels_on):
     assert not blocked.matmul(x).any()
 
 
+@pytest.fixture
+def kernels_off():
+    """The fused CPU kernels off for the test (a load keeps plain rows, never pairs)."""
+    module = fused_ops.active()
+    fused_ops.disable()
+    yield
+    if module is not None:
+        fused_ops.enable()
+
+
+@pytest.fixture
+def pairs_on(kernels_on):
+    """The fused CPU kernels on, where their pair_matmul serves (else the test skips)."""
+    if not fused_ops.pair_matmul_serves():
+        pytest.skip("pair_matmul does not serve here (no AVX-512 BF16, or an AMX CPU)")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 300])
+def test_a_paired_weight_multiplies_as_f_linear_does(pairs_on, rows):
+    """Through the kernels' pair_matmul, whatever the rows and inside prompt passes too;
+    with the kernels off, through F.linear on the weight unpacked."""
+    torch.manual_seed(rows)
+    weight = (torch.randn(192, 160) * 0.05).bfloat16()
+    paired = PairedWeight.pack(weight)
+    assert torch.equal(paired.dequantized(), weight.float())
+    assert paired.nbytes() == 192 * 160 * 2
+    x = torch.randn(rows, 320).bfloat16()[:, ::2]
+    got = paired.matmul(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
+    torch.testing.assert_close(got.float(), F.linear(x, weight).float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(got, fused_ops.active().pair_matmul(x, paired.pairs))
+    with row_invariant_products():
+        assert torch.equal(paired.matmul(x), got)
+    fused_ops.disable()
+    try:
+        assert torch.equal(paired.matmul(x), F.linear(x, weight))
+    finally:
+        fused_ops.enable()
+
+
+def test_only_weights_that_fit_are_paired():
+    assert PairedWeight.fits(torch.zeros(48, 64)) and PairedWeight.fits(torch.zeros(16, 2))
+    assert not PairedWeight.fits(torch.zeros(40, 64))  # out features not a multiple of 16
+    assert not PairedWeight.fits(torch.zeros(48, 63))  # odd in features
+
+
 def _load(path, dtype, weight_format=None, keep_weight_rows=False) -> torch.nn.Module:
     return load_model(ModelConfig.from_path(str(path)), dtype, CPU, 128,
                       weight_format=weight_format, keep_weight_rows=keep_weight_rows)
@@ -104,9 +152,9 @@ def test_a_bfloat16_model_gets_the_layout_on_its_projections_and_head(tiny_model
     assert all(m.packed.rows is None for m in linears)
 
 
-def test_kept_rows_are_the_weights_themselves(tiny_model_dir):
-    """With ``keep_weight_rows`` each laid-out weight keeps its plain (out, in) rows; a tied
-    head's are the embedding's own tensor, not a copy."""
+def test_kept_rows_are_the_weights_themselves(tiny_model_dir, kernels_off):
+    """With ``keep_weight_rows`` and no pairs each laid-out weight keeps its plain (out, in)
+    rows; a tied head's are the embedding's own tensor, not a copy."""
     path = tiny_model_dir("Qwen2ForCausalLM", "gqa", True)
     model = _load(path, torch.bfloat16, keep_weight_rows=True)
     for module in model.modules():
@@ -115,6 +163,20 @@ def test_kept_rows_are_the_weights_themselves(tiny_model_dir):
             assert torch.equal(module.packed.rows.float(), module.packed.dequantized())
     head = model.embed_tokens
     assert head.packed.rows.data_ptr() == head.weight.data_ptr()
+
+
+def test_where_pairs_serve_they_replace_onednns_layout(tiny_model_dir, pairs_on):
+    """Projections, the tied head (the lookup keeps its rows) and each routed expert."""
+    model = _load(tiny_model_dir("Qwen2MoeForCausalLM", "gqa", True), torch.bfloat16,
+                  keep_weight_rows=True)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.packed, PairedWeight) for m in linears)
+    head = model.embed_tokens
+    assert isinstance(head.packed, PairedWeight) and head.weight.dtype == torch.bfloat16
+    assert torch.equal(head.packed.dequantized(), head.weight.float())
+    experts = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    assert experts and all(isinstance(w, PairedWeight)
+                           for m in experts for w in m.packed[0] + m.packed[1])
 
 
 def test_a_bfloat16_moe_model_gets_the_layout_on_each_routed_expert(tiny_model_dir):

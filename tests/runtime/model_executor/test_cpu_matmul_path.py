@@ -1,7 +1,7 @@
 """One-row half-precision passes on CPUs skip oneDNN for torch's matrix-vector kernel unless
 the weights are in oneDNN's layout: the switch applies only where it should, gives the same
-products and is always restored. A bfloat16 runner keeps its weights' plain rows for the
-fused kernels' few-row matmul unless told not to."""
+products and is always restored. A bfloat16 runner gives the fused kernels their own copies
+of its weights unless told not to."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixlm.models.layers.cpu_weight_layout import uses_blocked_layout
+from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.models.layers.cpu_weight_layout import (
+    BlockedWeight,
+    PairedWeight,
+    uses_blocked_layout,
+)
 from radixlm.models.layers.linear import Linear
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor.cpu_matmul_path import (
@@ -62,9 +67,11 @@ def test_the_setting_is_restored_even_when_the_pass_fails():
 @pytest.mark.skipif(not uses_blocked_layout(CPU, torch.bfloat16),
                     reason="this torch or CPU has no oneDNN bfloat16 matmul")
 @pytest.mark.parametrize("drop_rows", [False, True])
-def test_a_bfloat16_runner_keeps_the_rows_unless_told_not_to(tiny_model_dir, drop_rows):
-    """With the fused kernels on, each laid-out weight keeps its plain rows for passes of a
-    few rows; ``disable_cpu_weight_rows`` drops them (oneDNN's layout alone)."""
+def test_a_bfloat16_runner_gives_the_kernels_their_copies_unless_told_not_to(tiny_model_dir,
+                                                                             drop_rows):
+    """With the fused kernels on, each laid-out weight gets the kernels' own copy: column
+    pairs in place of oneDNN's layout where ``pair_matmul`` serves, else plain rows beside
+    it for passes of a few rows; ``disable_cpu_weight_rows`` leaves oneDNN's layout alone."""
     path = str(tiny_model_dir("LlamaForCausalLM", "gqa", False))
     args = ServerArgs(path, dtype="bfloat16", max_total_tokens=256,
                       disable_cpu_weight_rows=drop_rows)
@@ -72,6 +79,11 @@ def test_a_bfloat16_runner_keeps_the_rows_unless_told_not_to(tiny_model_dir, dro
     try:
         assert runner.fused_cpu_kernels
         packed = [m.packed for m in runner.model.modules() if isinstance(m, Linear)]
-        assert packed and all((weight.rows is None) == drop_rows for weight in packed)
+        assert packed
+        if not drop_rows and fused_ops.pair_matmul_serves():
+            assert all(isinstance(weight, PairedWeight) for weight in packed)
+        else:
+            assert all(isinstance(weight, BlockedWeight) and (weight.rows is None) == drop_rows
+                       for weight in packed)
     finally:
         runner.close()
