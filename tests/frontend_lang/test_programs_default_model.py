@@ -35,7 +35,10 @@ def test_multi_turn_chat(default_backend, default_engine):
     @sgl.function
     def chat(s):
         s += sgl.system("You are a concise assistant.")
-        s += sgl.user("What is the capital of France?")
+        # Asked as "What is the capital of France?", the model's first token is a tie (fp32
+        # logits 24.695 "The" against 24.693 "La"), which bf16 kernels break either way;
+        # asked like this, every token up to "Paris" leads its runner-up by at least 1.9.
+        s += sgl.user("Name the capital of France.")
         s += sgl.assistant(sgl.gen("first", max_tokens=16))
         s += sgl.user("And of Germany?")
         s += sgl.assistant(sgl.gen("second", max_tokens=16))

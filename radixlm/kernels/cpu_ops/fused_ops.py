@@ -11,7 +11,8 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
   add of pre-norm decoders folded in: returns the norm and the sum);
 - ``paged_decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scale)``: one query per
   request over its keys where they lie in the paged pool, instead of gathering them into a
-  padded batch for ``scaled_dot_product_attention``;
+  padded batch for ``scaled_dot_product_attention`` (on AVX-512, keys scored 16 at a time:
+  64 requests of 100-200 tokens, the default model's 30 layers, 16.8 -> 12.1 ms);
 - ``rotary(x, cos, signed_sin)``: RoPE's roll, multiply and multiply-add;
 - ``silu_mul(gate_up)``: the gated MLP's split, SiLU and product;
 - ``scatter_rows(buffer, slots, rows)``: ``buffer.index_copy_(0, slots, rows)``, a KV pool's
