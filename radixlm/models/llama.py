@@ -13,10 +13,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.models.decoder_lm import DecoderOnlyLM
 from radixlm.models.layers import tensor_parallel
 from radixlm.models.layers.attention import PagedAttention
+from radixlm.models.layers.cpu_decode_layer import FusedDecodeLayer
 from radixlm.models.layers.layernorm import RMSNorm
 from radixlm.models.layers.linear import RowParallelLinear, StackedLinear
 from radixlm.models.layers.mlp import GatedMLP
@@ -91,12 +92,19 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._fused_key: tuple | None = None  # the packed weights _fused was built on
+        self._fused: FusedDecodeLayer | None = None
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
         residual: torch.Tensor | None, forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this block's output, the residual stream before it is added)."""
+        if forward_batch.mode is ForwardMode.DECODE:
+            fused = self._fused_decode()
+            out = None if fused is None else fused.run(rope, x, residual, forward_batch)
+            if out is not None:
+                return out
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -104,6 +112,26 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(rope, h, forward_batch)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+
+    def _fused_decode(self) -> FusedDecodeLayer | None:
+        """This layer's decode step as one call of the fused CPU kernels, where its parts
+        allow it (``cpu_decode_layer``); built again whenever its weights were laid out
+        anew."""
+        attn, mlp = self.self_attn, self.mlp
+        if type(attn) is not LlamaAttention or type(mlp) is not GatedMLP:
+            return None
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        key = tuple(p.packed for p in projections)
+        if self._fused_key is None or any(a is not b for a, b in zip(key, self._fused_key)):
+            self._fused_key = key
+            self._fused = None
+            if (attn.q_norm is None and attn.o_proj.tp.size == 1
+                    and mlp.down_proj.tp.size == 1):
+                self._fused = FusedDecodeLayer.build(
+                    attn.attn.layer_id, self.input_layernorm, self.post_attention_layernorm,
+                    projections, attn.num_heads, attn.num_kv_heads, attn.attn.scaling)
+        return self._fused
 
 
 class LlamaForCausalLM(DecoderOnlyLM):

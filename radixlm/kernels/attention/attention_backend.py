@@ -92,6 +92,15 @@ class AttentionBackend(ABC):
         layer: AttentionLayer, forward_batch: ForwardBatch,
     ) -> torch.Tensor: ...
 
+    def pool_decode_tables(
+        self, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where this batch's decode attention is the fused CPU kernels'
+        ``paged_decode_attention`` over the pool, the (kv_slots (B, S), seq_lens (B,)) it
+        reads them with, so that a layer may run its whole decode step in one kernel call
+        (``models/layers/cpu_decode_layer.py``); else None (the default)."""
+        return None
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         layer: AttentionLayer, forward_batch: ForwardBatch,

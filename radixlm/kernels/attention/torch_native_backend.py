@@ -50,7 +50,7 @@ from radixlm.kernels.attention.shared_prefix_decode import (
     plan_runs,
 )
 from radixlm.kernels.cpu_ops import fused_ops
-from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass
@@ -234,6 +234,13 @@ class TorchNativeAttentionBackend(AttentionBackend):
                                              pool.values_view_keys, layer.num_kv_heads,
                                              layer.scaling)
         return out
+
+    def pool_decode_tables(self, forward_batch):
+        layout = self._layout
+        if (forward_batch.mode is not ForwardMode.DECODE or layout.shared is not None
+                or fused_ops.for_tensor(layout.kv_slots) is None):
+            return None
+        return layout.kv_slots, forward_batch.seq_lens
 
     def _decode_in_pool(self, kernels, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
         """Stores the new K/V, then attends over each request's keys where they lie in the

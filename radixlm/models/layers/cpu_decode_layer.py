@@ -1,0 +1,82 @@
+"""A pre-norm decoder layer's decode step as one call of the fused CPU kernels.
+
+A batch-1 decode step of the default model spends about a quarter of its time in Python
+between its kernels: module calls, views, the attention backend's dispatch, about 100 us
+a layer. Where every kernel of the layer's step is one of the fused CPU kernels' (weights
+laid out by column pairs, ``cpu_weight_layout.PairedWeight``; attention over the pool,
+``paged_decode_attention``), the kernels' ``decode_layer`` runs the whole step in C++: the
+same kernels, in the same order, on the same operands, so the layer's outputs and the KV it
+stores equal the module path's to the bit (tests/models/layers/test_cpu_decode_layer.py).
+
+``FusedDecodeLayer.build`` says whether a layer's parts allow it (Llama's block: no biases,
+no q/k norms, one tensor-parallel rank, a gated SiLU MLP, every projection by pairs);
+``run`` says per step whether the step does (the kernels on, the attention backend's
+decode over the pool, an MHA pool), else returns None and the modules run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.kv_cache.memory_pool import MHATokenToKVPool
+from radixlm.models.layers.cpu_weight_layout import PairedWeight
+from radixlm.models.layers.layernorm import RMSNorm
+from radixlm.models.layers.linear import Linear
+
+
+@dataclass(frozen=True, eq=False)
+class FusedDecodeLayer:
+    """The operands of one layer's fused decode step; the tensors are the layer's own."""
+
+    layer_id: int
+    input_norm: torch.Tensor  # (hidden,)
+    post_norm: torch.Tensor  # (hidden,)
+    eps: float
+    qkv: torch.Tensor  # q | k | v by column pairs
+    o: torch.Tensor
+    gate_up: torch.Tensor  # gate | up by column pairs
+    down: torch.Tensor
+    heads: int
+    kv_heads: int
+    scale: float
+
+    @classmethod
+    def build(cls, layer_id: int, input_norm: RMSNorm, post_norm: RMSNorm,
+              projections: tuple[Linear, Linear, Linear, Linear], heads: int, kv_heads: int,
+              scale: float) -> FusedDecodeLayer | None:
+        """The fused step of a layer whose ``projections`` are (qkv, o, gate_up, down) of one
+        tensor-parallel rank, or None where one of them is not laid out by pairs or has a
+        bias, or the norms differ in eps or dtype from the weights."""
+        pairs = [p.packed.pairs for p in projections
+                 if isinstance(p.packed, PairedWeight) and p.bias is None]
+        if len(pairs) != len(projections) or input_norm.eps != post_norm.eps:
+            return None
+        if any(norm.weight.dtype != pairs[0].dtype for norm in (input_norm, post_norm)):
+            return None
+        return cls(layer_id, input_norm.weight, post_norm.weight, input_norm.eps, *pairs,
+                   heads, kv_heads, scale)
+
+    def run(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+            residual: torch.Tensor | None,
+            forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's (output, residual stream) for x (T, hidden), as its modules compute
+        them, and its new K/V stored; None where this step cannot run fused."""
+        kernels = fused_ops.for_tensor(x)
+        if kernels is None or x.dtype != self.qkv.dtype:
+            return None
+        pool = forward_batch.kv_pool
+        if type(pool) is not MHATokenToKVPool:
+            return None
+        tables = forward_batch.attn_backend.pool_decode_tables(forward_batch)
+        if tables is None:
+            return None
+        k_buffer, v_buffer = pool.get_kv(self.layer_id)
+        return kernels.decode_layer(
+            x, x if residual is None else residual, residual is not None,
+            self.input_norm, self.post_norm, self.eps, self.qkv, self.o, self.gate_up,
+            self.down, *rope, k_buffer, v_buffer, forward_batch.out_cache_loc, *tables,
+            self.heads, self.kv_heads, self.scale)
