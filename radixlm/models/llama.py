@@ -99,7 +99,9 @@ class LlamaDecoderLayer(nn.Module):
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
         residual: torch.Tensor | None, forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this block's output, the residual stream before it is added)."""
+        """Returns (this block's output, the residual stream before it is added). A decode
+        step runs as one call of the fused CPU kernels where the layer and step allow it
+        (``_fused_decode``), with the same result."""
         if forward_batch.mode is ForwardMode.DECODE:
             fused = self._fused_decode()
             out = None if fused is None else fused.run(rope, x, residual, forward_batch)
@@ -112,7 +114,6 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(rope, h, forward_batch)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
-
 
     def _fused_decode(self) -> FusedDecodeLayer | None:
         """This layer's decode step as one call of the fused CPU kernels, where its parts
