@@ -92,8 +92,8 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._fused_key: tuple | None = None  # the packed weights _fused was built on
         self._fused: FusedDecodeLayer | None = None
+        self._fused_built = False
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
@@ -117,21 +117,16 @@ class LlamaDecoderLayer(nn.Module):
 
     def _fused_decode(self) -> FusedDecodeLayer | None:
         """This layer's decode step as one call of the fused CPU kernels, where its parts
-        allow it (``cpu_decode_layer``); built again whenever its weights were laid out
-        anew."""
-        attn, mlp = self.self_attn, self.mlp
-        if type(attn) is not LlamaAttention or type(mlp) is not GatedMLP:
-            return None
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        key = tuple(p.packed for p in projections)
-        if self._fused_key is None or any(a is not b for a, b in zip(key, self._fused_key)):
-            self._fused_key = key
-            self._fused = None
-            if (attn.q_norm is None and attn.o_proj.tp.size == 1
-                    and mlp.down_proj.tp.size == 1):
+        allow it (``cpu_decode_layer``); built at the first decode step."""
+        if not self._fused_built:
+            self._fused_built = True
+            attn, mlp = self.self_attn, self.mlp
+            if (type(attn) is LlamaAttention and type(mlp) is GatedMLP and attn.q_norm is None
+                    and attn.o_proj.tp.size == 1 and mlp.down_proj.tp.size == 1):
                 self._fused = FusedDecodeLayer.build(
                     attn.attn.layer_id, self.input_layernorm, self.post_attention_layernorm,
-                    projections, attn.num_heads, attn.num_kv_heads, attn.attn.scaling)
+                    (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
+                    attn.num_heads, attn.num_kv_heads, attn.attn.scaling)
         return self._fused
 
 

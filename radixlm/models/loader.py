@@ -7,6 +7,7 @@ import logging
 import torch
 from torch import nn
 
+from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.models.layers.cpu_weight_layout import lay_out_for_cpu, uses_blocked_layout
 from radixlm.models.layers.tensor_parallel import SINGLE, TensorParallel, building
 from radixlm.models.layers.weight_formats import pack_weights
@@ -28,10 +29,11 @@ def load_model(
     RoPE tables are sized by it. ``tp``: the share of a tensor-parallel rank (a size that
     does not divide the model's heads or intermediate sizes is a ``ValueError``).
     ``weight_format``: a weight-only format (``weight_formats.py``) the projections and the
-    output head are packed into, from the checkpoint's float32 weights. Without one, a
-    bfloat16 model on a CPU gets them in its kernel's layout (``cpu_weight_layout.py``),
-    keeping their plain rows too with ``keep_weight_rows`` (for the fused CPU kernels'
-    few-row matmul).
+    output head are packed into, from the checkpoint's float32 weights (int8 by column pairs
+    for a bfloat16 model on a CPU where ``keep_weight_rows`` and the kernels'
+    ``pair_matmul_serves``). Without one, a bfloat16 model on a CPU gets them in its
+    kernel's layout (``cpu_weight_layout.py``), keeping their plain rows too with
+    ``keep_weight_rows`` (for the fused CPU kernels' few-row matmul).
     """
     cls = model_class(config.architecture)
     files = safetensors_files(config.path)
@@ -39,7 +41,9 @@ def load_model(
         model = cls(config.hf_config, max_position=max_position)
     model.load_weights(iterate_safetensors(files))
     if weight_format is not None:
-        packed = pack_weights(model, weight_format)
+        by_pairs = (keep_weight_rows and dtype == torch.bfloat16
+                    and torch.device(device).type == "cpu" and fused_ops.pair_matmul_serves())
+        packed = pack_weights(model, weight_format, by_pairs)
         logger.info("weights packed as %s: %.1f MiB", weight_format, packed / 2**20)
     # RoPE tables stay float32; parameters take the serving dtype, except those marked
     # ``keep_float32`` (e.g. an MoE router's score correction bias).

@@ -1,7 +1,7 @@
 // A pre-norm decoder layer's decode step (Llama's block: RMSNorm, QKV, RoPE, paged attention,
-// O, RMSNorm, gated SiLU MLP) in one call from Python, for weights laid out by column pairs
-// (pair_matmul.cpp). It calls the kernels of fused_ops.cpp and pair_matmul.cpp in the order
-// and on the operands the layer's modules give them, so its outputs equal theirs to the bit;
+// O, RMSNorm, gated SiLU MLP) in one call from Python. It calls the kernels of fused_ops.cpp,
+// few_rows_matmul.cpp and pair_matmul.cpp (or torch's linear) in the order and on the
+// operands the layer's modules give them, so its outputs equal theirs to the bit;
 // what it leaves out is the Python between them (module calls, views, the attention
 // backend's dispatch: about 100 us a layer, a quarter of a batch-1 step of the default
 // model). Compiled as one translation unit with those files (see fused_ops.py), after them.
@@ -10,6 +10,29 @@ namespace radixlm_decode_layer {
 
 struct LayerShape {
   int64_t tokens, heads, kv_heads, head_dim;
+};
+
+// How a projection is multiplied: fused_ops.ProjectionKernel's values.
+enum ProjectionKernel : int64_t {
+  kPairs = 0, kInt8 = 1, kDense = 2, kTorchLinear = 3, kInt8Pairs = 4
+};
+
+// A projection's weight (and int8 scales, else an empty tensor) and the kernel that
+// multiplies it, as the layer's Linear module would for this step's rows.
+struct Projection {
+  int64_t kernel;
+  at::Tensor weight, scales;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    switch (kernel) {
+      case kPairs: return pair_matmul(x, weight);
+      case kInt8: return int8_matmul(x, weight, scales);
+      case kDense: return dense_matmul(x, weight);
+      case kTorchLinear: return at::linear(x, weight);
+      case kInt8Pairs: return int8_pair_matmul(x, weight, scales);
+    }
+    TORCH_CHECK(false, "unknown projection kernel ", kernel);
+  }
 };
 
 // q (T, H, D), k and v (T, H_kv, D) of the new tokens, as views of the QKV product, with RoPE
@@ -28,23 +51,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotated_qkv(const at::Tensor& qkv
 // decode_layer: one decode step of a layer, T new tokens (one a request).
 //   x (T, hidden) the layer's input; residual (T, hidden) the residual stream before it
 //   (has_residual false: the first layer, whose input is the stream); input_norm and
-//   post_norm (hidden,) RMSNorm weights with eps; qkv_pairs, o_pairs, gate_up_pairs,
-//   down_pairs: the projections by column pairs (pair_matmul's layout; QKV stacked q | k | v,
-//   gate_up gate | up); cos and signed_sin (T, 1, D) RoPE of the tokens' positions;
+//   post_norm (hidden,) RMSNorm weights with eps; kernels, weights and scales: the four
+//   projections qkv (stacked q | k | v), o, gate_up (gate | up) and down, each as a
+//   Projection (its kernel, its weight in that kernel's layout, its int8 scales or an empty
+//   tensor); cos and signed_sin (T, 1, D) RoPE of the tokens' positions;
 //   k_buffer, v_buffer (N, H_kv, D) the layer's KV pool, written at out_cache_loc (T,) and
 //   read through kv_slots (T, S) and seq_lens (T,) as paged_decode_attention reads them.
 //   Returns (the layer's output, the residual stream after its attention), both (T, hidden).
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& x, const at::Tensor& residual, bool has_residual,
     const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
-    const at::Tensor& qkv_pairs, const at::Tensor& o_pairs, const at::Tensor& gate_up_pairs,
-    const at::Tensor& down_pairs, const at::Tensor& cos, const at::Tensor& signed_sin,
+    const std::vector<int64_t>& kernels, const std::vector<at::Tensor>& weights,
+    const std::vector<at::Tensor>& scales, const at::Tensor& cos, const at::Tensor& signed_sin,
     at::Tensor k_buffer, at::Tensor v_buffer, const at::Tensor& out_cache_loc,
     const at::Tensor& kv_slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
     double scale) {
   TORCH_CHECK(x.dim() == 2 && k_buffer.dim() == 3, "x must be (T, hidden), k_buffer 3-D");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0,
               "heads must be a positive multiple of kv_heads");
+  TORCH_CHECK(kernels.size() == 4 && weights.size() == 4 && scales.size() == 4,
+              "four projections expected: qkv, o, gate_up, down");
+  using radixlm_decode_layer::Projection;
+  const Projection qkv_proj{kernels[0], weights[0], scales[0]};
+  const Projection o_proj{kernels[1], weights[1], scales[1]};
+  const Projection gate_up_proj{kernels[2], weights[2], scales[2]};
+  const Projection down_proj{kernels[3], weights[3], scales[3]};
   const radixlm_decode_layer::LayerShape shape{x.size(0), heads, kv_heads, k_buffer.size(2)};
   at::Tensor h, stream;
   if (has_residual) {
@@ -53,13 +84,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     h = rms_norm(x, input_norm, eps);
     stream = x;
   }
-  auto [q, k, v] = radixlm_decode_layer::rotated_qkv(pair_matmul(h, qkv_pairs), cos, signed_sin,
+  auto [q, k, v] = radixlm_decode_layer::rotated_qkv(qkv_proj(h), cos, signed_sin,
                                                      shape);
   scatter_rows(k_buffer, out_cache_loc, k);
   scatter_rows(v_buffer, out_cache_loc, v);
   const at::Tensor attended =
       paged_decode_attention(q, k_buffer, v_buffer, kv_slots, seq_lens, scale);
-  const at::Tensor o = pair_matmul(attended.reshape({shape.tokens, -1}), o_pairs);
+  const at::Tensor o = o_proj(attended.reshape({shape.tokens, -1}));
   auto [h2, stream2] = add_rms_norm(o, stream, post_norm, eps);
-  return {pair_matmul(silu_mul(pair_matmul(h2, gate_up_pairs)), down_pairs), stream2};
+  return {down_proj(silu_mul(gate_up_proj(h2))), stream2};
 }

@@ -35,11 +35,13 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
   each row's products independent of the rows beside it. All the default model's weights on
   a 2-core Zen 4 without AMX, 2 threads: one row 12.5 ms against 15.3 for ``dense_matmul``
   and 18.0 for oneDNN, 16 rows 18.5 against 22.3 (oneDNN), 512 rows 337 against 340;
-  ``pair_matmul_serves`` says where it serves;
+  ``pair_matmul_serves`` says where it serves; ``int8_pair_matmul(x, pairs, scales)``, the
+  same over int8 weights by pairs (``int8wo`` there), widened to bfloat16 in registers;
 - ``decode_layer(...)`` (in ``decode_layer.cpp``): a Llama-style layer's whole decode step
   (the norms, QKV, RoPE, KV store, attention, O and MLP) as one call of the kernels above,
-  for weights by column pairs (``models/layers/cpu_decode_layer.py``): default model, batch
-  1, a step's forward 10.4-11.8 against 14.2-14.4 ms called op by op from Python.
+  each projection multiplied as ``ProjectionKernel`` says (``models/layers/cpu_decode_layer.py``):
+  default model, batch 1, weights by column pairs, a step's forward 10.4-11.8 against
+  14.2-14.4 ms called op by op from Python.
 
 Each works a row at a time in whole SIMD vectors (16-bit rows converted in registers),
 split between the threads by rows (the prefill attention: four query rows at a time, tasks
@@ -63,6 +65,7 @@ ninja) it logs one warning and every layer keeps torch's operations. Layers ask
 
 from __future__ import annotations
 
+import enum
 import fcntl
 import hashlib
 import logging
@@ -82,9 +85,21 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "pair_matmul.cpp", "decode_layer.cpp"))
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
              "scatter_rows", "int8_matmul", "dense_matmul", "prefill_attention",
-             "prefill_attention_available", "pair_matmul", "pair_matmul_available",
-             "decode_layer")
+             "prefill_attention_available", "pair_matmul", "int8_pair_matmul",
+             "pair_matmul_available", "decode_layer")
 COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
+class ProjectionKernel(enum.IntEnum):
+    """How ``decode_layer`` multiplies a projection's weight (``Projection`` in
+    decode_layer.cpp, which switches on these values)."""
+
+    PAIRS = 0  # pair_matmul(x, weight)
+    INT8 = 1  # int8_matmul(x, weight, scales)
+    DENSE = 2  # dense_matmul(x, weight)
+    TORCH_LINEAR = 3  # torch's linear(x, weight), what F.linear runs
+    INT8_PAIRS = 4  # int8_pair_matmul(x, weight, scales)
+
 
 _module: ModuleType | None = None
 _loaded: ModuleType | None = None  # kept across disable() / enable()

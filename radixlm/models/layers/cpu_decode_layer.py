@@ -2,16 +2,19 @@
 
 A batch-1 decode step of the default model spends about a quarter of its time in Python
 between its kernels: module calls, views, the attention backend's dispatch, about 100 us
-a layer. Where every kernel of the layer's step is one of the fused CPU kernels' (weights
-laid out by column pairs, ``cpu_weight_layout.PairedWeight``; attention over the pool,
-``paged_decode_attention``), the kernels' ``decode_layer`` runs the whole step in C++: the
-same kernels, in the same order, on the same operands, so the layer's outputs and the KV it
-stores equal the module path's to the bit (tests/models/layers/test_cpu_decode_layer.py).
+a layer. Where every kernel of the layer's step is one of the fused CPU kernels' or torch's
+linear (attention over the pool, ``paged_decode_attention``; each projection as its
+``Linear`` multiplies it for the step's rows, ``Linear.fused_projection``: weights by column
+pairs, int8 or float16 weight-only formats, float32 or bfloat16 rows), the kernels'
+``decode_layer`` runs the whole step in C++: the same kernels, in the same order, on the
+same operands, so the layer's outputs and the KV it stores equal the module path's to the
+bit (tests/models/layers/test_cpu_decode_layer.py).
 
 ``FusedDecodeLayer.build`` says whether a layer's parts allow it (Llama's block: no biases,
-no q/k norms, one tensor-parallel rank, a gated SiLU MLP, every projection by pairs);
-``run`` says per step whether the step does (the kernels on, the attention backend's
-decode over the pool, an MHA pool), else returns None and the modules run.
+no q/k norms, one tensor-parallel rank, a gated SiLU MLP); ``run`` says per step whether
+the step does (the kernels on, the serving dtype, every projection's path at the step's
+rows, the attention backend's decode over the pool, an MHA pool), else returns None and the
+modules run.
 """
 
 from __future__ import annotations
@@ -23,23 +26,19 @@ import torch
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.kv_cache.memory_pool import MHATokenToKVPool
-from radixlm.models.layers.cpu_weight_layout import PairedWeight
 from radixlm.models.layers.layernorm import RMSNorm
 from radixlm.models.layers.linear import Linear
 
 
 @dataclass(frozen=True, eq=False)
 class FusedDecodeLayer:
-    """The operands of one layer's fused decode step; the tensors are the layer's own."""
+    """One layer's fused decode step over the layer's own modules, read at every step (so a
+    projection packed or laid out anew after ``build`` is multiplied as it now is)."""
 
     layer_id: int
-    input_norm: torch.Tensor  # (hidden,)
-    post_norm: torch.Tensor  # (hidden,)
-    eps: float
-    qkv: torch.Tensor  # q | k | v by column pairs
-    o: torch.Tensor
-    gate_up: torch.Tensor  # gate | up by column pairs
-    down: torch.Tensor
+    input_norm: RMSNorm
+    post_norm: RMSNorm
+    projections: tuple[Linear, Linear, Linear, Linear]  # qkv (q | k | v), o, gate_up, down
     heads: int
     kv_heads: int
     scale: float
@@ -49,16 +48,11 @@ class FusedDecodeLayer:
               projections: tuple[Linear, Linear, Linear, Linear], heads: int, kv_heads: int,
               scale: float) -> FusedDecodeLayer | None:
         """The fused step of a layer whose ``projections`` are (qkv, o, gate_up, down) of one
-        tensor-parallel rank, or None where one of them is not laid out by pairs or has a
-        bias, or the norms differ in eps or dtype from the weights."""
-        pairs = [p.packed.pairs for p in projections
-                 if isinstance(p.packed, PairedWeight) and p.bias is None]
-        if len(pairs) != len(projections) or input_norm.eps != post_norm.eps:
+        tensor-parallel rank, or None where one of them has a bias or the norms differ in
+        eps."""
+        if any(p.bias is not None for p in projections) or input_norm.eps != post_norm.eps:
             return None
-        if any(norm.weight.dtype != pairs[0].dtype for norm in (input_norm, post_norm)):
-            return None
-        return cls(layer_id, input_norm.weight, post_norm.weight, input_norm.eps, *pairs,
-                   heads, kv_heads, scale)
+        return cls(layer_id, input_norm, post_norm, projections, heads, kv_heads, scale)
 
     def run(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
             residual: torch.Tensor | None,
@@ -66,7 +60,12 @@ class FusedDecodeLayer:
         """The layer's (output, residual stream) for x (T, hidden), as its modules compute
         them, and its new K/V stored; None where this step cannot run fused."""
         kernels = fused_ops.for_tensor(x)
-        if kernels is None or x.dtype != self.qkv.dtype:
+        input_norm, post_norm = self.input_norm.weight, self.post_norm.weight
+        if kernels is None or not x.dtype == input_norm.dtype == post_norm.dtype:
+            return None
+        rows = x.shape[0]
+        products = [p.fused_projection(rows, x.dtype) for p in self.projections]
+        if any(p is None for p in products):
             return None
         pool = forward_batch.kv_pool
         if type(pool) is not MHATokenToKVPool:
@@ -77,6 +76,7 @@ class FusedDecodeLayer:
         k_buffer, v_buffer = pool.get_kv(self.layer_id)
         return kernels.decode_layer(
             x, x if residual is None else residual, residual is not None,
-            self.input_norm, self.post_norm, self.eps, self.qkv, self.o, self.gate_up,
-            self.down, *rope, k_buffer, v_buffer, forward_batch.out_cache_loc, *tables,
-            self.heads, self.kv_heads, self.scale)
+            input_norm, post_norm, self.input_norm.eps, [p.kernel for p in products],
+            [p.weight for p in products], [p.scales for p in products], *rope, k_buffer,
+            v_buffer, forward_batch.out_cache_loc, *tables, self.heads, self.kv_heads,
+            self.scale)

@@ -49,11 +49,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.models.layers.moe_experts import StackedExperts
-from radixlm.models.layers.weight_formats import PackedWeight, pack_each_weight
+from radixlm.models.layers.weight_formats import (
+    FusedProjection,
+    PackedWeight,
+    by_column_pairs,
+    fits_column_pairs,
+    from_column_pairs,
+    pack_each_weight,
+)
 
 FEW_ROWS = 4  # the most rows a pass multiplies over kept rows
-PAIR_COLUMNS = 16  # out features of one group of PairedWeight's pairs
 _few_row_kernels = True  # False inside row_invariant_products()
 
 
@@ -90,6 +97,11 @@ class BlockedWeight(PackedWeight):
                 return kernels.dense_matmul(x, self.rows)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
 
+    def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
+        if self.rows is not None and rows <= FEW_ROWS and _few_row_kernels:
+            return FusedProjection.of(ProjectionKernel.DENSE, self.rows)
+        return None  # oneDNN's product: not one of the kernels'
+
     def dequantized(self) -> torch.Tensor:
         return self.weight.to_dense().float()
 
@@ -109,18 +121,11 @@ class PairedWeight(PackedWeight):
 
     pairs: torch.Tensor  # (out / 16, in / 2, 16, 2) bfloat16, contiguous
 
-    @staticmethod
-    def fits(weight: torch.Tensor) -> bool:
-        """Whether a (out, in) weight can be laid out so: out a multiple of 16, in even."""
-        out_features, in_features = weight.shape
-        return out_features % PAIR_COLUMNS == 0 and in_features % 2 == 0
+    fits = staticmethod(fits_column_pairs)
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> PairedWeight:
-        out_features, in_features = weight.shape
-        pairs = weight.detach().view(out_features // PAIR_COLUMNS, PAIR_COLUMNS,
-                                     in_features // 2, 2)
-        return cls(pairs.permute(0, 2, 1, 3).contiguous())
+        return cls(by_column_pairs(weight.detach()))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernels = fused_ops.for_tensor(x)
@@ -128,9 +133,11 @@ class PairedWeight(PackedWeight):
             return kernels.pair_matmul(x, self.pairs)
         return F.linear(x, self._plain())
 
+    def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
+        return FusedProjection.of(ProjectionKernel.PAIRS, self.pairs)
+
     def _plain(self) -> torch.Tensor:
-        groups, pairs = self.pairs.shape[:2]
-        return self.pairs.permute(0, 2, 1, 3).reshape(groups * PAIR_COLUMNS, pairs * 2)
+        return from_column_pairs(self.pairs)
 
     def dequantized(self) -> torch.Tensor:
         return self._plain().float()

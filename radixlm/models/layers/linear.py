@@ -17,7 +17,12 @@ import torch
 from torch import nn
 
 from radixlm.models.layers.tensor_parallel import TensorParallel
-from radixlm.models.layers.weight_formats import PackedWeight, plain_matmul
+from radixlm.models.layers.weight_formats import (
+    FusedProjection,
+    PackedWeight,
+    plain_fused_projection,
+    plain_matmul,
+)
 
 
 class Linear(nn.Linear):
@@ -36,6 +41,14 @@ class Linear(nn.Linear):
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> x @ weight.T (T, out), without the bias."""
         return plain_matmul(x, self.weight) if self.packed is None else self.packed.matmul(x)
+
+    def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
+        """The kernel and operands through which ``project`` multiplies ``rows`` rows of
+        ``dtype`` while the fused CPU kernels are on (for their ``decode_layer``), or None
+        where it takes a path that one does not have (``PackedWeight.fused_projection``)."""
+        if self.packed is None:
+            return plain_fused_projection(self.weight, rows, dtype)
+        return self.packed.fused_projection(rows, dtype)
 
     def pack_weight(self, packer) -> int:
         """Replaces the weight by ``packer(weight)`` (a ``PackedWeight``); returns its bytes."""

@@ -14,7 +14,9 @@ the weight of each projection (``linear.Linear``) and of the output head
   row by row: the row is rounded to half, the products summed in float32 (what llama.cpp's
   F16 path does; an activation beyond half's range, 65504, would overflow there). Larger
   passes convert the weight into a reused buffer in the serving dtype and multiply there.
-- ``int8wo``: symmetric int8 with one float scale per output row (1 byte a weight). Passes
+- ``int8wo``: symmetric int8 with one float scale per output row (1 byte a weight). In
+  bfloat16 on CPUs where the kernels' ``pair_matmul`` serves, the integers are laid out by
+  column pairs and every pass runs ``int8_pair_matmul`` (``Int8Weight``). Elsewhere, passes
   of up to ``int8_kernel_max_rows`` rows run the fused CPU kernels' ``int8_matmul`` where
   they are on (activations as stored, float32 sums; the default model's weights at one row:
   7.4 ms against 12.6 for torch's kernel, at 16 rows 30.5 against 47.6), else torch's int8
@@ -35,12 +37,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 
 HALF_GEMV_MAX_ROWS = 4
 HALF_FUSED_MAX_ROWS = 32
@@ -48,6 +52,29 @@ FLOAT32_FUSED_ROWS = range(3, 17)
 INT8_KERNEL_MAX_ROWS = 32
 INT8_KERNEL_MAX_ROWS_BF16 = 16
 WEIGHT_FORMATS = ("fp16wo", "int8wo")
+PAIR_COLUMNS = 16  # out features of one group of a weight laid out by column pairs
+
+
+def fits_column_pairs(weight: torch.Tensor) -> bool:
+    """Whether a (out, in) weight can be laid out by column pairs: out a multiple of 16, in
+    even."""
+    out_features, in_features = weight.shape
+    return out_features % PAIR_COLUMNS == 0 and in_features % 2 == 0
+
+
+def by_column_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """(out, in) -> (out / 16, in / 2, 16, 2), contiguous: for each group of 16 out features
+    and each pair of in features, the 16 features' two weights side by side (the layout the
+    fused CPU kernels' ``pair_matmul`` and ``int8_pair_matmul`` read)."""
+    out_features, in_features = weight.shape
+    pairs = weight.view(out_features // PAIR_COLUMNS, PAIR_COLUMNS, in_features // 2, 2)
+    return pairs.permute(0, 2, 1, 3).contiguous()
+
+
+def from_column_pairs(pairs: torch.Tensor) -> torch.Tensor:
+    """The (out, in) weight of ``by_column_pairs``' layout (a copy)."""
+    groups, in_pairs = pairs.shape[:2]
+    return pairs.permute(0, 2, 1, 3).reshape(groups * PAIR_COLUMNS, in_pairs * 2)
 
 
 def plain_matmul(x: torch.Tensor, weight: torch.Tensor,
@@ -67,6 +94,29 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor,
             out = kernels.dense_matmul(x, weight)
             return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)
+
+
+class FusedProjection(NamedTuple):
+    """A projection as the fused kernels' ``decode_layer`` multiplies it: the kernel, the
+    weight in that kernel's layout, and the int8 scales (else an empty tensor)."""
+
+    kernel: ProjectionKernel
+    weight: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def of(cls, kernel: ProjectionKernel, weight: torch.Tensor,
+           scales: torch.Tensor | None = None) -> FusedProjection:
+        return cls(kernel, weight, weight.new_empty(0) if scales is None else scales)
+
+
+def plain_fused_projection(weight: torch.Tensor, rows: int,
+                           dtype: torch.dtype) -> FusedProjection:
+    """What ``plain_matmul`` runs for ``rows`` rows of ``dtype`` with the kernels on."""
+    if (dtype == torch.float32 and rows in FLOAT32_FUSED_ROWS
+            and weight.dtype == torch.float32 and weight.is_contiguous()):
+        return FusedProjection.of(ProjectionKernel.DENSE, weight)
+    return FusedProjection.of(ProjectionKernel.TORCH_LINEAR, weight)
 
 
 def int8_kernel_max_rows(dtype: torch.dtype) -> int:
@@ -105,6 +155,12 @@ class PackedWeight:
         """The float32 (out, in) weight this stands for."""
         raise NotImplementedError
 
+    def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
+        """The kernel and operands through which ``matmul`` multiplies ``rows`` rows of
+        ``dtype`` while the fused kernels are on, or None where it takes another path (the
+        fused decode layer, ``cpu_decode_layer``, then leaves the step to the modules)."""
+        return None
+
     def nbytes(self) -> int:
         raise NotImplementedError
 
@@ -115,7 +171,9 @@ class HalfWeight(PackedWeight):
     weight: torch.Tensor  # (out, in) float16
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer) -> HalfWeight:
+    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer,
+             by_pairs: bool = False) -> HalfWeight:
+        """(``by_pairs`` is ignored: half weights stay in rows.)"""
         return cls(buffer, weight.to(torch.float16).contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,6 +189,11 @@ class HalfWeight(PackedWeight):
         wide = self.buffer.take(self.weight.shape, x.dtype, x.device)
         return F.linear(x, wide.copy_(self.weight))
 
+    def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
+        if rows <= HALF_FUSED_MAX_ROWS:
+            return FusedProjection.of(ProjectionKernel.DENSE, self.weight)
+        return None
+
     def dequantized(self) -> torch.Tensor:
         return self.weight.float()
 
@@ -140,52 +203,86 @@ class HalfWeight(PackedWeight):
 
 @dataclass(eq=False)
 class Int8Weight(PackedWeight):
+    """``by_pairs``: the integers laid out by column pairs (``by_column_pairs``) instead of
+    by rows, for bfloat16 passes of any number of rows on the kernels' ``int8_pair_matmul``
+    (the integers widened to bfloat16 in registers, AVX-512 BF16 dot products: the default
+    model's weights on a 2-core Zen 4, 2 threads, one row 5.3-5.6 ms against 7.8-9.7 for its
+    bfloat16 pairs and 8.1 for ``int8_matmul``; 16 rows 15.6 against 14.3 and 39; 512 rows
+    374 against 354-390 and, widened for oneDNN, 426-438). Its products of a row do not
+    depend on the pass's other rows."""
+
     buffer: ConversionBuffer
-    weight: torch.Tensor  # (out, in) int8
+    weight: torch.Tensor | None  # (out, in) int8, unless by pairs
     scales: torch.Tensor  # (out,) float32: weight ~= int8 * scale, row by row
     kernel_scales: torch.Tensor  # (out,) bfloat16, as torch's int8 kernel takes them
+    pairs: torch.Tensor | None = None  # (out / 16, in / 2, 16, 2) int8, if by pairs
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer) -> Int8Weight:
+    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer,
+             by_pairs: bool = False) -> Int8Weight:
         weight = weight.float()
         scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
         quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        if by_pairs and fits_column_pairs(quantized):
+            return cls(buffer, None, scales, scales.to(torch.bfloat16),
+                       by_column_pairs(quantized))
         return cls(buffer, quantized.contiguous(), scales, scales.to(torch.bfloat16))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pairs is not None:
+            kernels = fused_ops.for_tensor(x)
+            if kernels is not None and x.dtype == torch.bfloat16:
+                return kernels.int8_pair_matmul(x, self.pairs, self.scales)
+        weight = self._rows()
         if x.shape[0] <= int8_kernel_max_rows(x.dtype):
             kernels = fused_ops.for_tensor(x)
             if kernels is not None:  # x as stored, float32 scales and sums
-                return kernels.int8_matmul(x, self.weight, self.scales)
+                return kernels.int8_matmul(x, weight, self.scales)
             out = torch.ops.aten._weight_int8pack_mm(
-                x.to(torch.bfloat16), self.weight, self.kernel_scales)  # (T, out) bfloat16
+                x.to(torch.bfloat16), weight, self.kernel_scales)  # (T, out) bfloat16
             return out.to(x.dtype)
         # The integers widen exactly; the scales apply to the (T, out) product, whose rows
         # are contiguous, not to the weight (scaling a bfloat16 weight row by row runs
         # torch's unvectorised broadcast loop: 2 ms for a 1536 x 576 weight here).
-        wide = self.buffer.take(self.weight.shape, x.dtype, x.device).copy_(self.weight)
+        wide = self.buffer.take(weight.shape, x.dtype, x.device).copy_(weight)
         scales = self.kernel_scales if x.dtype == torch.bfloat16 else self.scales.to(x.dtype)
         return F.linear(x, wide).mul_(scales)
 
+    def _rows(self) -> torch.Tensor:
+        """The (out, in) integers (unpaired anew where they are by pairs: only should the
+        kernels be off, or the rows not bfloat16)."""
+        return self.weight if self.pairs is None else from_column_pairs(self.pairs)
+
+    def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
+        if self.pairs is not None:
+            if dtype != torch.bfloat16:
+                return None
+            return FusedProjection.of(ProjectionKernel.INT8_PAIRS, self.pairs, self.scales)
+        if rows <= int8_kernel_max_rows(dtype):
+            return FusedProjection.of(ProjectionKernel.INT8, self.weight, self.scales)
+        return None
+
     def dequantized(self) -> torch.Tensor:
-        return self.weight.float() * self.scales[:, None]
+        return self._rows().float() * self.scales[:, None]
 
     def nbytes(self) -> int:
-        return self.weight.numel() + self.scales.numel() * 4
+        integers = self.weight if self.pairs is None else self.pairs
+        return integers.numel() + self.scales.numel() * 4
 
 
 _PACKERS = {"fp16wo": HalfWeight.pack, "int8wo": Int8Weight.pack}
 
 
-def pack_weights(model: nn.Module, weight_format: str) -> int:
+def pack_weights(model: nn.Module, weight_format: str, by_pairs: bool = False) -> int:
     """Packs every module that offers ``pack_weight`` (the projections and the output head)
-    into ``weight_format``; returns the packed weights' bytes. Raises ValueError for an
-    unknown format."""
+    into ``weight_format``; returns the packed weights' bytes. ``by_pairs``: int8 weights by
+    column pairs (``Int8Weight``), where the model serves in bfloat16 and the kernels'
+    ``int8_pair_matmul`` serves. Raises ValueError for an unknown format."""
     if weight_format not in _PACKERS:
         raise ValueError(f"unknown weight format {weight_format!r}; "
                          f"expected one of {', '.join(WEIGHT_FORMATS)}")
     packer, buffer = _PACKERS[weight_format], ConversionBuffer()
-    return pack_each_weight(model, lambda weight: packer(weight, buffer))
+    return pack_each_weight(model, lambda weight: packer(weight, buffer, by_pairs))
 
 
 def pack_each_weight(model: nn.Module, packer: Callable[[torch.Tensor], PackedWeight]) -> int:

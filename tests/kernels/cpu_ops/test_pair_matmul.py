@@ -1,8 +1,9 @@
-"""The column-pair matmul kernel (``pair_matmul.cpp``) computes what ``x @ w.T`` computes:
-against float64 it errs no more than one bfloat16 step of the sum of |x| |w|, for every tail
-of its row tiles (8, 4, 2, 1) and column chunks (3 or 4 groups of 16), strided rows and any
-thread count; a row's products are the same bits whatever rows share its pass; it rejects
-what it cannot take."""
+"""The column-pair matmul kernels (``pair_matmul.cpp``: bfloat16 weights, and int8 weights
+with a scale a column) compute what ``x @ w.T`` computes: against float64 they err no more
+than one bfloat16 step of the sum of |x| |w|, for every tail of their row tiles (8, 4, 2, 1)
+and column chunks (3 or 4 groups of 16), strided rows and any thread count; a row's products
+are the same bits whatever rows share its pass (int8 groups are widened per tile for up to
+8 rows, once a chunk beyond); they reject what they cannot take."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.models.layers.cpu_weight_layout import PairedWeight
+from radixlm.models.layers.weight_formats import ConversionBuffer, Int8Weight
 
 
 @pytest.fixture(scope="module")
@@ -24,40 +26,55 @@ def pairs_of(weight: torch.Tensor) -> torch.Tensor:
     return PairedWeight.pack(weight).pairs
 
 
+@pytest.fixture(scope="module", params=["bfloat16", "int8"])
+def by_pairs(request, kernel, kernels):
+    """weight (N, K) float32 -> (x -> x @ w.T on the kernel of the weight's format, the
+    float64 weight that format stands for)."""
+    def prepare(weight: torch.Tensor):
+        if request.param == "bfloat16":
+            pairs = pairs_of(weight.bfloat16())
+            return (lambda x: kernel(x, pairs)), weight.bfloat16().double()
+        packed = Int8Weight.pack(weight, ConversionBuffer(), by_pairs=True)
+        assert packed.weight is None and packed.pairs.dtype == torch.int8
+        return ((lambda x: kernels.int8_pair_matmul(x, packed.pairs, packed.scales)),
+                packed.dequantized().double())
+
+    return prepare
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 13, 16, 27, 64])
 @pytest.mark.parametrize("out_features, in_features",
                          [(16, 2), (48, 64), (112, 34), (80, 1536), (960, 576)])
-def test_it_computes_what_x_times_w_transposed_computes(kernel, rows, out_features,
+def test_it_computes_what_x_times_w_transposed_computes(by_pairs, rows, out_features,
                                                         in_features):
     torch.manual_seed(rows * 7 + out_features)
-    weight = (torch.randn(out_features, in_features) * 0.05).bfloat16()
+    multiply, weight = by_pairs(torch.randn(out_features, in_features) * 0.05)
     x = torch.randn(rows, in_features).bfloat16()
-    got = kernel(x, pairs_of(weight))
+    got = multiply(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    expected = x.double() @ weight.double().T
-    magnitude = x.double().abs() @ weight.double().abs().T
+    expected = x.double() @ weight.T
+    magnitude = x.double().abs() @ weight.abs().T
     assert ((got.double() - expected).abs() <= 2**-8 * magnitude + 1e-30).all()
 
 
-def test_a_rows_products_do_not_depend_on_the_rows_beside_it(kernel):
+def test_a_rows_products_do_not_depend_on_the_rows_beside_it(by_pairs):
     """Passes of any size give each row the same bits (a prompt's rows after a cache hit
     equal the whole prompt's), also on one thread and strided."""
     torch.manual_seed(0)
-    weight = (torch.randn(208, 576) * 0.05).bfloat16()
-    pairs = pairs_of(weight)
+    multiply, _ = by_pairs(torch.randn(208, 576) * 0.05)
     x = torch.randn(40, 576).bfloat16()
-    whole = kernel(x, pairs)
+    whole = multiply(x)
     for begin, end in [(0, 1), (5, 6), (3, 11), (8, 16), (17, 40), (0, 39)]:
-        assert torch.equal(kernel(x[begin:end], pairs), whole[begin:end])
+        assert torch.equal(multiply(x[begin:end]), whole[begin:end])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(kernel(x, pairs), whole)
+        assert torch.equal(multiply(x), whole)
     finally:
         torch.set_num_threads(threads)
     strided = torch.randn(40, 1152).bfloat16()[:, ::2]
-    assert torch.equal(kernel(strided, pairs), kernel(strided.contiguous(), pairs))
-    assert kernel(x[:0], pairs).shape == (0, 208)
+    assert torch.equal(multiply(strided), multiply(strided.contiguous()))
+    assert multiply(x[:0]).shape == (0, 208)
 
 
 def test_it_rejects_arguments_that_do_not_fit(kernel):
@@ -72,6 +89,17 @@ def test_it_rejects_arguments_that_do_not_fit(kernel):
         kernel(x, weight)  # the plain (N, K) weight
     with pytest.raises(RuntimeError, match="contiguous"):
         kernel(x, pairs.transpose(0, 1))
+
+
+def test_the_int8_kernel_rejects_arguments_that_do_not_fit(kernel, kernels):
+    packed = Int8Weight.pack(torch.randn(32, 64), ConversionBuffer(), by_pairs=True)
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="pairs must be Char"):
+        kernels.int8_pair_matmul(x, pairs_of(torch.randn(32, 64).bfloat16()), packed.scales)
+    with pytest.raises(RuntimeError, match=r"scales must be a contiguous \(N,\) float32"):
+        kernels.int8_pair_matmul(x, packed.pairs, packed.scales[:16])
+    with pytest.raises(RuntimeError, match=r"scales must be a contiguous \(N,\) float32"):
+        kernels.int8_pair_matmul(x, packed.pairs, packed.kernel_scales)
 
 
 def test_it_serves_where_amx_does_not_run_onednn(kernel):

@@ -1,6 +1,6 @@
 """A decoder layer's fused decode step (one call of the fused CPU kernels) gives the hidden
-states, logits and stored KV of the module path to the bit, and runs where, and only where,
-its parts and the step allow it."""
+states, logits and stored KV of the module path to the bit, for every weight layout and
+format it multiplies, and runs where, and only where, its parts and the step allow it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.kernels.forward_batch import ForwardMode
 from radixlm.models.layers.cpu_decode_layer import FusedDecodeLayer
+from radixlm.models.layers.linear import Linear
+from radixlm.models.layers.weight_formats import ConversionBuffer, HalfWeight, Int8Weight
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.server_args import ServerArgs
@@ -19,8 +22,14 @@ DECODE_STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def pairs_serve():
-    if not fused_ops.enable() or not fused_ops.pair_matmul_serves():
+def kernels_on():
+    if not fused_ops.enable():
+        pytest.skip("the fused CPU kernels cannot be built here")
+
+
+@pytest.fixture(scope="module")
+def pairs_serve(kernels_on):
+    if not fused_ops.pair_matmul_serves():
         pytest.skip("the fused kernels' pair_matmul does not serve on this CPU")
 
 
@@ -39,23 +48,24 @@ def fused_runs(monkeypatch):
     return counts
 
 
-def make_runner(path, **options) -> ModelRunner:
-    args = ServerArgs(str(path), dtype="bfloat16", max_total_tokens=512, **options)
+def make_runner(path, dtype="bfloat16", **options) -> ModelRunner:
+    args = ServerArgs(str(path), dtype=dtype, max_total_tokens=512, **options)
     return ModelRunner(args, ModelConfig.from_path(str(path)))
 
 
-def generate(runner: ModelRunner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Prefills PROMPTS, then greedy-decodes DECODE_STEPS steps: each step's hidden states
-    and logits, and the slots' KV of every layer at the end."""
-    rows = [runner.req_to_token_pool.alloc() for _ in PROMPTS]
+def generate(runner: ModelRunner, prompts: list[list[int]] = PROMPTS
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prefills ``prompts``, then greedy-decodes DECODE_STEPS steps: each step's hidden
+    states and logits, and the slots' KV of every layer at the end."""
+    rows = [runner.req_to_token_pool.alloc() for _ in prompts]
     table = runner.req_to_token_pool.req_to_token
     slots = []
-    for row, prompt in zip(rows, PROMPTS):
+    for row, prompt in zip(rows, prompts):
         slots.append(runner.allocator.alloc(len(prompt)))
         table[row, : len(prompt)] = slots[-1]
-    lens = [len(p) for p in PROMPTS]
+    lens = [len(p) for p in prompts]
     batch = runner.make_forward_batch(
-        ForwardMode.EXTEND, sum(PROMPTS, []), [i for n in lens for i in range(n)],
+        ForwardMode.EXTEND, sum(prompts, []), [i for n in lens for i in range(n)],
         torch.cat(slots), rows, [0] * len(rows), lens)
     hidden = runner.forward(batch)
     last = torch.tensor(lens).cumsum(0) - 1
@@ -76,22 +86,52 @@ def generate(runner: ModelRunner) -> tuple[list[torch.Tensor], list[torch.Tensor
     return steps, kv
 
 
-@pytest.mark.parametrize("kv", ["gqa", "mha"])
-def test_fused_steps_equal_the_module_path_to_the_bit(pairs_serve, tiny_model_dir, fused_runs,
-                                                      monkeypatch, kv):
-    path = tiny_model_dir("LlamaForCausalLM", kv, False)
-    runner = make_runner(path)
-    fused_steps, fused_kv = generate(runner)
+def assert_fused_equals_modules(path, fused_runs, monkeypatch, prompts=PROMPTS,
+                                **options) -> list[ProjectionKernel]:
+    """Runs the fused and the module path; returns the kernels the fused one multiplied by."""
+    runner = make_runner(path, **options)
+    layer = runner.model.layers[0]
+    projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                   layer.mlp.down_proj)
+    used = [p.fused_projection(len(prompts), runner.dtype).kernel for p in projections]
+    fused_steps, fused_kv = generate(runner, prompts)
     layers = len(runner.model.layers)
     assert fused_runs == {"fused": layers * DECODE_STEPS, "declined": 0}
     monkeypatch.setattr(FusedDecodeLayer, "build", classmethod(lambda cls, *args: None))
-    module_steps, module_kv = generate(make_runner(path))
+    module_steps, module_kv = generate(make_runner(path, **options), prompts)
     assert fused_runs["fused"] == layers * DECODE_STEPS  # no more
     for fused, module in zip(fused_steps + fused_kv, module_steps + module_kv, strict=True):
         assert torch.equal(fused, module)
+    return used
 
 
-def test_a_step_with_the_kernels_off_runs_the_modules(pairs_serve, tiny_model_dir, fused_runs):
+@pytest.mark.parametrize("kv", ["gqa", "mha"])
+def test_fused_steps_by_pairs_equal_the_module_path_to_the_bit(pairs_serve, tiny_model_dir,
+                                                               fused_runs, monkeypatch, kv):
+    used = assert_fused_equals_modules(tiny_model_dir("LlamaForCausalLM", kv, False),
+                                       fused_runs, monkeypatch)
+    assert used == [ProjectionKernel.PAIRS] * 4
+
+
+@pytest.mark.parametrize("dtype, quantization, requests, kernel", [
+    ("float32", None, 1, ProjectionKernel.TORCH_LINEAR),
+    ("float32", None, 3, ProjectionKernel.DENSE),
+    ("float32", "int8wo", 3, ProjectionKernel.INT8),
+    ("bfloat16", "int8wo", 1, ProjectionKernel.INT8_PAIRS),  # INT8 without pairs
+    ("bfloat16", "fp16wo", 3, ProjectionKernel.DENSE),
+])
+def test_fused_steps_of_other_formats_equal_the_module_path_to_the_bit(
+        kernels_on, tiny_model_dir, fused_runs, monkeypatch, dtype, quantization, requests,
+        kernel):
+    used = assert_fused_equals_modules(
+        tiny_model_dir("LlamaForCausalLM", "gqa", False), fused_runs, monkeypatch,
+        PROMPTS[-requests:], dtype=dtype, quantization=quantization)
+    if kernel is ProjectionKernel.INT8_PAIRS and not fused_ops.pair_matmul_serves():
+        kernel = ProjectionKernel.INT8
+    assert used == [kernel] * 4
+
+
+def test_a_step_with_the_kernels_off_runs_the_modules(kernels_on, tiny_model_dir, fused_runs):
     runner = make_runner(tiny_model_dir("LlamaForCausalLM", "gqa", False))
     fused_ops.disable()
     try:
@@ -101,14 +141,41 @@ def test_a_step_with_the_kernels_off_runs_the_modules(pairs_serve, tiny_model_di
     assert fused_runs == {"fused": 0, "declined": len(runner.model.layers) * DECODE_STEPS}
 
 
-@pytest.mark.parametrize("architecture, options", [
-    ("Qwen2ForCausalLM", {}),  # q/k/v biases
-    ("Qwen3ForCausalLM", {}),  # q/k norms
-    ("LlamaForCausalLM", {"disable_cpu_weight_rows": True}),  # oneDNN's layout, not pairs
+@pytest.mark.parametrize("architecture", [
+    "Qwen2ForCausalLM",  # q/k/v biases
+    "Qwen3ForCausalLM",  # q/k norms
 ])
-def test_layers_whose_parts_do_not_allow_it_run_the_modules(pairs_serve, tiny_model_dir,
-                                                             fused_runs, architecture, options):
-    runner = make_runner(tiny_model_dir(architecture, "gqa", False), **options)
+def test_layers_whose_parts_do_not_allow_it_run_the_modules(kernels_on, tiny_model_dir,
+                                                             fused_runs, architecture):
+    runner = make_runner(tiny_model_dir(architecture, "gqa", False))
     generate(runner)
     assert fused_runs == {"fused": 0, "declined": 0}
     assert all(layer._fused_decode() is None for layer in runner.model.layers)
+
+
+def test_steps_whose_products_run_on_onednn_run_the_modules(kernels_on, tiny_model_dir,
+                                                            fused_runs):
+    runner = make_runner(tiny_model_dir("LlamaForCausalLM", "gqa", False),
+                         disable_cpu_weight_rows=True)  # oneDNN's layout, no kept rows
+    generate(runner)
+    assert fused_runs == {"fused": 0, "declined": len(runner.model.layers) * DECODE_STEPS}
+
+
+def test_a_projection_names_the_kernel_its_matmul_runs():
+    linear = Linear(32, 48, bias=False)
+    weight = linear.weight.detach()
+    assert linear.fused_projection(1, torch.float32).kernel is ProjectionKernel.TORCH_LINEAR
+    assert linear.fused_projection(3, torch.float32).kernel is ProjectionKernel.DENSE
+    assert linear.fused_projection(17, torch.float32).kernel is ProjectionKernel.TORCH_LINEAR
+    assert linear.fused_projection(3, torch.bfloat16).kernel is ProjectionKernel.TORCH_LINEAR
+    int8 = Int8Weight.pack(weight, ConversionBuffer())
+    product = int8.fused_projection(16, torch.bfloat16)
+    assert product.kernel is ProjectionKernel.INT8 and product.scales is int8.scales
+    assert int8.fused_projection(17, torch.bfloat16) is None  # widened, torch's matmul
+    assert int8.fused_projection(32, torch.float32).kernel is ProjectionKernel.INT8
+    paired = Int8Weight.pack(weight, ConversionBuffer(), by_pairs=True)
+    assert paired.fused_projection(512, torch.bfloat16).kernel is ProjectionKernel.INT8_PAIRS
+    assert paired.fused_projection(1, torch.float32) is None  # the pairs take bfloat16 rows
+    half = HalfWeight.pack(weight, ConversionBuffer())
+    assert half.fused_projection(32, torch.float32).weight is half.weight
+    assert half.fused_projection(33, torch.float32) is None

@@ -120,6 +120,36 @@ def test_the_packed_weights_are_within_half_a_step_of_the_original():
     half = HalfWeight.pack(weight, ConversionBuffer())
     assert half.weight.dtype == torch.float16 and half.nbytes() == 48 * 40 * 2
     torch.testing.assert_close(half.dequantized(), weight, atol=0, rtol=2**-11)
+    paired = Int8Weight.pack(weight, ConversionBuffer(), by_pairs=True)
+    assert paired.weight is None and paired.pairs.shape == (3, 20, 16, 2)
+    assert torch.equal(paired.dequantized(), int8.dequantized())
+    assert paired.nbytes() == int8.nbytes()
+    unfit = Int8Weight.pack(weight[:40], ConversionBuffer(), by_pairs=True)  # 40 rows
+    assert unfit.pairs is None and unfit.weight.shape == (40, 40)
+
+
+def test_int8_pairs_multiply_as_the_rows_do_with_the_kernels_on_or_off():
+    """By pairs, bfloat16 rows run the kernels' int8_pair_matmul; with the kernels off, or
+    float32 rows, the integers are unpaired and multiplied as rows are."""
+    if not fused_ops.enable() or not fused_ops.active().pair_matmul_available():
+        pytest.skip("no AVX-512 BF16 pair kernels here")
+    torch.manual_seed(1)
+    weight = torch.randn(64, 96) * 0.05
+    rows, paired = (Int8Weight.pack(weight, ConversionBuffer(), by_pairs=by_pairs)
+                    for by_pairs in (False, True))
+    for x in (torch.randn(3, 96).bfloat16(), torch.randn(40, 96).bfloat16(), torch.randn(3, 96)):
+        expected = x.double() @ rows.dequantized().double().T
+        magnitude = x.double().abs() @ rows.dequantized().double().abs().T
+        got = [paired.matmul(x)]
+        fused_ops.disable()
+        try:
+            got.append(paired.matmul(x))
+            assert torch.equal(got[-1], rows.matmul(x))
+        finally:
+            fused_ops.enable()
+        for product in got:
+            assert product.dtype == x.dtype
+            assert ((product.double() - expected).abs() <= 2**-7 * magnitude + 1e-30).all()
 
 
 def test_large_passes_reuse_one_buffer():
