@@ -19,7 +19,7 @@ modules run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.kv_cache.memory_pool import MHATokenToKVPool
 from radixlm.models.layers.layernorm import RMSNorm
 from radixlm.models.layers.linear import Linear
+
+# decode_layer's kernels, weights and scales arguments: a list of four each.
+ProjectionOperands = tuple[list[int], list[torch.Tensor], list[torch.Tensor]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,6 +45,7 @@ class FusedDecodeLayer:
     heads: int
     kv_heads: int
     scale: float
+    _known: dict = field(default_factory=dict)  # see _products
 
     @classmethod
     def build(cls, layer_id: int, input_norm: RMSNorm, post_norm: RMSNorm,
@@ -63,9 +67,8 @@ class FusedDecodeLayer:
         input_norm, post_norm = self.input_norm.weight, self.post_norm.weight
         if kernels is None or not x.dtype == input_norm.dtype == post_norm.dtype:
             return None
-        rows = x.shape[0]
-        products = [p.fused_projection(rows, x.dtype) for p in self.projections]
-        if any(p is None for p in products):
+        products = self._products(x.shape[0], x.dtype)
+        if products is None:
             return None
         pool = forward_batch.kv_pool
         if type(pool) is not MHATokenToKVPool:
@@ -76,7 +79,24 @@ class FusedDecodeLayer:
         k_buffer, v_buffer = pool.get_kv(self.layer_id)
         return kernels.decode_layer(
             x, x if residual is None else residual, residual is not None,
-            input_norm, post_norm, self.input_norm.eps, [p.kernel for p in products],
-            [p.weight for p in products], [p.scales for p in products], *rope, k_buffer,
+            input_norm, post_norm, self.input_norm.eps, *products, *rope, k_buffer,
             v_buffer, forward_batch.out_cache_loc, *tables, self.heads, self.kv_heads,
             self.scale)
+
+    def _products(self, rows: int, dtype: torch.dtype) -> ProjectionOperands | None:
+        """The projections' kernels, weights and scales for passes of ``rows`` rows of
+        ``dtype`` (``Linear.fused_projection``), or None where one runs none of the kernels.
+        Kept per (rows, dtype) while every projection holds the weight it held then (a
+        weight packed or laid out anew is asked again): nothing else they depend on changes
+        between decode steps (``row_invariant_products``, which oneDNN's layout heeds, is
+        only entered for prompt passes)."""
+        weights = [p.weight if p.packed is None else p.packed for p in self.projections]
+        known = self._known.get((rows, dtype))
+        if known is not None and all(a is b for a, b in zip(known[0], weights)):
+            return known[1]
+        products = [p.fused_projection(rows, dtype) for p in self.projections]
+        operands = None if any(p is None for p in products) else (
+            [p.kernel for p in products], [p.weight for p in products],
+            [p.scales for p in products])
+        self._known[(rows, dtype)] = (weights, operands)
+        return operands
