@@ -49,6 +49,8 @@ from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 HALF_GEMV_MAX_ROWS = 4
 HALF_FUSED_MAX_ROWS = 32
 FLOAT32_FUSED_ROWS = range(3, 17)
+FLOAT32_FUSED_ROWS_FROM_ONE = range(1, 17)
+_float32_fused_rows = FLOAT32_FUSED_ROWS  # see fuse_float32_matrix_vector
 INT8_KERNEL_MAX_ROWS = 32
 INT8_KERNEL_MAX_ROWS_BF16 = 16
 WEIGHT_FORMATS = ("fp16wo", "int8wo")
@@ -85,9 +87,11 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor,
     model's weights on a 2-core AMX CPU, kernels built for AVX2, 4 rows 40.6 ms against
     30.3, 8 rows 54.4 against 38.2, 16 rows 57.3 against 53.1 (32 rows 74.7 against 83.9);
     a whole float32 decode step there (kernels built for its AVX-512) at batch 4 49.7 -> 38.1
-    ms, at batch 16 85.3 -> 68.2. At one row torch's matrix-vector kernel is the faster (a
-    step 27.4 against 30.0 ms), at two they are even."""
-    if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] in FLOAT32_FUSED_ROWS
+    ms, at batch 16 85.3 -> 68.2. At one row torch's matrix-vector kernel is the faster there
+    (a step 27.4 against 30.0 ms), at two they are even; on a 2-core Zen 4 it is the slower
+    (all the weights, one row: 53 against 25 ms, two rows 104-110 against 24-26), so the
+    runner measures which (``fuse_float32_matrix_vector``)."""
+    if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] in _float32_fused_rows
             and weight.dtype == torch.float32 and weight.is_contiguous()):
         kernels = fused_ops.for_tensor(x)
         if kernels is not None:
@@ -113,10 +117,23 @@ class FusedProjection(NamedTuple):
 def plain_fused_projection(weight: torch.Tensor, rows: int,
                            dtype: torch.dtype) -> FusedProjection:
     """What ``plain_matmul`` runs for ``rows`` rows of ``dtype`` with the kernels on."""
-    if (dtype == torch.float32 and rows in FLOAT32_FUSED_ROWS
+    if (dtype == torch.float32 and rows in _float32_fused_rows
             and weight.dtype == torch.float32 and weight.is_contiguous()):
         return FusedProjection.of(ProjectionKernel.DENSE, weight)
     return FusedProjection.of(ProjectionKernel.TORCH_LINEAR, weight)
+
+
+def fuse_float32_matrix_vector(active: bool) -> None:
+    """Whether float32 passes of one and two rows run the kernels' ``dense_matmul`` too
+    (``FLOAT32_FUSED_ROWS_FROM_ONE``), not torch's matrix-vector kernel: the CPU runner sets
+    it by measuring both (``cpu_matmul_path.choose_float32_matrix_vector``). Process-wide."""
+    global _float32_fused_rows
+    _float32_fused_rows = FLOAT32_FUSED_ROWS_FROM_ONE if active else FLOAT32_FUSED_ROWS
+
+
+def float32_fused_rows() -> range:
+    """The row counts of float32 passes that run ``dense_matmul`` (kernels on)."""
+    return _float32_fused_rows
 
 
 def int8_kernel_max_rows(dtype: torch.dtype) -> int:

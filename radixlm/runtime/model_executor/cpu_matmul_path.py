@@ -1,4 +1,5 @@
-"""Which kernels a CPU forward pass's half-precision matmuls run on.
+"""Which kernels a CPU forward pass's half-precision matmuls, and its float32 passes of one
+or two rows, run on.
 
 torch hands a bfloat16 / float16 matmul to oneDNN where the CPU has AVX-512. For many rows
 that is the fast path; for one row (a batch-1 decode step, or its logits) oneDNN sets up a
@@ -13,16 +14,36 @@ bypassed (default model, AMX CPU, 2 threads: a bf16 decode step 24.1 ms without 
 
 The switch is torch's process-wide ``torch.backends.mkldnn.enabled``: forward passes of a
 runner must not overlap (the scheduler runs them one at a time).
+
+A float32 pass of one or two rows (batch-1 and -2 decode) runs either torch's matrix-vector
+kernel (MKL's) or the fused kernels' ``dense_matmul``, whichever is the faster here, which
+differs between CPUs: on a 2-core AMX CPU torch's (a batch-1 step 27.4 against 30.0 ms),
+on a 2-core Zen 4 the kernels' (all the default model's weights, one row: 25 against 53 ms;
+MKL's kernel ran on one thread there). ``choose_float32_matrix_vector`` measures both once
+a process, on a weight larger than the CPU's caches, and sets the weights' path
+(``weight_formats.fuse_float32_matrix_vector``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
+from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.models.layers import weight_formats
 from radixlm.models.layers.cpu_weight_layout import uses_blocked_layout
+
+logger = logging.getLogger(__name__)
+
+PROBE_SHAPE = (4096, 4096)  # float32, 64 MiB: past the last-level caches of these CPUs
+PROBE_ROUNDS = 4
+KERNEL_MARGIN = 0.9  # the kernels' time must be below this share of torch's to be chosen
+_float32_choice: bool | None = None  # measured once a process
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -48,3 +69,38 @@ def matrix_vector_path(active: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.mkldnn.enabled = True
+
+
+def choose_float32_matrix_vector() -> bool:
+    """Measures (once a process; later calls return the first answer) whether the fused
+    kernels' ``dense_matmul`` multiplies one float32 row faster than torch's ``F.linear``
+    here, by a clear margin (``KERNEL_MARGIN``), and sets float32 passes of one and two rows
+    to run on it if so; returns the choice. False, without measuring, where the kernels are
+    off."""
+    global _float32_choice
+    if _float32_choice is None:
+        kernels = fused_ops.active()
+        if kernels is None:
+            return False
+        torch_s, kernel_s = _time_one_row(kernels)
+        _float32_choice = kernel_s < KERNEL_MARGIN * torch_s
+        logger.info("float32 one-row matmul, %d x %d weight: torch %.2f ms, fused kernel "
+                    "%.2f ms: %s's", *PROBE_SHAPE, torch_s * 1e3, kernel_s * 1e3,
+                    "the kernel" if _float32_choice else "torch")
+    weight_formats.fuse_float32_matrix_vector(_float32_choice)
+    return _float32_choice
+
+
+def _time_one_row(kernels) -> tuple[float, float]:
+    """Best seconds of ``F.linear`` and of ``dense_matmul`` for one row against a float32
+    weight of ``PROBE_SHAPE``, the two taken in turns ``PROBE_ROUNDS`` times."""
+    weight = torch.full(PROBE_SHAPE, 0.5)
+    row = torch.ones(1, PROBE_SHAPE[1])
+    products = (lambda: F.linear(row, weight), lambda: kernels.dense_matmul(row, weight))
+    best = [float("inf"), float("inf")]
+    for _ in range(PROBE_ROUNDS):
+        for i, product in enumerate(products):
+            start = time.perf_counter()
+            product()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]

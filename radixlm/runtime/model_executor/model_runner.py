@@ -33,6 +33,7 @@ from radixlm.models.layers.tensor_parallel import SINGLE
 from radixlm.models.loader import load_model, validate_split
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor.cpu_matmul_path import (
+    choose_float32_matrix_vector,
     matrix_vector_path,
     uses_matrix_vector_path,
 )
@@ -87,6 +88,8 @@ class ModelRunner:
         self._one_row_bypass = uses_matrix_vector_path(self.device, self.dtype,
                                                        self.weight_format)
         self.fused_cpu_kernels = self._use_fused_cpu_kernels()
+        if self.fused_cpu_kernels and self.dtype == torch.float32:
+            choose_float32_matrix_vector()
         self.model = load_model(model_config, self.dtype, self.device, self.context_length,
                                 self.tp, self.weight_format,
                                 self.fused_cpu_kernels and not args.disable_cpu_weight_rows)

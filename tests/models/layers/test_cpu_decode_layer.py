@@ -12,8 +12,15 @@ from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.kernels.forward_batch import ForwardMode
 from radixlm.models.layers.cpu_decode_layer import FusedDecodeLayer
 from radixlm.models.layers.linear import Linear
-from radixlm.models.layers.weight_formats import ConversionBuffer, HalfWeight, Int8Weight
+from radixlm.models.layers.weight_formats import (
+    ConversionBuffer,
+    HalfWeight,
+    Int8Weight,
+    float32_fused_rows,
+    fuse_float32_matrix_vector,
+)
 from radixlm.models.model_config import ModelConfig
+from radixlm.runtime.model_executor import cpu_matmul_path
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.server_args import ServerArgs
 
@@ -114,7 +121,8 @@ def test_fused_steps_by_pairs_equal_the_module_path_to_the_bit(pairs_serve, tiny
 
 
 @pytest.mark.parametrize("dtype, quantization, requests, kernel", [
-    ("float32", None, 1, ProjectionKernel.TORCH_LINEAR),
+    ("float32", None, 1, ProjectionKernel.TORCH_LINEAR),  # where measured the faster
+    ("float32", None, 1, ProjectionKernel.DENSE),  # where measured the faster
     ("float32", None, 3, ProjectionKernel.DENSE),
     ("float32", "int8wo", 3, ProjectionKernel.INT8),
     ("bfloat16", "int8wo", 1, ProjectionKernel.INT8_PAIRS),  # INT8 without pairs
@@ -123,9 +131,16 @@ def test_fused_steps_by_pairs_equal_the_module_path_to_the_bit(pairs_serve, tiny
 def test_fused_steps_of_other_formats_equal_the_module_path_to_the_bit(
         kernels_on, tiny_model_dir, fused_runs, monkeypatch, dtype, quantization, requests,
         kernel):
-    used = assert_fused_equals_modules(
-        tiny_model_dir("LlamaForCausalLM", "gqa", False), fused_runs, monkeypatch,
-        PROMPTS[-requests:], dtype=dtype, quantization=quantization)
+    measured = cpu_matmul_path._float32_choice
+    if dtype == "float32" and requests == 1:  # as the runner's measurement would choose
+        cpu_matmul_path._float32_choice = kernel is ProjectionKernel.DENSE
+    try:
+        used = assert_fused_equals_modules(
+            tiny_model_dir("LlamaForCausalLM", "gqa", False), fused_runs, monkeypatch,
+            PROMPTS[-requests:], dtype=dtype, quantization=quantization)
+    finally:
+        cpu_matmul_path._float32_choice = measured
+        fuse_float32_matrix_vector(bool(measured))
     if kernel is ProjectionKernel.INT8_PAIRS and not fused_ops.pair_matmul_serves():
         kernel = ProjectionKernel.INT8
     assert used == [kernel] * 4
@@ -164,7 +179,9 @@ def test_steps_whose_products_run_on_onednn_run_the_modules(kernels_on, tiny_mod
 def test_a_projection_names_the_kernel_its_matmul_runs():
     linear = Linear(32, 48, bias=False)
     weight = linear.weight.detach()
-    assert linear.fused_projection(1, torch.float32).kernel is ProjectionKernel.TORCH_LINEAR
+    one_row = (ProjectionKernel.DENSE if 1 in float32_fused_rows()
+               else ProjectionKernel.TORCH_LINEAR)  # as measured (cpu_matmul_path)
+    assert linear.fused_projection(1, torch.float32).kernel is one_row
     assert linear.fused_projection(3, torch.float32).kernel is ProjectionKernel.DENSE
     assert linear.fused_projection(17, torch.float32).kernel is ProjectionKernel.TORCH_LINEAR
     assert linear.fused_projection(3, torch.bfloat16).kernel is ProjectionKernel.TORCH_LINEAR

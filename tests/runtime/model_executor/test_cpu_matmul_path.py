@@ -1,7 +1,8 @@
 """One-row half-precision passes on CPUs skip oneDNN for torch's matrix-vector kernel unless
 the weights are in oneDNN's layout: the switch applies only where it should, gives the same
 products and is always restored. A bfloat16 runner gives the fused kernels their own copies
-of its weights unless told not to."""
+of its weights unless told not to. Float32 one-row passes take the kernel measured faster,
+measured once a process."""
 
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ from radixlm.models.layers.cpu_weight_layout import (
     uses_blocked_layout,
 )
 from radixlm.models.layers.linear import Linear
+from radixlm.models.layers.weight_formats import float32_fused_rows
 from radixlm.models.model_config import ModelConfig
+from radixlm.runtime.model_executor import cpu_matmul_path
 from radixlm.runtime.model_executor.cpu_matmul_path import (
+    choose_float32_matrix_vector,
     matrix_vector_path,
     uses_matrix_vector_path,
 )
@@ -87,3 +91,29 @@ def test_a_bfloat16_runner_gives_the_kernels_their_copies_unless_told_not_to(tin
                        for weight in packed)
     finally:
         runner.close()
+
+
+def test_float32_one_row_passes_take_the_kernel_measured_faster(monkeypatch):
+    assert fused_ops.enable(), "the fused CPU kernels did not build"
+    monkeypatch.setattr(cpu_matmul_path, "_float32_choice", None)
+    timed = []
+    real_time = cpu_matmul_path._time_one_row
+
+    def observed(kernels):
+        timed.append(real_time(kernels))
+        return timed[-1]
+
+    monkeypatch.setattr(cpu_matmul_path, "_time_one_row", observed)
+    chosen = choose_float32_matrix_vector()
+    assert len(timed) == 1 and all(seconds > 0 for seconds in timed[0])
+    torch_s, kernel_s = timed[0]
+    assert chosen == (kernel_s < cpu_matmul_path.KERNEL_MARGIN * torch_s)
+    assert (1 in float32_fused_rows()) == chosen and 3 in float32_fused_rows()
+    assert choose_float32_matrix_vector() == chosen and len(timed) == 1  # once a process
+
+
+def test_without_the_kernels_nothing_is_measured(monkeypatch):
+    monkeypatch.setattr(cpu_matmul_path, "_float32_choice", None)
+    monkeypatch.setattr(cpu_matmul_path, "_time_one_row", None)  # not to be called
+    monkeypatch.setattr(fused_ops, "_module", None)
+    assert choose_float32_matrix_vector() is False
