@@ -8,12 +8,19 @@ from typing import Any
 
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
 
+# Characters JSON lets stand raw inside a string that line readers (Python's splitlines,
+# httpx's aiter_lines) take for a line's end: an event holding one would reach such a client
+# cut in two. Escaped, the JSON means the same.
+_LINE_BREAKS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
+                                      "\u2029": "\\u2029"})
+
 
 async def server_sent_events(
     events: AsyncIterator[Any], source: AsyncIterator[Any],
     encode: Callable[[Any], str], error_body: Callable[[Exception], dict],
 ) -> AsyncIterator[bytes]:
-    """``data: <encode(event)>`` per event; an error as ``data: <error_body(err)>``; then
+    """``data: <encode(event)>`` per event (U+0085, U+2028 and U+2029 escaped, so that every
+    event is one line to any line reader); an error as ``data: <error_body(err)>``; then
     ``data: [DONE]``.
 
     ``source`` is the Engine stream the events come from. It is closed as soon as this
@@ -21,7 +28,7 @@ async def server_sent_events(
     """
     try:
         async for event in events:
-            yield f"data: {encode(event)}\n\n".encode()
+            yield f"data: {encode(event).translate(_LINE_BREAKS_IN_JSON)}\n\n".encode()
     except (ValueError, RuntimeUnavailable, QueueFull) as err:
         yield f"data: {json.dumps(error_body(err))}\n\n".encode()
     finally:
