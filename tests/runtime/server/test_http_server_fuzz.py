@@ -10,6 +10,8 @@ from live_server import LiveServer
 
 from radixlm.runtime.server.http_server import create_app
 
+pytestmark = pytest.mark.slow  # ~30 s of generated requests: CI's last stage
+
 
 @pytest.fixture
 def api_schema(engine_for):
