@@ -27,8 +27,8 @@
 // chunk into a thread's buffer that all its tiles read (the same values, so the same sums:
 // rows stay independent of their neighbours). All the default model's weights, 2 threads:
 // one row 5.3-5.6 ms (bfloat16 pairs 7.8-9.7: half the bytes), 16 rows 15.6 (14.3), 64 rows
-// 47 (47), 512 rows 374 (354-390); the int8 rows of few_rows_matmul.cpp 8.1, 39, 77-84, and
-// (widened to bfloat16 for oneDNN) 426-438.
+// 47 (47), 512 rows 374-376 (354-390); the int8 rows of few_rows_matmul.cpp 5.3-8.8 across
+// runs, 39-43, 77-103, and (widened to bfloat16 for oneDNN) 420-495.
 
 #include <torch/extension.h>
 

@@ -224,9 +224,9 @@ class Int8Weight(PackedWeight):
     by rows, for bfloat16 passes of any number of rows on the kernels' ``int8_pair_matmul``
     (the integers widened to bfloat16 in registers, AVX-512 BF16 dot products: the default
     model's weights on a 2-core Zen 4, 2 threads, one row 5.3-5.6 ms against 7.8-9.7 for its
-    bfloat16 pairs and 8.1 for ``int8_matmul``; 16 rows 15.6 against 14.3 and 39; 512 rows
-    374 against 354-390 and, widened for oneDNN, 426-438). Its products of a row do not
-    depend on the pass's other rows."""
+    bfloat16 pairs and 5.3-8.8 (across runs) for ``int8_matmul``; 16 rows 15.6 against 14.3
+    and 39-43; 512 rows 374-376 against 354-390 and, widened for oneDNN, 420-495). Its
+    products of a row do not depend on the pass's other rows."""
 
     buffer: ConversionBuffer
     weight: torch.Tensor | None  # (out, in) int8, unless by pairs

@@ -19,9 +19,9 @@ A float32 pass of one or two rows (batch-1 and -2 decode) runs either torch's ma
 kernel (MKL's) or the fused kernels' ``dense_matmul``, whichever is the faster here, which
 differs between CPUs: on a 2-core AMX CPU torch's (a batch-1 step 27.4 against 30.0 ms),
 on a 2-core Zen 4 the kernels' (all the default model's weights, one row: 25 against 53 ms;
-MKL's kernel ran on one thread there). ``choose_float32_matrix_vector`` measures both once
-a process, on a weight larger than the CPU's caches, and sets the weights' path
-(``weight_formats.fuse_float32_matrix_vector``).
+MKL's kernel took no less time on two threads than on one there).
+``choose_float32_matrix_vector`` measures both once a process, on a weight larger than the
+CPU's caches, and sets the weights' path (``weight_formats.fuse_float32_matrix_vector``).
 """
 
 from __future__ import annotations
