@@ -8,9 +8,11 @@
 // float32 sums: no horizontal sums, and 16 outputs a store. A tile keeps R rows by C groups of
 // sums in registers (8 by 3 at most: 24 of the 32 vector registers) and reads each weight
 // vector once for its R rows; a thread's chunk of C groups (C * K * 32 bytes, within L2) is
-// walked by tiles of 8, 4, 2 and 1 rows, and the first tile of a chunk asks for the next
-// chunk's weights as it goes, into L2 (into L1 that was slower: all the model's weights at
-// one row on one thread, 17.5 ms against 13.3). Sums are float32 in the order of K whatever
+// walked by tiles of 8, 4, 2 and 1 rows, and its first two tiles ask for the next chunk's
+// weights as they go, half each, into L2 (into L1 that was slower: all the model's weights
+// at one row on one thread, 17.5 ms against 13.3; all of them in the first tile, as before,
+// 16 rows took 13.0-13.6 ms against 12.0-12.7 halved: the second tile's sums ran from L2
+// while the memory idled). Sums are float32 in the order of K whatever
 // M is, so a row's outputs do not depend on the rows beside it; each is rounded once (to
 // nearest even).
 //
@@ -46,6 +48,8 @@
 #endif
 
 namespace radixlm_pairs {
+
+#define RADIXLM_INLINE __attribute__((always_inline))
 
 constexpr int64_t kGroup = 16;  // output columns of one vector of sums
 
@@ -87,27 +91,44 @@ struct Int8Pairs {
 };
 
 // Rows [0, R) of x against groups [0, C) from w into out, the sums of group c multiplied by
-// scales[c * 16, c * 16 + 16) where scales is given. With `ahead`, the next chunk's
-// weights are requested as the pairs go (one cache line per group and 64 bytes of pairs).
+// scales[c * 16, c * 16 + 16) where scales is given. `ahead_lines` 64-byte lines from
+// `ahead` (the next chunk's weights, or a share of them) are requested into L2 evenly as
+// the pairs go.
 template <class Pairs, int R, int C>
 inline void tile(const uint16_t* x, const typename Pairs::Weight* w, const float* scales,
-                 uint16_t* out, const Shape& s, const char* ahead) {
-  constexpr int64_t kVectorBytes = 2 * kGroup * sizeof(typename Pairs::Weight);
+                 uint16_t* out, const Shape& s, const char* ahead, int64_t ahead_lines) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const int64_t pairs = s.K / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = Pairs::load(w + c * s.group_stride + p * 2 * kGroup);
-    if (ahead != nullptr && (p * kVectorBytes) % 64 == 0) {
-      const int64_t line = p * kVectorBytes / 64;  // of each group's pairs
-      for (int c = 0; c < C; ++c) _mm_prefetch(ahead + (line * C + c) * 64, _MM_HINT_T1);
+  const auto walk = [&](auto ask) RADIXLM_INLINE {  // the sums, ask(p) at each pair p
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512bh wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = Pairs::load(w + c * s.group_stride + p * 2 * kGroup);
+      ask(p);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = broadcast_pair(x + r * s.K + 2 * p);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = broadcast_pair(x + r * s.K + 2 * p);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
-    }
+  };
+  constexpr int64_t kVectorBytes = 2 * kGroup * sizeof(typename Pairs::Weight);
+  if (ahead_lines == 0) {
+    walk([](int64_t) RADIXLM_INLINE {});
+  } else if (ahead_lines == C * pairs * kVectorBytes / 64) {  // C lines each 64 bytes
+    walk([&](int64_t p) RADIXLM_INLINE {
+      if ((p * kVectorBytes) % 64 == 0) {
+        const char* lines = ahead + p * kVectorBytes * C;
+        for (int c = 0; c < C; ++c) _mm_prefetch(lines + c * 64, _MM_HINT_T1);
+      }
+    });
+  } else {  // ahead_lines / pairs lines a pair; `owed` counts in 1 / pairs of a line
+    int64_t owed = 0;
+    walk([&](int64_t) RADIXLM_INLINE {
+      for (owed += ahead_lines; owed >= pairs; owed -= pairs, ahead += 64) {
+        _mm_prefetch(ahead, _MM_HINT_T1);
+      }
+    });
   }
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) {
@@ -125,7 +146,7 @@ inline void tile(const uint16_t* x, const typename Pairs::Weight* w, const float
 // the tiles read that: the same bfloat16 values in the same order, so the same sums.
 template <class Pairs, int C>
 void chunk(const uint16_t* x, const typename Pairs::Weight* w, const float* scales,
-           uint16_t* out, const Shape& s, const char* ahead) {
+           uint16_t* out, const Shape& s, const char* ahead, int64_t lines) {
   if constexpr (std::is_same_v<Pairs, Int8Pairs>) {
     if (s.M > 8) {
       thread_local std::vector<uint16_t> widened;
@@ -134,35 +155,41 @@ void chunk(const uint16_t* x, const typename Pairs::Weight* w, const float* scal
       for (int64_t i = 0; i < elements; i += 2 * kGroup) {
         _mm512_storeu_si512(widened.data() + i, (__m512i)Int8Pairs::load(w + i));
       }
-      // (The tiles' requests for the next chunk count bfloat16 bytes, so they run on into
-      // the chunk after it: the same lines, asked for early.)
-      return chunk<BFloat16Pairs, C>(x, widened.data(), scales, out, s, ahead);
+      return chunk<BFloat16Pairs, C>(x, widened.data(), scales, out, s, ahead, lines);
     }
   }
-  int64_t m = 0;
-  for (; m + 8 <= s.M; m += 8) {
-    tile<Pairs, 8, C>(x + m * s.K, w, scales, out + m * s.N, s, m ? nullptr : ahead);
+  // The first `askers` tiles (two, or the one) ask for the next chunk's lines, a run each.
+  const int64_t askers = std::min<int64_t>(2, s.M / 8 + __builtin_popcountll(s.M % 8));
+  int64_t m = 0, t = 0;
+  const auto share = [&](int64_t tile) {  // tile's run: its first line and count
+    const int64_t first = tile < askers ? tile * lines / askers : 0;
+    const int64_t end = tile < askers ? (tile + 1) * lines / askers : 0;
+    return std::pair{ahead + first * 64, end - first};
+  };
+  for (; m + 8 <= s.M; m += 8, ++t) {
+    const auto [from, count] = share(t);
+    tile<Pairs, 8, C>(x + m * s.K, w, scales, out + m * s.N, s, from, count);
   }
-  const int64_t rest = s.M - m;
-  if (rest & 4) {
-    tile<Pairs, 4, C>(x + m * s.K, w, scales, out + m * s.N, s, m ? nullptr : ahead);
-    m += 4;
+  for (int rows = 4; rows > 0; rows /= 2) {  // the rest: a tile of 4, 2, 1 rows each
+    if ((s.M - m) & rows) {
+      const auto [from, count] = share(t);
+      if (rows == 4) tile<Pairs, 4, C>(x + m * s.K, w, scales, out + m * s.N, s, from, count);
+      if (rows == 2) tile<Pairs, 2, C>(x + m * s.K, w, scales, out + m * s.N, s, from, count);
+      if (rows == 1) tile<Pairs, 1, C>(x + m * s.K, w, scales, out + m * s.N, s, from, count);
+      m += rows, ++t;
+    }
   }
-  if (rest & 2) {
-    tile<Pairs, 2, C>(x + m * s.K, w, scales, out + m * s.N, s, m ? nullptr : ahead);
-    m += 2;
-  }
-  if (rest & 1) tile<Pairs, 1, C>(x + m * s.K, w, scales, out + m * s.N, s, m ? nullptr : ahead);
 }
 
 // The last chunk of a thread's share may have fewer groups than the others.
 template <class Pairs, int C>
 void chunk_of(int64_t groups, const uint16_t* x, const typename Pairs::Weight* w,
-              const float* scales, uint16_t* out, const Shape& s, const char* ahead) {
+              const float* scales, uint16_t* out, const Shape& s, const char* ahead,
+              int64_t lines) {
   if constexpr (C > 1) {
-    if (groups < C) return chunk_of<Pairs, C - 1>(groups, x, w, scales, out, s, ahead);
+    if (groups < C) return chunk_of<Pairs, C - 1>(groups, x, w, scales, out, s, ahead, lines);
   }
-  chunk<Pairs, C>(x, w, scales, out, s, ahead);
+  chunk<Pairs, C>(x, w, scales, out, s, ahead, lines);
 }
 
 // C groups a chunk: 3 where tiles of 8 rows are walked (24 sums, 3 weight vectors and a
@@ -178,11 +205,13 @@ void matmul(const uint16_t* x, const typename Pairs::Weight* w, const float* sca
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t * C;
       const auto* weights = w + g * s.group_stride;
-      const char* ahead = t + 1 < end
-          ? reinterpret_cast<const char*>(weights + C * s.group_stride) : nullptr;
+      // The next chunk's weights, as 64-byte lines (none after the thread's last chunk).
+      const int64_t next_groups = t + 1 < end ? std::min<int64_t>(C, groups - g - C) : 0;
+      const auto* ahead = reinterpret_cast<const char*>(weights + C * s.group_stride);
+      const int64_t lines = next_groups * s.group_stride * sizeof(*w) / 64;
       chunk_of<Pairs, C>(std::min<int64_t>(C, groups - g), x, weights,
                          scales == nullptr ? nullptr : scales + g * kGroup, out + g * kGroup,
-                         s, ahead);
+                         s, ahead, lines);
     }
   });
 }
