@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import torch
 
+from radixlm.kernels.cpu_ops import huge_pages
+
 RowWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 """write_rows(buffer (N, ...), slots (T,), rows (T, ...)): buffer[slots] = rows."""
 
@@ -88,8 +90,8 @@ class MHATokenToKVPool:
         self.dtype = dtype
         self.write_rows = write_rows
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v_buffers = [_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores k, v (T, H_kv, D) of the new tokens at ``slots`` (T,)."""
@@ -140,9 +142,7 @@ class MLATokenToKVPool:
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         shape = (num_slots, 1, kv_lora_rank + qk_rope_head_dim)
-        self.kv_buffers = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
+        self.kv_buffers = [_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     def set_kv(
         self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None
@@ -161,3 +161,11 @@ class MLATokenToKVPool:
     def bytes_per_token(self) -> int:
         buffer = self.kv_buffers[0]
         return len(self.kv_buffers) * buffer.shape[2] * buffer.element_size()
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zeroed KV buffer; on a CPU, on huge pages where the system gives them (a decode
+    step gathers its keys from all over the pool: ``huge_pages.py``)."""
+    if torch.device(device).type == "cpu":
+        return huge_pages.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -7,10 +7,10 @@ import logging
 import torch
 from torch import nn
 
-from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops import fused_ops, huge_pages
 from radixlm.models.layers.cpu_weight_layout import lay_out_for_cpu, uses_blocked_layout
 from radixlm.models.layers.tensor_parallel import SINGLE, TensorParallel, building
-from radixlm.models.layers.weight_formats import pack_weights
+from radixlm.models.layers.weight_formats import PackedWeight, pack_weights
 from radixlm.models.model_config import ModelConfig
 from radixlm.models.registry import model_class
 from radixlm.models.weight_loading import iterate_safetensors, safetensors_files
@@ -53,7 +53,21 @@ def load_model(
     if uses_blocked_layout(device, dtype, weight_format):
         laid_out = lay_out_for_cpu(model, keep_weight_rows)
         logger.info("weights laid out for oneDNN's bfloat16 kernels: %.1f MiB", laid_out / 2**20)
-    return model.train(False).requires_grad_(False)
+    model.train(False).requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        moved = huge_pages.move_to_huge_pages(_weight_tensors(model))
+        logger.info("weights on huge pages: %.1f MiB", moved / 2**20)
+    return model
+
+
+def _weight_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The model's parameters, buffers and packed weights' tensors."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, PackedWeight):
+            tensors += packed.tensors()
+    return tensors
 
 
 def validate_split(config: ModelConfig, tp_size: int) -> None:

@@ -181,6 +181,10 @@ class PackedWeight:
     def nbytes(self) -> int:
         raise NotImplementedError
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds."""
+        return [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
+
 
 @dataclass(eq=False)
 class HalfWeight(PackedWeight):
