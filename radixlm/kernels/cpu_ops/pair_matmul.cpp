@@ -11,9 +11,9 @@
 // walked by tiles of 8, 4, 2 and 1 rows, and its first two tiles ask for the next chunk's
 // weights as they go, half each, into L2 (into L1 that was slower: all the model's weights
 // at one row on one thread, 17.5 ms against 13.3; all of them in the first tile, as before,
-// 16 rows took 13.0-13.6 ms against 12.0-12.7 halved: the second tile's sums ran from L2
-// while the memory idled). Sums are float32 in the order of K whatever
-// M is, so a row's outputs do not depend on the rows beside it; each is rounded once (to
+// 16 rows took 13.0-14.1 ms against 12.0-12.9 halved, interleaved: the second tile's sums
+// ran from L2 while the memory idled). Sums are float32 in the order of K whatever M is,
+// so a row's outputs do not depend on the rows beside it; each is rounded once (to
 // nearest even).
 //
 // All of the default model's weights a pass (134.5 M), a 2-core Zen 4 without AMX, against
