@@ -4,9 +4,9 @@ streams: the weights, and the KV pool it gathers from.
 A decode step of the default model reads about 270 MB of weights. On 4 KiB pages that is
 some 65,000 pages a step, far more than the TLB holds, so each costs a page walk; on 2 MiB
 pages it is about 130. Measured on a 2-core Zen 4 (all of the default model's weights by
-column pairs, ``pair_matmul``, 2 threads, interleaved rounds): one row 6.2-9.4 ms on huge
-pages against 6.7-10.0 on small ones, 4 rows 6.9-9.9 against 8.2-10.4, 16 rows 12.0-12.5
-against 12.8-13.3; whole decode steps in docs/engine.md.
+column pairs, ``pair_matmul``, 2 threads, three runs of interleaved rounds, huge against
+small pages): one row 0.92-1.06x (two runs of three in favour), 4 rows 0.84-0.95x, 16 rows
+0.94x; whole decode steps in docs/engine.md.
 
 Linux backs an anonymous mapping with huge pages where it is advised to
 (``MADV_HUGEPAGE``) and the system's setting allows (``enabled`` of ``always`` or

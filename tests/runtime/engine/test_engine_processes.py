@@ -57,9 +57,12 @@ def test_generate_calls_from_several_threads_batch_together(engine_for):
 
 
 def test_killing_the_scheduler_fails_pending_calls_within_seconds(tiny_model_dir):
-    engine = radixlm.Engine(str(tiny_model_dir()), dtype="float32", max_total_tokens=4096)
+    """Four requests of 4000 tokens each, which cannot end before the kill lands (see the
+    Detokenizer's test below)."""
+    model = tiny_model_dir(max_position_embeddings=4096)
+    engine = radixlm.Engine(str(model), dtype="float32", max_total_tokens=4 * 4096)
     try:
-        stream = engine.generate([PROMPTS[0]] * 4, greedy(480), stream=True)
+        stream = engine.generate([PROMPTS[0]] * 4, greedy(4000, ignore_eos=True), stream=True)
         next(stream)  # the requests are running
         engine._runtime.processes["scheduler"].kill()
         killed = time.monotonic()
@@ -187,9 +190,13 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def test_when_the_detokenizer_dies_the_scheduler_stops_decoding_for_nobody(tiny_model_dir):
-    engine = radixlm.Engine(str(tiny_model_dir()), dtype="float32", max_total_tokens=8192)
+    """Sixteen requests of 4000 tokens each: they cannot all be decoded, and their outputs
+    taken, before the kill lands (16 x 480 tokens of the tiny model took 0.7-1.0 s, and once,
+    on a busy CI machine, finished before the watchdog saw the Detokenizer gone)."""
+    model = tiny_model_dir(max_position_embeddings=4096)
+    engine = radixlm.Engine(str(model), dtype="float32", max_total_tokens=16 * 4096)
     try:
-        stream = engine.generate([PROMPTS[0]] * 16, greedy(480, ignore_eos=True), stream=True)
+        stream = engine.generate([PROMPTS[0]] * 16, greedy(4000, ignore_eos=True), stream=True)
         next(stream)  # the requests are running
         engine._runtime.processes["detokenizer"].kill()
         with pytest.raises(RuntimeUnavailable, match="detokenizer"):
