@@ -11,7 +11,9 @@ Systems:
   OpenMP wait radixlm sets on import (a short spin, see ``radixlm/__init__.py``);
 - radixlm in the auto dtype, and with each ``--formats`` weight format (``fp16wo``,
   ``int8wo``); with ``--torch-ops`` also without its fused CPU kernels
-  (``disable_cpu_kernels``, "radixlm torch ops");
+  (``disable_cpu_kernels``, "radixlm torch ops"); with ``--torch-compile`` also with its
+  decode compiled by torch.compile ("radixlm compiled": torch's operations, fused by
+  inductor);
 - llama.cpp through ``llama-cpp-python`` (optional, benchmark-only) on the GGUF files given
   (``--gguf-f16``, ``--gguf-q8``: the same weights converted by llama.cpp's
   ``convert_hf_to_gguf.py --outtype f16 / q8_0``); its batch of 16 runs sequentially.
@@ -19,7 +21,7 @@ Systems:
 Prompts differ in every run, so no system reuses a cached prefix.
 
     python benchmarks/bench_generation.py [--rounds 3] [--formats fp16wo int8wo]
-        [--torch-ops] [--gguf-f16 smol-f16.gguf --gguf-q8 smol-q8_0.gguf
+        [--torch-ops] [--torch-compile] [--gguf-f16 smol-f16.gguf --gguf-q8 smol-q8_0.gguf
         [--llama-no-extra-buffers]]
 """
 # ruff: noqa: I001 - radixlm is imported before torch, for the reason given there
@@ -64,11 +66,13 @@ def prompts(tokenizer, count: int, length: int | None = None) -> list[list[int]]
 
 
 class Radixlm:
-    def __init__(self, path: str, quantization: str | None, torch_ops: bool = False):
+    def __init__(self, path: str, quantization: str | None, torch_ops: bool = False,
+                 compiled: bool = False):
         self.name = ("radixlm" + (f" {quantization}" if quantization else "")
-                     + (" torch ops" if torch_ops else ""))
+                     + (" torch ops" if torch_ops else "") + (" compiled" if compiled else ""))
         self.engine = radixlm.Engine(path, quantization=quantization, max_total_tokens=16384,
-                                     disable_cpu_kernels=torch_ops)
+                                     disable_cpu_kernels=torch_ops,
+                                     enable_torch_compile=compiled)
 
     def generate(self, batch: list[list[int]], new_tokens: int) -> None:
         params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
@@ -148,6 +152,8 @@ def main() -> None:
                              "llama_cpp_worker.py: Q8_0 crashes with them on AMX CPUs)")
     parser.add_argument("--torch-ops", action="store_true",
                         help="also radixlm without its fused CPU kernels (torch's operations)")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="also radixlm with its decode compiled by torch.compile")
     parser.add_argument("--workloads", nargs="+", default=["prefill", "decode", "batch"],
                         choices=["prefill", "decode", "batch"])
     args = parser.parse_args()
@@ -158,6 +164,8 @@ def main() -> None:
     systems += [Radixlm(path, name) for name in args.formats]
     if args.torch_ops:
         systems.append(Radixlm(path, None, torch_ops=True))
+    if args.torch_compile:
+        systems.append(Radixlm(path, None, compiled=True))
     for gguf, label in ((args.gguf_f16, "F16"), (args.gguf_q8, "Q8_0")):
         if gguf:
             systems.append(LlamaCpp(gguf, label, not args.llama_no_extra_buffers))

@@ -23,6 +23,9 @@ SERVER_OPTION_HELP = {
     "attention_backend": "auto, torch_native, triton or flashinfer",
     "disable_cuda_graph": "run GPU decode eagerly (no CUDA graphs)",
     "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph",
+    "enable_torch_compile": "CPUs: decode compiled by torch.compile (inductor), compiled at "
+                            "start and cached on disk",
+    "torch_compile_max_bs": "largest decode batch run compiled",
     "disable_cpu_kernels": "run CPU passes on torch's operations only (no fused C++ kernels)",
     "disable_cpu_weight_rows": "bfloat16 on CPUs: oneDNN's weight layout alone, no copy in the "
                                "fused kernels' layouts (slower decode)",

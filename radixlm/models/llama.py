@@ -101,8 +101,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this block's output, the residual stream before it is added). A decode
         step runs as one call of the fused CPU kernels where the layer and step allow it
-        (``_fused_decode``), with the same result."""
-        if forward_batch.mode is ForwardMode.DECODE:
+        (``_fused_decode``), with the same result; torch.compile traces the modules."""
+        if forward_batch.mode is ForwardMode.DECODE and not torch.compiler.is_compiling():
             fused = self._fused_decode()
             out = None if fused is None else fused.run(rope, x, residual, forward_batch)
             if out is not None:

@@ -49,6 +49,14 @@ class ServerArgs:
     """Run GPU decode steps eagerly instead of replaying captured CUDA graphs."""
     cuda_graph_max_bs: int = 64
     """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
+    enable_torch_compile: bool = False
+    """On CPUs, decode batches of up to ``torch_compile_max_bs`` requests run the model's
+    forward compiled by torch.compile (inductor, its artefacts cached on disk): matmuls and
+    attention on the fused kernels as opaque operators, the small operations between them
+    fused by inductor (``model_executor/compiled_decode.py``); compiled at start. On GPUs
+    CUDA graphs serve decode and this is ignored, with a warning."""
+    torch_compile_max_bs: int = 32
+    """Largest decode batch run compiled; larger ones run eagerly."""
     disable_cpu_kernels: bool = False
     """On CPUs, run every operation through torch instead of the fused C++ kernels for the
     small operations between a forward pass's matmuls (``radixlm.kernels.cpu_ops.fused_ops``;
@@ -182,6 +190,10 @@ class ServerArgs:
         self._check_quantization()
         _check_positive("page_size", self.page_size)
         _check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
+        _check_positive("torch_compile_max_bs", self.torch_compile_max_bs)
+        if self.enable_torch_compile and self.tp_size > 1:
+            raise ValueError("enable_torch_compile and tensor parallelism (tp_size > 1) do "
+                             "not combine yet")
         if self.max_queued_requests is not None and (
             not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0
         ):

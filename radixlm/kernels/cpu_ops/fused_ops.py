@@ -114,8 +114,11 @@ def active() -> ModuleType | None:
 
 def for_tensor(tensor: torch.Tensor) -> ModuleType | None:
     """The kernels' module if they are on and ``tensor`` is on a CPU (where a layer may
-    call them), else None."""
-    return _module if _module is not None and tensor.device.type == "cpu" else None
+    call them), else None; None too while torch.compile traces (a traced layer takes its
+    torch path, or an operator of ``models/layers/compiled_ops.py`` that calls in here)."""
+    if _module is None or tensor.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return _module
 
 
 def causal_prefill_attention(keys: torch.Tensor, values: torch.Tensor) -> Callable | None:

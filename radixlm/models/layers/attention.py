@@ -1,4 +1,5 @@
-"""The attention layer a model calls: it holds the layer's identity, the backend does the work."""
+"""The attention layer a model calls: it holds the layer's identity, the backend does the work
+(under torch.compile, through the opaque operator ``compiled_ops.paged_attention``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from torch import nn
 
 from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.models.layers.compiled_ops import paged_attention
 
 
 class PagedAttention(nn.Module):
@@ -33,4 +35,6 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         """q: (T, H, D), k: (T, H_kv, D), v: (T, H_kv, D_v) -> (T, H, D_v)."""
+        if torch.compiler.is_compiling():
+            return paged_attention(q, k, v, self.layer_id, self.v_head_dim)
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)

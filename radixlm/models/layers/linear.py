@@ -13,9 +13,12 @@ float32 passes of a few rows).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
+from radixlm.models.layers.compiled_ops import packed_matmul
 from radixlm.models.layers.tensor_parallel import TensorParallel
 from radixlm.models.layers.weight_formats import (
     FusedProjection,
@@ -24,23 +27,31 @@ from radixlm.models.layers.weight_formats import (
     plain_matmul,
 )
 
+_packed_keys = itertools.count()
+
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight may be packed after loading (then ``weight`` is None and
     ``packed`` holds it)."""
 
     packed: PackedWeight | None = None
+    packed_key: int = -1
+    """The packed weight's key in a compiled pass's table (``compiled_ops.compiled_pass``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> (T, out)."""
         if self.packed is None:
             return plain_matmul(x, self.weight, self.bias)
-        y = self.packed.matmul(x)
+        y = self.project(x)
         return y if self.bias is None else y + self.bias
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> x @ weight.T (T, out), without the bias."""
-        return plain_matmul(x, self.weight) if self.packed is None else self.packed.matmul(x)
+        if self.packed is None:
+            return plain_matmul(x, self.weight)
+        if torch.compiler.is_compiling():
+            return packed_matmul(x, self.packed_key, self.out_features)
+        return self.packed.matmul(x)
 
     def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
         """The kernel and operands through which ``project`` multiplies ``rows`` rows of
@@ -53,6 +64,7 @@ class Linear(nn.Linear):
     def pack_weight(self, packer) -> int:
         """Replaces the weight by ``packer(weight)`` (a ``PackedWeight``); returns its bytes."""
         self.packed = packer(self.weight.detach())
+        self.packed_key = next(_packed_keys)
         self.weight = None
         return self.packed.nbytes()
 

@@ -91,13 +91,29 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor,
     (a step 27.4 against 30.0 ms), at two they are even; on a 2-core Zen 4 it is the slower
     (all the weights, one row: 53 against 25 ms, two rows 104-110 against 24-26), so the
     runner measures which (``fuse_float32_matrix_vector``)."""
-    if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] in _float32_fused_rows
+    kernels = fused_ops.for_tensor(x)  # (None while torch.compile traces: reads no shape)
+    if (kernels is None and torch.compiler.is_compiling() and fused_ops.active() is not None
+            and x.device.type == "cpu"):
+        out = kernel_matmul(x, weight)  # (an opaque call: the kernels decide when it runs)
+        return out if bias is None else out + bias
+    if (kernels is not None and x.dtype == torch.float32 and x.dim() == 2
+            and x.shape[0] in _float32_fused_rows
             and weight.dtype == torch.float32 and weight.is_contiguous()):
-        kernels = fused_ops.for_tensor(x)
-        if kernels is not None:
-            out = kernels.dense_matmul(x, weight)
-            return out if bias is None else out.add_(bias)
+        out = kernels.dense_matmul(x, weight)
+        return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("radixlm::kernel_matmul", mutates_args=())
+def kernel_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``plain_matmul(x, weight)`` as one operator a graph traced by torch.compile holds as
+    a call (``compiled_ops.py``): x (T, in), weight (out, in) -> (T, out), contiguous."""
+    return plain_matmul(x, weight).contiguous()
+
+
+@kernel_matmul.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 class FusedProjection(NamedTuple):

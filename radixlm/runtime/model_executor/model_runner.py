@@ -32,6 +32,10 @@ from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.layers.tensor_parallel import SINGLE
 from radixlm.models.loader import load_model, validate_split
 from radixlm.models.model_config import ModelConfig
+from radixlm.runtime.model_executor.compiled_decode import (
+    CompiledDecodeRunner,
+    compile_decode,
+)
 from radixlm.runtime.model_executor.cpu_matmul_path import (
     choose_float32_matrix_vector,
     matrix_vector_path,
@@ -106,6 +110,7 @@ class ModelRunner:
         self.attn_backend = self._make_attention_backend()
         self.fused_moe = self._use_fused_moe()
         self.cuda_graph_runner = self._make_cuda_graph_runner()
+        self.compiled_decode = self._make_compiled_decode()
         if self.tp.size > 1 and self.tp.rank == 0:
             self.step_sender = StepSender(self.tp, self.cpu_group, self.req_to_token_pool,
                                           args.dist_timeout)
@@ -124,17 +129,19 @@ class ModelRunner:
         if self.step_sender is not None:  # the other ranks run the same pass
             self.step_sender.send_step(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
-
+        compiled = self.compiled_decode is not None and self.compiled_decode.can_run(forward_batch)
         one_row = self._one_row_bypass and len(forward_batch.input_ids) == 1
         extend = forward_batch.mode is ForwardMode.EXTEND
 
         def run() -> torch.Tensor:
             with (torch.inference_mode(), matrix_vector_path(one_row),
                   row_invariant_products(extend)):
+                if compiled:  # (at the thread count it was compiled for)
+                    return self.compiled_decode.run(forward_batch)
                 return self.model(forward_batch.input_ids, forward_batch.positions,
                                   forward_batch)
 
-        if self.thread_policy is None:
+        if compiled or self.thread_policy is None:
             if self._fixed_threads is not None:
                 self._set_threads(self._fixed_threads)
             return run()
@@ -304,6 +311,24 @@ class ModelRunner:
             fused_ops.disable()
             return False
         return fused_ops.enable()
+
+    def _make_compiled_decode(self) -> CompiledDecodeRunner | None:
+        """Decode compiled by torch.compile where ``enable_torch_compile`` asks for it
+        (``compiled_decode``), else None."""
+        if not self.args.enable_torch_compile:
+            return None
+        return compile_decode(
+            self.model, self.device, padding_batch=self._padding_decode_batch,
+            max_batch_size=min(self.args.torch_compile_max_bs, self.args.max_running_requests),
+            threads=self._fixed_threads or PROCESS_THREADS, set_threads=self._set_threads)
+
+    def _padding_decode_batch(self, batch_size: int) -> ForwardBatch:
+        """A decode batch of ``batch_size`` padding rows: request row 0, position 0, its K/V
+        written into slot 0 (the allocator's reserved padding page)."""
+        zeros = [0] * batch_size
+        inputs = self.decode_inputs(zeros, zeros, zeros)
+        slots = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
+        return self.make_decode_batch(inputs, slots, zeros)
 
     def _use_fused_moe(self) -> bool:
         """With a kernel backend (``uses_custom_kernels``), MoE experts run on the fused
