@@ -191,7 +191,8 @@ class ServerArgs:
         _check_positive("page_size", self.page_size)
         _check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
         _check_positive("torch_compile_max_bs", self.torch_compile_max_bs)
-        if self.enable_torch_compile and self.tp_size > 1:
+        if (self.enable_torch_compile and self.tp_size > 1
+                and self.resolved_device().type == "cpu"):
             raise ValueError("enable_torch_compile and tensor parallelism (tp_size > 1) do "
                              "not combine yet")
         if self.max_queued_requests is not None and (

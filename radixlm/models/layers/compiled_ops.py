@@ -6,11 +6,11 @@ fastest eagerly runs the same way compiled, and inductor fuses only what lies be
 - ``radixlm::packed_matmul``: a projection through its packed weight (the fused CPU kernels'
   column pairs, oneDNN's blocked layout, int8 or half weights), whose tensors a graph need
   not understand;
-- (``radixlm::kernel_matmul``, in ``weight_formats.py``: a projection through a plain weight
-  while the fused CPU kernels are on.)
+- ``radixlm::kernel_matmul``: a projection through a plain weight while the fused CPU
+  kernels are on (``weight_formats.plain_matmul``: their few-row float32 matmul).
 
-Both find what they need, the pass's ``ForwardBatch``, the model's attention layers
-by id and its packed weights by key, in the state a compiled pass leaves for them
+The first two find what they need, the pass's ``ForwardBatch``, the model's attention
+layers by id and its packed weights by key, in the state a compiled pass leaves for them
 (``compiled_pass``), per thread. While torch.compile traces, the layers call these in place
 of their eager paths (``torch.compiler.is_compiling()``); eagerly nothing here runs.
 """
@@ -26,7 +26,7 @@ import torch
 
 from radixlm.kernels.forward_batch import ForwardBatch
 
-_in_flight = threading.local()
+_pass_state = threading.local()
 
 
 @contextmanager
@@ -35,16 +35,16 @@ def compiled_pass(forward_batch: ForwardBatch, layers: Mapping[int, Any],
     """Runs a compiled model's pass over ``forward_batch``: its operators attend with this
     batch and the attention layers ``layers`` maps their ids to, and multiply through the
     packed weights ``packed_weights`` maps their keys to (``Linear.packed_key``)."""
-    _in_flight.batch, _in_flight.layers = forward_batch, layers
-    _in_flight.packed_weights = packed_weights
+    _pass_state.batch, _pass_state.layers = forward_batch, layers
+    _pass_state.packed_weights = packed_weights
     try:
         yield
     finally:
-        _in_flight.batch = _in_flight.layers = _in_flight.packed_weights = None
+        _pass_state.batch = _pass_state.layers = _pass_state.packed_weights = None
 
 
 def _state(name: str) -> Any:
-    value = getattr(_in_flight, name, None)
+    value = getattr(_pass_state, name, None)
     if value is None:
         raise RuntimeError("radixlm's compiled operators run inside compiled_pass only")
     return value
@@ -54,7 +54,11 @@ def _state(name: str) -> Any:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                     v_head_dim: int) -> torch.Tensor:
     """Layer ``layer_id``'s attention over the pass's batch: stores the new K/V in the pool
-    (a side effect no graph sees) and returns (T, H, v_head_dim), contiguous."""
+    and returns (T, H, v_head_dim), contiguous.
+
+    The store is a side effect the operator does not declare (the pool is not an argument):
+    sound because each layer's call takes the previous layer's output, so no graph can
+    reorder, merge or drop these calls, and only they touch the pool within a pass."""
     batch = _state("batch")
     layer = _state("layers")[layer_id]
     return batch.attn_backend.forward(q, k, v, layer, batch).contiguous()
@@ -63,7 +67,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id:
 @paged_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
       v_head_dim: int) -> torch.Tensor:
-    return q.new_empty(q.shape[0], q.shape[1], v_head_dim)
+    return q.new_empty(*q.shape[:-1], v_head_dim)
 
 
 @torch.library.custom_op("radixlm::packed_matmul", mutates_args=())
@@ -74,4 +78,17 @@ def packed_matmul(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 
 @packed_matmul.register_fake
 def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("radixlm::kernel_matmul", mutates_args=())
+def kernel_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``plain_matmul(x, weight)``: x (T, in), weight (out, in) -> (T, out), contiguous."""
+    from radixlm.models.layers.weight_formats import plain_matmul  # (it imports this module)
+
+    return plain_matmul(x, weight).contiguous()
+
+
+@kernel_matmul.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

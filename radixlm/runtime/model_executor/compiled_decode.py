@@ -15,16 +15,20 @@ the batch dimension dynamic, and that graph serves every batch size from 2 to
 (row 0 of ``req_to_token``, KV written into slot 0, the allocator's reserved padding page),
 so no request waits for a compile.
 
-MoE models' expert routing reads the router's choices on the host, which splits the graph
-there: they compile piecewise, with the same result.
+MoE models decode eagerly: their experts group tokens by the router's choices on the host,
+which would split the graph there and compile anew for each routing pattern mid-serve.
+
+After the warm-up a compiled pass may not compile again (``fail_on_recompile``): a pass that
+would (a guard the warm-up did not foresee) raises before any operator runs, and the
+``ModelRunner`` then decodes eagerly from that step on, after one warning.
 
 Threads: inductor's loops are generated for the thread count of the compiling pass (a
 different count is a recompile), so compiled passes run at one fixed count.
 
 Compiled artefacts are cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``, which
 defaults here to ``$RADIXLM_CACHE/inductor``): a second start with the same model, dtype,
-torch and CPU reuses them. Where no C++ compiler is found, or the warm-up's compile fails,
-one warning says why and decode runs eagerly.
+thread count, torch and CPU reuses them. Where no C++ compiler is found, or the warm-up's
+compile fails, one warning says why and decode runs eagerly.
 
 Invariants: only DECODE batches of at most ``max_batch_size`` requests run compiled; the
 result equals the eager forward's up to float rounding of fused operations (float32:
@@ -45,10 +49,11 @@ from radixlm.models.default_model import radixlm_cache_dir
 from radixlm.models.layers.attention import PagedAttention
 from radixlm.models.layers.compiled_ops import compiled_pass
 from radixlm.models.layers.linear import Linear
+from radixlm.models.layers.moe_experts import StackedExperts
 
 logger = logging.getLogger(__name__)
 
-DecodeBatchOfPadding = Callable[[int], ForwardBatch]
+PaddingBatchFactory = Callable[[int], ForwardBatch]
 """batch size -> a decode batch whose every row is padding (see the module docstring)."""
 
 
@@ -83,7 +88,7 @@ class CompiledDecodeRunner:
     """
 
     def __init__(self, model: torch.nn.Module, *, max_batch_size: int, threads: int,
-                 padding_batch: DecodeBatchOfPadding,
+                 padding_batch: PaddingBatchFactory,
                  set_threads: Callable[[int], None]):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -94,7 +99,9 @@ class CompiledDecodeRunner:
         self._packed_weights = {m.packed_key: m.packed for m in model.modules()
                                 if isinstance(m, Linear) and m.packed is not None}
         self._compiled = torch.compile(model.forward, backend="inductor")
+        self._stance = "default"
         self.warm_up(padding_batch)
+        self._stance = "fail_on_recompile"
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         return (forward_batch.mode is ForwardMode.DECODE
@@ -105,10 +112,11 @@ class CompiledDecodeRunner:
         is already built (``init_forward_metadata``)."""
         self._set_threads(self.threads)
         fb = forward_batch
-        with torch.inference_mode(), compiled_pass(fb, self._layers, self._packed_weights):
+        with (torch.inference_mode(), torch.compiler.set_stance(self._stance),
+              compiled_pass(fb, self._layers, self._packed_weights)):
             return self._compiled(fb.input_ids, fb.positions, fb)
 
-    def warm_up(self, padding_batch: DecodeBatchOfPadding) -> None:
+    def warm_up(self, padding_batch: PaddingBatchFactory) -> None:
         """Compiles the one-request graph and the dynamic one (see the module docstring),
         which the largest batch then runs."""
         for size in dict.fromkeys((1, min(2, self.max_batch_size), self.max_batch_size)):
@@ -123,9 +131,11 @@ class CompiledDecodeRunner:
 def compile_decode(model: torch.nn.Module, device: torch.device, **options
                    ) -> CompiledDecodeRunner | None:
     """A ``CompiledDecodeRunner(model, **options)`` where it can run: on a CPU (GPU decode
-    replays CUDA graphs instead), with a C++ compiler, and its warm-up compiled; else None,
-    after one warning saying why decode runs eagerly."""
+    replays CUDA graphs instead), a model without MoE experts, a C++ compiler, and its
+    warm-up compiled; else None, after one warning saying why decode runs eagerly."""
     reason = None if device.type == "cpu" else f"it compiles CPU decode, not {device.type}"
+    if reason is None and any(isinstance(m, StackedExperts) for m in model.modules()):
+        reason = "MoE experts group tokens on the host (a compile per routing pattern)"
     reason = reason or missing_compiler()
     if reason is None:
         use_inductor_cache_dir()

@@ -137,7 +137,9 @@ class ModelRunner:
             with (torch.inference_mode(), matrix_vector_path(one_row),
                   row_invariant_products(extend)):
                 if compiled:  # (at the thread count it was compiled for)
-                    return self.compiled_decode.run(forward_batch)
+                    hidden = self._run_compiled(forward_batch)
+                    if hidden is not None:
+                        return hidden
                 return self.model(forward_batch.input_ids, forward_batch.positions,
                                   forward_batch)
 
@@ -321,6 +323,17 @@ class ModelRunner:
             self.model, self.device, padding_batch=self._padding_decode_batch,
             max_batch_size=min(self.args.torch_compile_max_bs, self.args.max_running_requests),
             threads=self._fixed_threads or PROCESS_THREADS, set_threads=self._set_threads)
+
+    def _run_compiled(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
+        """The compiled decode step, or None where it failed (a recompile the warm-up did
+        not foresee, or an error): decode is eager from then on, after one warning."""
+        try:
+            return self.compiled_decode.run(forward_batch)
+        except Exception as err:  # noqa: BLE001 - any failure: the eager path still serves
+            logger.warning("compiled decode failed (%s: %s); decode runs eagerly from now on",
+                           type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            self.compiled_decode = None
+            return None
 
     def _padding_decode_batch(self, batch_size: int) -> ForwardBatch:
         """A decode batch of ``batch_size`` padding rows: request row 0, position 0, its K/V

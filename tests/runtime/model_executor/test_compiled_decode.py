@@ -1,7 +1,8 @@
 """Decode compiled by torch.compile (``enable_torch_compile``) on CPUs: the same greedy tokens
-as eager decode of the same operations and logprobs within 1e-5 in float32, no compile after
-the start's warm-up at any batch size it serves, eager decode (after one warning) where no C++
-compiler is found, and the options it does not combine with refused by name."""
+as eager decode and logprobs within 1e-5 in float32, no compile after the start's warm-up at
+any batch size it serves, eager decode (after one warning) where a pass would compile again,
+for MoE models and where no C++ compiler is found, and the options it does not combine with
+refused by name."""
 
 from __future__ import annotations
 
@@ -109,6 +110,42 @@ def test_after_the_warm_up_no_batch_size_compiles_again(tiny_model_dir, inductor
             assert torch.allclose(hidden, expected, rtol=0, atol=TOLERANCE)
         assert counters["stats"]["unique_graphs"] == graphs
         assert not compiled.can_run(_decode_batch(runner, 9, [6] * 9))
+    finally:
+        runner.close()
+
+
+@pytest.mark.slow
+def test_a_pass_that_would_compile_again_decodes_eagerly_from_then_on(
+        tiny_model_dir, inductor_cache, dynamo_reset, caplog):
+    """A guard the warm-up did not foresee (here the thread count the graphs were compiled
+    for) fails the compiled pass before it runs; the step, and every later one, decodes
+    eagerly, with the eager result, after one warning."""
+    runner = runner_for(tiny_model_dir(), enable_torch_compile=True, torch_compile_max_bs=4)
+    try:
+        _prefill(runner, 2, 5)
+        runner.compiled_decode.threads = 1 if runner.compiled_decode.threads > 1 else 2
+        batch = _decode_batch(runner, 2, [5, 5])
+        with caplog.at_level(logging.WARNING):
+            hidden = runner.forward(batch)
+        assert runner.compiled_decode is None
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "decode runs eagerly from now on" in warnings[0]
+        with torch.inference_mode():
+            runner.attn_backend.init_forward_metadata(batch)
+            expected = runner.model(batch.input_ids, batch.positions, batch)
+        assert torch.equal(hidden, expected)
+    finally:
+        runner.close()
+
+
+def test_an_moe_model_decodes_eagerly_after_one_warning(tiny_model_dir, caplog):
+    with caplog.at_level(logging.WARNING):
+        runner = runner_for(tiny_model_dir("MixtralForCausalLM"), enable_torch_compile=True)
+    try:
+        assert runner.compiled_decode is None
+        assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+            "enable_torch_compile: decode runs eagerly: MoE experts group tokens on the host "
+            "(a compile per routing pattern)"]
     finally:
         runner.close()
 
