@@ -6,8 +6,8 @@ fastest eagerly runs the same way compiled, and inductor fuses only what lies be
 - ``radixlm::packed_matmul``: a projection through its packed weight (the fused CPU kernels'
   column pairs, oneDNN's blocked layout, int8 or half weights), whose tensors a graph need
   not understand;
-- ``radixlm::kernel_matmul``: a projection through a plain weight while the fused CPU
-  kernels are on (``weight_formats.plain_matmul``: their few-row float32 matmul).
+- ``radixlm::kernel_matmul`` (beside ``plain_matmul`` in ``weight_formats.py``, which it
+  calls): a projection through a plain weight while the fused CPU kernels are on.
 
 The first two find what they need, the pass's ``ForwardBatch``, the model's attention
 layers by id and its packed weights by key, in the state a compiled pass leaves for them
@@ -79,16 +79,3 @@ def packed_matmul(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 @packed_matmul.register_fake
 def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
-
-
-@torch.library.custom_op("radixlm::kernel_matmul", mutates_args=())
-def kernel_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``plain_matmul(x, weight)``: x (T, in), weight (out, in) -> (T, out), contiguous."""
-    from radixlm.models.layers.weight_formats import plain_matmul  # (it imports this module)
-
-    return plain_matmul(x, weight).contiguous()
-
-
-@kernel_matmul.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])

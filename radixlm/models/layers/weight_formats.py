@@ -45,7 +45,6 @@ from torch import nn
 
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
-from radixlm.models.layers.compiled_ops import kernel_matmul
 
 HALF_GEMV_MAX_ROWS = 4
 HALF_FUSED_MAX_ROWS = 32
@@ -103,6 +102,18 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor,
         out = kernels.dense_matmul(x, weight)
         return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("radixlm::kernel_matmul", mutates_args=())
+def kernel_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``plain_matmul(x, weight)`` as one operator a graph traced by torch.compile holds as
+    a call (``compiled_ops.py``): x (T, in), weight (out, in) -> (T, out), contiguous."""
+    return plain_matmul(x, weight).contiguous()
+
+
+@kernel_matmul.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class FusedProjection(NamedTuple):

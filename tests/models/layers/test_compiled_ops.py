@@ -1,4 +1,5 @@
-"""The operators a compiled graph holds as calls (``compiled_ops``): inside a compiled pass
+"""The operators a compiled graph holds as calls (``compiled_ops``, ``weight_formats``'
+``kernel_matmul``): inside a compiled pass
 each is its layer's eager call, with that pass's batch, layers and packed weights, and
 returns a contiguous result; outside one the first two refuse to guess."""
 
@@ -9,14 +10,14 @@ import torch
 
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.models.layers.attention import PagedAttention
-from radixlm.models.layers.compiled_ops import (
-    compiled_pass,
-    kernel_matmul,
-    packed_matmul,
-    paged_attention,
-)
+from radixlm.models.layers.compiled_ops import compiled_pass, packed_matmul, paged_attention
 from radixlm.models.layers.linear import Linear
-from radixlm.models.layers.weight_formats import ConversionBuffer, Int8Weight, plain_matmul
+from radixlm.models.layers.weight_formats import (
+    ConversionBuffer,
+    Int8Weight,
+    kernel_matmul,
+    plain_matmul,
+)
 
 
 class RecordingBackend:
