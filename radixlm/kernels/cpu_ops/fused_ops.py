@@ -17,11 +17,13 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
 - ``silu_mul(gate_up)``: the gated MLP's split, SiLU and product;
 - ``scatter_rows(buffer, slots, rows)``: ``buffer.index_copy_(0, slots, rows)``, a KV pool's
   store, as row copies split between the threads (the runner hands it to the pool);
-- ``prefill_attention(q, k, v, scale)`` (in ``prefill_attention.cpp``): a prompt's causal
-  attention in bfloat16 on AVX-512 BF16 dot products, computing only the key blocks the
-  mask keeps (torch's CPU flash kernel computes all of a block of up to 512): 1.7 against
-  5.7 ms a layer for a 512-token prompt of the default model, on a 2-core Zen 4 without
-  AMX; ``causal_prefill_attention`` says where it serves;
+- ``paged_prefill_attention(q, k_buffer, v_buffer, slots, seq_lens, extend_lens, scale)``
+  (in ``prefill_attention.cpp``): an extend batch's causal attention in one call, bfloat16
+  on AVX-512 BF16 dot products, each sequence (fresh or after a cached prefix) over its
+  keys where they lie in the KV pool, computing only the key blocks the mask keeps
+  (torch's CPU flash kernel computes all of a block of up to 512): 1.7 against 5.7 ms a
+  layer for a 512-token prompt of the default model, on a 2-core Zen 4 without AMX;
+  ``causal_prefill_attention`` says where it serves;
 - ``int8_matmul(x, weight, scales)`` and ``dense_matmul(x, weight)`` (in
   ``few_rows_matmul.cpp``): the few rows of a decode step against a projection's weight
   stored as int8 or float16 (the weight-only formats, ``models/layers/weight_formats.py``)
@@ -84,9 +86,9 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("fused_ops.cpp", "few_rows_matmul.cpp", "prefill_attention.cpp",
                              "pair_matmul.cpp", "decode_layer.cpp"))
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
-             "scatter_rows", "int8_matmul", "dense_matmul", "prefill_attention",
-             "prefill_attention_available", "pair_matmul", "int8_pair_matmul",
-             "pair_matmul_available", "decode_layer")
+             "scatter_rows", "int8_matmul", "dense_matmul",
+             "paged_prefill_attention", "prefill_attention_available", "pair_matmul",
+             "int8_pair_matmul", "pair_matmul_available", "decode_layer")
 COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
@@ -122,7 +124,7 @@ def for_tensor(tensor: torch.Tensor) -> ModuleType | None:
 
 
 def causal_prefill_attention(keys: torch.Tensor, values: torch.Tensor) -> Callable | None:
-    """The kernels' ``prefill_attention`` where it serves attention over ``keys`` (..., D)
+    """The kernels' ``paged_prefill_attention`` where it serves attention over ``keys`` (..., D)
     and ``values`` (..., D_v) (a KV pool's buffers), else None: the kernels on, bfloat16 on
     a CPU, a build with AVX-512 BF16, D even and D_v a multiple of 16 up to 128, and a CPU
     without AMX (its flash attention there runs on AMX tiles through oneDNN, 33 ms over the
@@ -135,7 +137,7 @@ def causal_prefill_attention(keys: torch.Tensor, values: torch.Tensor) -> Callab
     dim, v_dim = keys.shape[-1], values.shape[-1]
     if dim % 2 or v_dim % 16 or v_dim > 128:
         return None
-    return module.prefill_attention
+    return module.paged_prefill_attention
 
 
 def pair_matmul_serves() -> bool:

@@ -1,8 +1,8 @@
-// Causal attention of a prompt's new tokens, bfloat16, on AVX-512 BF16 dot products (see
-// fused_ops.py).
+// Causal attention of an extend batch's new tokens, bfloat16, on AVX-512 BF16 dot products
+// (see fused_ops.py), each sequence over its keys where they lie in the KV pool.
 //
-// softmax(q . k * scale) . v for n queries that are the last n of S positions: query i sees
-// keys 0 .. S - n + i. Keys and values are first laid out per KV head so that one 512-bit
+// softmax(q . k * scale) . v for a sequence's n queries that are the last n of its S
+// positions: query i sees keys 0 .. S - n + i. Its keys and values are first laid out per KV head so that one 512-bit
 // load serves a dot-product instruction (vdpbf16ps: 16 float32 sums of bfloat16 pairs): keys
 // in blocks of 16 with each key's dims in pairs, values in key pairs with 16 columns a
 // vector. A task is 32 query rows of one head, walked four rows at a time over blocks of 64
@@ -10,6 +10,13 @@
 // computed), with softmax online (a running maximum and sum per row, float32). As in torch's
 // flash attention, scores and sums are float32 and the probabilities are rounded to bfloat16
 // for their product with the values; outputs are rounded once.
+//
+// One call a layer takes the whole batch: every sequence's keys are packed (read through
+// its row of the slot table: no gather, no padded grid, no mask) in one parallel loop, and
+// its tasks join one shared loop. A sequence's outputs do not depend on the others in its
+// batch: the same packed blocks, the same sums in the same order. Sixteen prompts of about
+// 12 tokens (default model, 2-core Zen 4): 0.24 ms a layer, against 0.79 for the padded SDPA
+// call (and its gather) they took before.
 //
 // torch's own CPU kernel computes every key of a block of up to 512 whatever the causal mask,
 // at about a third of the rate of a plain bfloat16 matrix product: on a 2-core AVX-512 BF16
@@ -26,6 +33,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -55,40 +64,49 @@ inline __m512bh broadcast_pair(const uint16_t* p) {
   return as_pairs(_mm512_set1_epi32(pair));
 }
 
-// keys (S, H_kv, D) -> per KV head, per group of 16 keys, per dim pair: 16 keys' pairs
+// keys (rows slots[0 .. S) of the pool's (P, H_kv, D)) -> per KV head, per group of 16 keys, per dim pair: 16 keys' pairs
 // (32 values), zeros past S.
-void pack_keys(const uint16_t* k, int64_t stride_s, int64_t stride_h, const Shape& s,
-               uint16_t* out, int64_t begin, int64_t end) {
+void pack_keys(const uint16_t* k, const int64_t* slots, int64_t stride_s, int64_t stride_h,
+               const Shape& s, uint16_t* out, int64_t begin, int64_t end) {
   const int64_t pairs = s.dim / 2;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t h = task / s.key_groups, g = task % s.key_groups;
     uint16_t* block = out + task * pairs * 2 * kKeyGroup;
     for (int64_t j = 0; j < kKeyGroup; ++j) {
       const int64_t key = g * kKeyGroup + j;
-      const uint16_t* row = k + key * stride_s + h * stride_h;
+      if (key >= s.total) {
+        for (int64_t p = 0; p < pairs; ++p) {
+          uint16_t* dst = block + (p * kKeyGroup + j) * 2;
+          dst[0] = dst[1] = 0;
+        }
+        continue;
+      }
+      const uint16_t* row = k + slots[key] * stride_s + h * stride_h;
       for (int64_t p = 0; p < pairs; ++p) {
         uint16_t* dst = block + (p * kKeyGroup + j) * 2;
-        dst[0] = key < s.total ? row[2 * p] : 0;
-        dst[1] = key < s.total ? row[2 * p + 1] : 0;
+        dst[0] = row[2 * p];
+        dst[1] = row[2 * p + 1];
       }
     }
   }
 }
 
-// values (S, H_kv, D_v) -> per KV head, per key pair, per 16 columns: the pair's values of
+// values (rows slots[0 .. S) of (P, H_kv, D_v)) -> per KV head, per key pair, per 16 columns: the pair's values of
 // each column side by side (32 values), zeros past S.
-void pack_values(const uint16_t* v, int64_t stride_s, int64_t stride_h, const Shape& s,
-                 uint16_t* out, int64_t begin, int64_t end) {
+void pack_values(const uint16_t* v, const int64_t* slots, int64_t stride_s, int64_t stride_h,
+                 const Shape& s, uint16_t* out, int64_t begin, int64_t end) {
   const int64_t column_blocks = s.v_dim / kColumns;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t h = task / s.key_pairs, t = task % s.key_pairs;
     uint16_t* block = out + task * column_blocks * 2 * kColumns;
     for (int64_t e = 0; e < 2; ++e) {
       const int64_t key = 2 * t + e;
-      const uint16_t* row = v + key * stride_s + h * stride_h;
-      for (int64_t c = 0; c < s.v_dim; ++c) {
-        block[c * 2 + e] = key < s.total ? row[c] : 0;
+      if (key >= s.total) {
+        for (int64_t c = 0; c < s.v_dim; ++c) block[c * 2 + e] = 0;
+        continue;
       }
+      const uint16_t* row = v + slots[key] * stride_s + h * stride_h;
+      for (int64_t c = 0; c < s.v_dim; ++c) block[c * 2 + e] = row[c];
     }
   }
 }
@@ -216,6 +234,122 @@ void attend_rows(const uint16_t* const* q, const int64_t* last_key, const uint16
   }
 }
 
+// One sequence of a call: its shape (n new queries, the last of its S = total keys; its
+// packed sizes), its first query row, its row of the slot table (key j lies at row slots[j]
+// of the pool) and where its packed keys and values start in the call's buffers.
+struct Sequence {
+  Shape shape;
+  int64_t q_start;
+  const int64_t* slots;
+  int64_t packed_k = 0, packed_v = 0;
+};
+
+// (sequence, task within it) of a task of the whole call, from each sequence's first task
+// (`starts`, B + 1 entries, the last the count of all).
+inline std::pair<int64_t, int64_t> locate(const std::vector<int64_t>& starts, int64_t task) {
+  const int64_t b = std::upper_bound(starts.begin(), starts.end(), task) - starts.begin() - 1;
+  return {b, task - starts[b]};
+}
+
+// Packs every sequence's keys and values, then attends each one's queries: three parallel
+// loops for the whole call, whatever its number of sequences. q (T, H, D) rows, k and v
+// rows (any count, H_kv heads) as `seqs` say; out (T, H, D_v).
+at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            std::vector<Sequence>& seqs, double scale) {
+  const Shape& dims = seqs.front().shape;  // heads and dims, the same for every sequence
+  std::vector<int64_t> key_tasks{0}, value_tasks{0}, attend_tasks{0};
+  int64_t key_elements = 0, value_elements = 0;
+  for (Sequence& sq : seqs) {
+    Shape& s = sq.shape;
+    s.key_groups = (s.total + kKeyBlock - 1) / kKeyBlock * (kKeyBlock / kKeyGroup);
+    s.key_pairs = s.key_groups * kKeyGroup / 2;
+    sq.packed_k = key_elements, sq.packed_v = value_elements;
+    key_elements += s.kv_heads * s.key_groups * kKeyGroup * s.dim;
+    value_elements += s.kv_heads * s.key_pairs * 2 * s.v_dim;
+    key_tasks.push_back(key_tasks.back() + s.kv_heads * s.key_groups);
+    value_tasks.push_back(value_tasks.back() + s.kv_heads * s.key_pairs);
+    attend_tasks.push_back(attend_tasks.back() + (s.n + kTaskRows - 1) / kTaskRows * s.heads);
+  }
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  at::Tensor keys = at::empty({key_elements}, k.options());
+  at::Tensor values = at::empty({value_elements}, v.options());
+  auto* packed_k = reinterpret_cast<uint16_t*>(keys.data_ptr<at::BFloat16>());
+  auto* packed_v = reinterpret_cast<uint16_t*>(values.data_ptr<at::BFloat16>());
+  at::parallel_for(0, key_tasks.back(), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [b, local] = locate(key_tasks, task);
+      const Sequence& sq = seqs[b];
+      pack_keys(kp, sq.slots, k.stride(0), k.stride(1), sq.shape, packed_k + sq.packed_k,
+                local, local + 1);
+    }
+  });
+  at::parallel_for(0, value_tasks.back(), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [b, local] = locate(value_tasks, task);
+      const Sequence& sq = seqs[b];
+      pack_values(vp, sq.slots, v.stride(0), v.stride(1), sq.shape, packed_v + sq.packed_v,
+                  local, local + 1);
+    }
+  });
+  at::Tensor out = at::empty({q.size(0), dims.heads, dims.v_dim}, q.options());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t group = dims.heads / dims.kv_heads;
+  // Within a sequence, tasks alternate early and late row blocks, so each thread's share of
+  // the range holds as many keys as another's (a late block sees more of them).
+  at::parallel_for(0, attend_tasks.back(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [b, local] = locate(attend_tasks, task);
+      const Sequence& sq = seqs[b];
+      const Shape& s = sq.shape;
+      const int64_t row_blocks = (s.n + kTaskRows - 1) / kTaskRows;
+      const int64_t order = local / s.heads, h = local % s.heads;
+      const int64_t block = order % 2 == 0 ? order / 2 : row_blocks - 1 - order / 2;
+      const int64_t hk = h / group;
+      const uint16_t* head_keys = packed_k + sq.packed_k + hk * s.key_groups * kKeyGroup * s.dim;
+      const uint16_t* head_values = packed_v + sq.packed_v + hk * s.key_pairs * 2 * s.v_dim;
+      const int64_t first = block * kTaskRows, last = std::min(s.n, first + kTaskRows);
+      const int64_t offset = s.total - s.n;  // query i's position
+      for (int64_t i = first; i < last; i += kRows) {
+        const int64_t rows = std::min(kRows, last - i);
+        const uint16_t* q_rows[kRows];
+        uint16_t* out_rows[kRows];
+        int64_t last_key[kRows];
+        for (int64_t r = 0; r < kRows; ++r) {
+          const int64_t row = i + std::min(r, rows - 1);
+          q_rows[r] = qp + (sq.q_start + row) * q.stride(0) + h * q.stride(1);
+          out_rows[r] = op + ((sq.q_start + row) * s.heads + h) * s.v_dim;
+          last_key[r] = offset + row;
+        }
+        attend_rows(q_rows, last_key, head_keys, head_values, s, static_cast<float>(scale),
+                    out_rows, rows);
+      }
+    }
+  });
+  return out;
+}
+
+// q (T, H, D), k (P, H_kv, D), v (P, H_kv, D_v): bfloat16 CPU tensors with unit stride in
+// their last dim; the heads and dims they give.
+Shape check_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be 3-D");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "CPU tensors expected");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16, "q, k and v must be bfloat16");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "q, k and v need unit stride in their last dim");
+  Shape s{};
+  s.heads = q.size(1), s.dim = q.size(2), s.kv_heads = k.size(1), s.v_dim = v.size(2);
+  TORCH_CHECK(k.size(2) == s.dim && v.size(1) == s.kv_heads && s.kv_heads > 0 &&
+                  s.heads % s.kv_heads == 0,
+              "q, k and v shapes do not match");
+  TORCH_CHECK(s.dim % 2 == 0 && s.v_dim % kColumns == 0 && s.v_dim <= 8 * kColumns,
+              "D must be even and D_v a multiple of 16 up to 128");
+  return s;
+}
+
 #endif  // RADIXLM_PREFILL_ATTENTION
 
 }  // namespace radixlm_prefill
@@ -229,78 +363,49 @@ bool prefill_attention_available() {
 #endif
 }
 
-// prefill_attention(q (n, H, D), k (S, H_kv, D), v (S, H_kv, D_v), scale) -> (n, H, D_v):
-// causal attention of the last n of S positions (query i sees keys 0 .. S - n + i), all
-// bfloat16 with unit stride in the last dim (other strides free: views of a fused QKV
-// output serve); D even, D_v a multiple of 16 up to 128; query head h reads KV head
-// h / (H / H_kv).
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             double scale) {
+// paged_prefill_attention(q (T, H, D), k_buffer (P, H_kv, D), v_buffer (P, H_kv, D_v),
+// slots (B, W) int64, seq_lens (B,) int64, extend_lens (B,) int64, scale) -> (T, H, D_v):
+// for each sequence b, whose n_b = extend_lens[b] queries are the next n_b rows of q and
+// the last n_b of its S_b = seq_lens[b] keys, the keys and values at pool rows
+// slots[b, 0 .. S_b), whatever the other sequences are. The new keys and values
+// must be in the pool already; T = the sum of extend_lens; entries at j >= S_b are not read.
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer,
+                                   const at::Tensor& v_buffer, const at::Tensor& slots,
+                                   const at::Tensor& seq_lens, const at::Tensor& extend_lens,
+                                   double scale) {
 #ifndef RADIXLM_PREFILL_ATTENTION
-  TORCH_CHECK(false, "prefill_attention: this CPU has no AVX-512 BF16");
+  TORCH_CHECK(false, "paged_prefill_attention: this CPU has no AVX-512 BF16");
 #else
   using namespace radixlm_prefill;
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be 3-D");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "CPU tensors expected");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16, "q, k and v must be bfloat16");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
-              "q, k and v need unit stride in their last dim");
-  Shape s{};
-  s.n = q.size(0), s.heads = q.size(1), s.dim = q.size(2);
-  s.total = k.size(0), s.kv_heads = k.size(1), s.v_dim = v.size(2);
-  TORCH_CHECK(k.size(2) == s.dim && v.size(0) == s.total && v.size(1) == s.kv_heads &&
-                  s.kv_heads > 0 && s.heads % s.kv_heads == 0,
-              "q, k and v shapes do not match");
-  TORCH_CHECK(s.n >= 1 && s.n <= s.total, "need 1 <= n <= S");
-  TORCH_CHECK(s.dim % 2 == 0 && s.v_dim % kColumns == 0 && s.v_dim <= 8 * kColumns,
-              "D must be even and D_v a multiple of 16 up to 128");
-  s.key_groups = (s.total + kKeyBlock - 1) / kKeyBlock * (kKeyBlock / kKeyGroup);
-  s.key_pairs = s.key_groups * kKeyGroup / 2;
-  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  at::Tensor keys = at::empty({s.kv_heads * s.key_groups * kKeyGroup * s.dim}, k.options());
-  at::Tensor values = at::empty({s.kv_heads * s.key_pairs * 2 * s.v_dim}, v.options());
-  auto* packed_k = reinterpret_cast<uint16_t*>(keys.data_ptr<at::BFloat16>());
-  auto* packed_v = reinterpret_cast<uint16_t*>(values.data_ptr<at::BFloat16>());
-  at::parallel_for(0, s.kv_heads * s.key_groups, 8, [&](int64_t begin, int64_t end) {
-    pack_keys(kp, k.stride(0), k.stride(1), s, packed_k, begin, end);
-  });
-  at::parallel_for(0, s.kv_heads * s.key_pairs, 64, [&](int64_t begin, int64_t end) {
-    pack_values(vp, v.stride(0), v.stride(1), s, packed_v, begin, end);
-  });
-  at::Tensor out = at::empty({s.n, s.heads, s.v_dim}, q.options());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t row_blocks = (s.n + kTaskRows - 1) / kTaskRows, group = s.heads / s.kv_heads;
-  const int64_t offset = s.total - s.n;  // query i's position
-  // Tasks alternate early and late row blocks, so each thread's share of the range holds
-  // as many keys as another's (a late block sees more of them).
-  at::parallel_for(0, row_blocks * s.heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t order = task / s.heads, h = task % s.heads;
-      const int64_t block = order % 2 == 0 ? order / 2 : row_blocks - 1 - order / 2;
-      const int64_t hk = h / group;
-      const uint16_t* head_keys = packed_k + hk * s.key_groups * kKeyGroup * s.dim;
-      const uint16_t* head_values = packed_v + hk * s.key_pairs * 2 * s.v_dim;
-      const int64_t first = block * kTaskRows, last = std::min(s.n, first + kTaskRows);
-      for (int64_t i = first; i < last; i += kRows) {
-        const int64_t rows = std::min(kRows, last - i);
-        const uint16_t* q_rows[kRows];
-        uint16_t* out_rows[kRows];
-        int64_t last_key[kRows];
-        for (int64_t r = 0; r < kRows; ++r) {
-          const int64_t row = i + std::min(r, rows - 1);
-          q_rows[r] = qp + row * q.stride(0) + h * q.stride(1);
-          out_rows[r] = op + (row * s.heads + h) * s.v_dim;
-          last_key[r] = offset + row;
-        }
-        attend_rows(q_rows, last_key, head_keys, head_values, s, static_cast<float>(scale),
-                    out_rows, rows);
-      }
+  const Shape heads = check_heads(q, k_buffer, v_buffer);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  extend_lens.scalar_type() == at::kLong,
+              "slots, seq_lens and extend_lens must be int64");
+  TORCH_CHECK(slots.dim() == 2 && seq_lens.numel() == slots.size(0) &&
+                  extend_lens.numel() == slots.size(0) && slots.size(0) >= 1,
+              "slots must be (B, W), seq_lens and extend_lens (B,), B >= 1");
+  const at::Tensor table = slots.contiguous();
+  const at::Tensor totals = seq_lens.contiguous(), news = extend_lens.contiguous();
+  const int64_t* table_p = table.data_ptr<int64_t>();
+  const int64_t* total_p = totals.data_ptr<int64_t>();
+  const int64_t* new_p = news.data_ptr<int64_t>();
+  const int64_t width = table.size(1), rows = k_buffer.size(0);
+  TORCH_CHECK(v_buffer.size(0) == rows, "k_buffer and v_buffer must have the same rows");
+  std::vector<Sequence> seqs;
+  int64_t q_start = 0;
+  for (int64_t b = 0; b < table.size(0); ++b) {
+    Shape s = heads;
+    s.n = new_p[b], s.total = total_p[b];
+    TORCH_CHECK(s.n >= 1 && s.n <= s.total && s.total <= width,
+                "need 1 <= extend_lens[b] <= seq_lens[b] <= W");
+    const int64_t* row = table_p + b * width;
+    for (int64_t j = 0; j < s.total; ++j) {
+      TORCH_CHECK(row[j] >= 0 && row[j] < rows, "a slot is outside the pool");
     }
-  });
-  return out;
+    seqs.push_back(Sequence{s, q_start, row});
+    q_start += s.n;
+  }
+  TORCH_CHECK(q_start == q.size(0), "q must have sum(extend_lens) rows");
+  return attend_sequences(q, k_buffer, v_buffer, seqs, scale);
 #endif
 }

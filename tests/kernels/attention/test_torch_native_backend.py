@@ -205,8 +205,9 @@ def test_attention_matches_naive_reference_and_writes_new_kv(case, gqa_ratio, la
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c][0] is ForwardMode.EXTEND])
 def test_bfloat16_extends_attend_through_the_prefill_kernel(case, layout_choice):
     """Where the fused causal prefill attention serves (bfloat16, AVX-512 BF16, no AMX),
-    every sequence that attends on its own goes to it, unmasked, fresh or after a prefix;
-    the outputs are float32 attention's over the same bfloat16 inputs, to a bfloat16 step."""
+    every extend batch goes to it whole, fresh sequences and those after a prefix, over
+    keys where they lie in the pool: no padded grid, no mask; the new K/V are stored; the
+    outputs are float32 attention's over the same bfloat16 inputs, to a bfloat16 step."""
     mode, prefix_lens, extend_lens = CASES[case]
     batch, slots_of, q, k, v = build_batch(mode, prefix_lens, extend_lens, 4, seed=9,
                                            dtype=torch.bfloat16)
@@ -221,13 +222,13 @@ def test_bfloat16_extends_attend_through_the_prefill_kernel(case, layout_choice)
         backend = batch.attn_backend
         backend.init_forward_metadata(batch)
         layout = backend._layout
-        if max(extend_lens) > 1:
-            assert layout.prefill_kernel is not None
-            if layout.sequences is not None:
-                assert all(seq.mask is None for seq in layout.sequences)
-            elif len(extend_lens) == 1:
-                assert layout.is_causal and layout.mask is None
+        assert layout.prefill_kernel is not None
+        assert layout.sequences is None and layout.mask is None and layout.query_rows is None
         out = backend.forward_extend(q, k, v, layer, batch)
+        stored = torch.cat([slots[p:p + e] for slots, p, e in
+                            zip(slots_of, prefix_lens, extend_lens, strict=True)])
+        assert torch.equal(batch.kv_pool.k_buffers[LAYER][stored], k)
+        assert torch.equal(batch.kv_pool.v_buffers[LAYER][stored], v)
     finally:
         if not was_on:
             fused_ops.disable()

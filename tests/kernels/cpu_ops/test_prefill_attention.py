@@ -2,7 +2,8 @@
 attention computes: against float32 attention over the same bfloat16 inputs it errs no
 more than torch's bfloat16 SDPA does (one bfloat16 step), for fresh prompts and prompts
 after a cached prefix, grouped-query heads, every tail of its row and key blocks, and
-strided views of a fused QKV output; it rejects what it cannot take."""
+strided views of a fused QKV output; a batch of sequences, their keys read through slots
+in a pool, gives each sequence what it gets alone; it rejects what it cannot take."""
 
 from __future__ import annotations
 
@@ -14,10 +15,21 @@ from radixlm.kernels.cpu_ops import fused_ops
 
 
 @pytest.fixture(scope="module")
-def kernel(kernels):
+def paged(kernels):
     if not kernels.prefill_attention_available():
         pytest.skip("this CPU has no AVX-512 BF16")
-    return kernels.prefill_attention
+    return kernels.paged_prefill_attention
+
+
+@pytest.fixture(scope="module")
+def kernel(paged):
+    """One sequence: q (n, H, D) as the last n of the S keys (S, H_kv, D) and values, which
+    are the pool (slot j holds key j)."""
+    def attend(q, k, v, scale):
+        total = torch.tensor([k.shape[0]])
+        return paged(q, k, v, torch.arange(k.shape[0])[None], total,
+                     torch.tensor([q.shape[0]]), scale)
+    return attend
 
 
 def reference(q, k, v, scale):
@@ -112,7 +124,7 @@ def test_it_rejects_what_it_cannot_take(kernel):
     k = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="must be bfloat16"):
         kernel(q.float(), k.float(), k.float(), 1.0)
-    with pytest.raises(RuntimeError, match="1 <= n <= S"):
+    with pytest.raises(RuntimeError, match="extend_lens"):
         kernel(torch.zeros(9, 4, 64, dtype=torch.bfloat16), k, k, 1.0)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         kernel(torch.zeros(4, 3, 64, dtype=torch.bfloat16), k, k, 1.0)
@@ -131,3 +143,59 @@ def test_the_backend_takes_it_only_where_it_serves(kernel):
     assert fused_ops.causal_prefill_attention(keys, keys[..., :40]) is None
     latent = torch.zeros(8, 1, 576, dtype=torch.bfloat16)  # MLA: values of 512 dims
     assert fused_ops.causal_prefill_attention(latent, latent[..., :512]) is None
+
+
+# (new tokens, all keys) of each sequence of a paged batch: fresh prompts, prompts after
+# prefixes (short, long, whole key blocks), one-token extends, one long prompt among them.
+PAGED_BATCH = [(12, 12), (1, 1), (5, 40), (33, 97), (1, 64), (130, 130), (7, 71)]
+
+
+def paged_batch(gen, heads=9, kv_heads=3, dim=64, v_dim=64, pool_rows=700):
+    """A pool of random K/V rows, each sequence's keys at random distinct rows, and the
+    queries of all sequences one after another."""
+    k_buffer = torch.randn(pool_rows, kv_heads, dim, generator=gen).bfloat16()
+    v_buffer = torch.randn(pool_rows, kv_heads, v_dim, generator=gen).bfloat16()
+    width = max(total for _, total in PAGED_BATCH) + 3
+    rows = torch.randperm(pool_rows, generator=gen)
+    slots = torch.zeros(len(PAGED_BATCH), width, dtype=torch.int64)
+    used = 0
+    for b, (_, total) in enumerate(PAGED_BATCH):
+        slots[b, :total] = rows[used:used + total]
+        used += total
+    seq_lens = torch.tensor([total for _, total in PAGED_BATCH])
+    extend_lens = torch.tensor([n for n, _ in PAGED_BATCH])
+    q = torch.randn(int(extend_lens.sum()), heads, dim, generator=gen).bfloat16()
+    return q, k_buffer, v_buffer, slots, seq_lens, extend_lens
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=str)
+def test_a_batch_gives_each_sequence_what_it_gets_alone(kernel, paged, heads):
+    gen = torch.Generator().manual_seed(heads[0] * 10 + heads[1])
+    q, k_buffer, v_buffer, slots, seq_lens, extend_lens = paged_batch(gen, *heads)
+    got = paged(q, k_buffer, v_buffer, slots, seq_lens, extend_lens, 0.125)
+    assert got.shape == (q.shape[0], heads[0], 64)
+    start = 0
+    for b, (n, total) in enumerate(PAGED_BATCH):
+        keys = slots[b, :total]
+        alone = kernel(q[start:start + n], k_buffer[keys], v_buffer[keys], 0.125)
+        assert torch.equal(got[start:start + n], alone), b
+        torch.testing.assert_close(got[start:start + n].float(), reference(
+            q[start:start + n], k_buffer[keys], v_buffer[keys], 0.125), atol=2e-2, rtol=1e-2)
+        start += n
+
+
+def test_a_batch_it_cannot_take_is_rejected_naming_why(paged):
+    gen = torch.Generator().manual_seed(1)
+    q, k_buffer, v_buffer, slots, seq_lens, extend_lens = paged_batch(gen)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        bad = slots.clone()
+        bad[2, 3] = k_buffer.shape[0]
+        paged(q, k_buffer, v_buffer, bad, seq_lens, extend_lens, 1.0)
+    with pytest.raises(RuntimeError, match="extend_lens"):
+        paged(q, k_buffer, v_buffer, slots, seq_lens, seq_lens + 1, 1.0)
+    with pytest.raises(RuntimeError, match="sum"):
+        paged(q[1:], k_buffer, v_buffer, slots, seq_lens, extend_lens, 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        paged(q, k_buffer, v_buffer, slots.int(), seq_lens, extend_lens, 1.0)
+    with pytest.raises(RuntimeError, match="same rows"):
+        paged(q, k_buffer, v_buffer[:-1], slots, seq_lens, extend_lens, 1.0)
