@@ -326,7 +326,9 @@ class ModelRunner:
 
     def _run_compiled(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
         """The compiled decode step, or None where it failed (a recompile the warm-up did
-        not foresee, or an error): decode is eager from then on, after one warning."""
+        not foresee, or an error): decode is eager from then on, after one warning. The
+        caller then runs the same batch eagerly: a pass that failed after some layers
+        stored their K/V has the eager pass store the same K/V at the same slots again."""
         try:
             return self.compiled_decode.run(forward_batch)
         except Exception as err:  # noqa: BLE001 - any failure: the eager path still serves

@@ -45,7 +45,7 @@ def runner_for(path, **options) -> ModelRunner:
 
 
 @pytest.mark.slow
-def test_compiled_decode_gives_eager_decodes_tokens_and_logprobs(tiny_model_dir,
+def test_compiled_decode_gives_the_tokens_and_logprobs_of_eager_decode(tiny_model_dir,
                                                                  inductor_cache):
     """Four prompts decoded together (the dynamic graph) and one alone (the one-request
     graph), against an engine decoding eagerly."""
