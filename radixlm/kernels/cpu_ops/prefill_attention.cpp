@@ -2,14 +2,15 @@
 // (see fused_ops.py), each sequence over its keys where they lie in the KV pool.
 //
 // softmax(q . k * scale) . v for a sequence's n queries that are the last n of its S
-// positions: query i sees keys 0 .. S - n + i. Its keys and values are first laid out per KV head so that one 512-bit
-// load serves a dot-product instruction (vdpbf16ps: 16 float32 sums of bfloat16 pairs): keys
-// in blocks of 16 with each key's dims in pairs, values in key pairs with 16 columns a
-// vector. A task is 32 query rows of one head, walked four rows at a time over blocks of 64
-// keys that end at the last key the rows may see (the blocks above the diagonal are never
-// computed), with softmax online (a running maximum and sum per row, float32). As in torch's
-// flash attention, scores and sums are float32 and the probabilities are rounded to bfloat16
-// for their product with the values; outputs are rounded once.
+// positions: query i sees keys 0 .. S - n + i. Its keys and values are first laid out per
+// KV head so that one 512-bit load serves a dot-product instruction (vdpbf16ps: 16 float32
+// sums of bfloat16 pairs): keys in blocks of 16 with each key's dims in pairs, values in key
+// pairs with 16 columns a vector. A task is 32 query rows of one head, walked four rows at a
+// time over blocks of 64 keys that end at the last key the rows may see (the blocks above
+// the diagonal are never computed), with softmax online (a running maximum and sum per row,
+// float32). As in torch's flash attention, scores and sums are float32 and the
+// probabilities are rounded to bfloat16 for their product with the values; outputs are
+// rounded once.
 //
 // One call a layer takes the whole batch: every sequence's keys are packed (read through
 // its row of the slot table: no gather, no padded grid, no mask) in one parallel loop, and
@@ -64,8 +65,8 @@ inline __m512bh broadcast_pair(const uint16_t* p) {
   return as_pairs(_mm512_set1_epi32(pair));
 }
 
-// keys (rows slots[0 .. S) of the pool's (P, H_kv, D)) -> per KV head, per group of 16 keys, per dim pair: 16 keys' pairs
-// (32 values), zeros past S.
+// keys (rows slots[0 .. S) of the pool's (P, H_kv, D)) -> per KV head, per group of 16
+// keys, per dim pair: 16 keys' pairs (32 values), zeros past S.
 void pack_keys(const uint16_t* k, const int64_t* slots, int64_t stride_s, int64_t stride_h,
                const Shape& s, uint16_t* out, int64_t begin, int64_t end) {
   const int64_t pairs = s.dim / 2;
@@ -91,8 +92,8 @@ void pack_keys(const uint16_t* k, const int64_t* slots, int64_t stride_s, int64_
   }
 }
 
-// values (rows slots[0 .. S) of (P, H_kv, D_v)) -> per KV head, per key pair, per 16 columns: the pair's values of
-// each column side by side (32 values), zeros past S.
+// values (rows slots[0 .. S) of (P, H_kv, D_v)) -> per KV head, per key pair, per 16
+// columns: the pair's values of each column side by side (32 values), zeros past S.
 void pack_values(const uint16_t* v, const int64_t* slots, int64_t stride_s, int64_t stride_h,
                  const Shape& s, uint16_t* out, int64_t begin, int64_t end) {
   const int64_t column_blocks = s.v_dim / kColumns;
@@ -111,8 +112,9 @@ void pack_values(const uint16_t* v, const int64_t* slots, int64_t stride_s, int6
   }
 }
 
-// scores[r][0 .. 16 G) = scale * q_r . keys of G packed groups (from kb), for the kRows rows: each row's dim pair is broadcast once for the G groups and each group's
-// vector once for the rows.
+// scores[r][0 .. 16 G) = scale * q_r . keys of G packed groups (from kb), for the kRows
+// rows: each row's dim pair is broadcast once for the G groups and each group's vector once
+// for the rows.
 template <int G>
 inline void score_groups(const uint16_t* const* q, const uint16_t* kb, int64_t pairs,
                          float scale, float (*scores)[kKeyBlock]) {
@@ -307,7 +309,8 @@ at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k, const at::
       const int64_t order = local / s.heads, h = local % s.heads;
       const int64_t block = order % 2 == 0 ? order / 2 : row_blocks - 1 - order / 2;
       const int64_t hk = h / group;
-      const uint16_t* head_keys = packed_k + sq.packed_k + hk * s.key_groups * kKeyGroup * s.dim;
+      const uint16_t* head_keys =
+          packed_k + sq.packed_k + hk * s.key_groups * kKeyGroup * s.dim;
       const uint16_t* head_values = packed_v + sq.packed_v + hk * s.key_pairs * 2 * s.v_dim;
       const int64_t first = block * kTaskRows, last = std::min(s.n, first + kTaskRows);
       const int64_t offset = s.total - s.n;  // query i's position
