@@ -43,7 +43,10 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
   (the norms, QKV, RoPE, KV store, attention, O and MLP) as one call of the kernels above,
   each projection multiplied as ``ProjectionKernel`` says (``models/layers/cpu_decode_layer.py``):
   default model, batch 1, weights by column pairs, a step's forward 10.4-11.8 against
-  14.2-14.4 ms called op by op from Python.
+  14.2-14.4 ms called op by op from Python;
+- ``argmax_rows(x)`` (in ``argmax.cpp``): ``x.argmax(dim=-1)`` over float32 logits, the
+  same answers (ties, NaN) from vector lanes instead of torch's one value at a time
+  (greedy sampling, ``runtime/sampling/sampler.py``).
 
 Each works a row at a time in whole SIMD vectors (16-bit rows converted in registers),
 split between the threads by rows (the prefill attention: four query rows at a time, tasks
@@ -84,11 +87,11 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("fused_ops.cpp", "few_rows_matmul.cpp", "prefill_attention.cpp",
-                             "pair_matmul.cpp", "decode_layer.cpp"))
+                             "pair_matmul.cpp", "decode_layer.cpp", "argmax.cpp"))
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
              "scatter_rows", "int8_matmul", "dense_matmul",
              "paged_prefill_attention", "prefill_attention_available", "pair_matmul",
-             "int8_pair_matmul", "pair_matmul_available", "decode_layer")
+             "int8_pair_matmul", "pair_matmul_available", "decode_layer", "argmax_rows")
 COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 

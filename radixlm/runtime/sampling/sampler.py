@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from radixlm.host_to_device import to_device
+from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.runtime.grammar.grammar_backend import GrammarBackend
 from radixlm.runtime.sampling import penalties
 from radixlm.runtime.sampling.sampling_batch import (
@@ -69,7 +70,7 @@ class Sampler:
                              f"sampling batch of {len(batch)} rows on {batch.device}")
         logits = logits[:, : self.vocab_size]
         if batch.is_plain_greedy():
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
         banning = batch.banning_rows()
         processing = bool(banning) or batch.needs_penalties()
         constrained = batch.uses(GRAMMAR)
@@ -80,8 +81,8 @@ class Sampler:
         if constrained:
             self.grammar_backend.mask_logits(logits, batch.matchers())
         if not batch.uses(SAMPLED):
-            return logits.argmax(dim=-1)
-        greedy = logits.argmax(dim=-1)
+            return _argmax(logits)
+        greedy = _argmax(logits)
         probs = torch.softmax(logits / batch.temperatures.to(logits.dtype), dim=-1)  # (B, V)
         probs = _filter_probs(probs, batch)
         return torch.where(batch.greedy, greedy, self._draw(probs, batch))
@@ -142,6 +143,16 @@ class Sampler:
         if device not in self._seeded:
             self._seeded[device] = torch.Generator(device)
         return self._seeded[device]
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(B, V) -> (B,): each row's ``argmax``, on CPUs through the fused kernels' vectorised
+    one where they are on (the same answers; torch's is scalar: 16 rows of the default
+    model's logits on 2 threads, 0.65 against 0.10 ms; one row 0.09 against 0.01)."""
+    kernels = fused_ops.for_tensor(logits)
+    if kernels is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        return kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def _filter_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from tiny_models import tiny_tokenizer
 
+from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.runtime.detokenizer.incremental_detokenizer import IncrementalDetokenizer
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.sampler import Sampler
@@ -333,3 +334,21 @@ def test_top_k_top_p_over_a_large_vocabulary_equal_the_full_ranking(case):
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
     if case == "beyond them":  # the flat row's top_p reaches past the candidates
         assert int((filtered[1] != 0).sum()) > TOP_CANDIDATES
+
+
+def test_greedy_rows_with_the_fused_cpu_kernels_on_are_torch_argmax():
+    """On a CPU the kernels' vectorised argmax serves greedy rows: the same tokens (ties go
+    to the first), plain greedy and greedy beside sampled rows."""
+    was_on = fused_ops.active() is not None
+    assert fused_ops.enable()
+    try:
+        logits = torch.randn(6, VOCAB + 3).round()  # ties; columns past the vocabulary
+        logits[2, VOCAB + 1] = 1e9  # outside the vocabulary: never picked
+        want = logits[:, :VOCAB].argmax(-1).tolist()
+        greedy = [make_req(temperature=0.0) for _ in range(6)]
+        assert sample(Sampler(VOCAB, {EOS}, 0), logits.clone(), greedy) == want
+        mixed = greedy[:3] + [make_req(temperature=1.0, sampling_seed=1) for _ in range(3)]
+        assert sample(Sampler(VOCAB, {EOS}, 0), logits.clone(), mixed)[:3] == want[:3]
+    finally:
+        if not was_on:
+            fused_ops.disable()
