@@ -149,6 +149,12 @@ class ModelRunner:
             return run()
         return self.thread_policy.run(len(forward_batch.input_ids), self._set_threads, run)
 
+    @property
+    def last_pass_was_trial(self) -> bool:
+        """Whether the last eager CPU pass ran on a thread count the thread policy was
+        trying, not on its choice: that pass's time says little of the usual pace."""
+        return self.thread_policy is not None and self.thread_policy.last_was_trial
+
     def rank_failure(self) -> str | None:
         """Why the model's other ranks cannot serve (one exited), or None."""
         return None if self.local_ranks is None else self.local_ranks.failure()

@@ -11,6 +11,13 @@ time per token for each candidate thread count and runs the faster one; now and 
 changed, and switches only when the other is faster by a margin. A trial lasts a few passes
 of small size but one of a large pass (a long prompt's prefill), so that measuring the
 slower thread count never costs more than about ``trial_tokens`` tokens' worth of passes.
+
+A bucket first seen starts from what is known: where a smaller bucket measured both counts
+and runs all threads, more tokens a pass only make the second thread pay more, so the new
+bucket runs all threads at once, with the smaller one's estimates until its own replace
+them (and tries one thread at its first exploring trial). Else it tries each count, large
+passes all threads first. (A server's first 256-token prompt chunk ran on one thread, 325
+ms against 185 on two, and so did each later size's first pass.)
 With a neighbour busy on the other core, a pass on two threads can take ten times one on
 one thread (each op waits for the descheduled thread), so a trial pass slower than
 ``ABANDON_FACTOR`` times the running count's estimate ends its trial at once, and each
@@ -19,7 +26,10 @@ trial that leaves the choice as it was doubles the wait before the next (up to
 running count's own passes slow down); one who stops, at the next trial.
 
 Invariants: ``choose`` returns one of ``candidates``; a bucket tries each candidate before
-it settles; a candidate's estimate only moves by ``record``.
+it settles, unless it inherits a smaller bucket's estimates (then its first own measurement
+of a count replaces the inherited one); a candidate's estimate otherwise only moves by
+``record``. ``last_was_trial`` says whether the last pass ``run`` ran was on a count under
+trial (not the bucket's choice), so that callers who time passes can leave it out.
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ class _Bucket:
     since_trial: int = 0
     kept: int | None = None
     """The choice when the last trial began (None before the first)."""
+    inherited: set[int] = field(default_factory=set)
+    """Thread counts whose estimate is a smaller bucket's, not yet measured here."""
 
 
 class ThreadPolicy:
@@ -72,6 +84,7 @@ class ThreadPolicy:
         self.trial_tokens = trial_tokens
         self.margin = margin
         self._buckets: dict[int, _Bucket] = {}
+        self.last_was_trial = False
 
     def choose(self, num_tokens: int) -> int:
         """The thread count for a pass of ``num_tokens`` new tokens."""
@@ -80,6 +93,8 @@ class ThreadPolicy:
         if bucket.trial is None:
             passes = max(1, min(self.trial_passes, self.trial_tokens // size))
             untried = [n for n in self.candidates if n not in bucket.seconds_per_token]
+            if size >= self.trial_tokens:  # a large pass: the slow count's trial costs most
+                untried.reverse()
             bucket.since_trial += 1
             if untried:
                 self._start_trial(bucket, untried[0], passes)
@@ -103,9 +118,11 @@ class ThreadPolicy:
         bucket = self._bucket(_bucket_of(num_tokens))
         estimates = bucket.seconds_per_token
         per_token = seconds / num_tokens
-        if threads not in estimates or (bucket.fresh and threads != bucket.current):
+        if (threads not in estimates or threads in bucket.inherited
+                or (bucket.fresh and threads != bucket.current)):
             estimates[threads] = per_token
             bucket.fresh = False
+            bucket.inherited.discard(threads)
         else:
             estimates[threads] = (estimates[threads] + per_token) / 2
         if bucket.current is None or bucket.current not in estimates:
@@ -119,7 +136,9 @@ class ThreadPolicy:
 
     def run(self, num_tokens: int, set_threads: Callable[[int], None], work: Callable):
         """Runs ``work()`` on the chosen thread count (set through ``set_threads``), timed."""
+        size = _bucket_of(num_tokens)
         threads = self.choose(num_tokens)
+        self.last_was_trial = threads != self._buckets[size].current
         set_threads(threads)
         start = time.perf_counter()
         result = work()
@@ -134,7 +153,22 @@ class ThreadPolicy:
         bucket = self._buckets.get(size)
         if bucket is None:
             bucket = self._buckets[size] = _Bucket(explore_after=self.explore_every)
+            self._inherit(bucket, size)
         return bucket
+
+    def _inherit(self, bucket: _Bucket, size: int) -> None:
+        """Seeds a new bucket from the nearest smaller one that measured every count, where
+        that one runs all threads (see the module's docstring)."""
+        smaller = [s for s, b in self._buckets.items()
+                   if s < size and len(b.seconds_per_token) == len(self.candidates)]
+        if not smaller or len(self.candidates) == 1:
+            return
+        nearest = self._buckets[max(smaller)]
+        if nearest.current != self.candidates[-1]:
+            return
+        bucket.seconds_per_token = dict(nearest.seconds_per_token)
+        bucket.inherited = set(self.candidates)
+        bucket.current = nearest.current
 
     def _back_off(self, bucket: _Bucket) -> None:
         """Before an exploring trial: waits longer after a trial that kept the choice."""

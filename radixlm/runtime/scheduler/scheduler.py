@@ -239,7 +239,8 @@ class Scheduler(AdmissionSteps, OverlapSteps, HandoffSteps, BeamSteps):
         self.stats.extend_steps += 1
         started = time.perf_counter()
         stepped = self._extend(reqs, new_ids, share_prefixes=True)
-        self.prefill_pace.observe(sum(adder.extend_lens), time.perf_counter() - started)
+        if not self.runner.last_pass_was_trial:  # a trial's thread count is not the pace's
+            self.prefill_pace.observe(sum(adder.extend_lens), time.perf_counter() - started)
         return stepped
 
     def _run_decode(self, pending: int) -> list[Req]:

@@ -3,6 +3,8 @@ and then so that a neighbour who starts (or stops) using the other core is notic
 
 from __future__ import annotations
 
+import time
+
 from radixlm.runtime.model_executor.thread_policy import MAX_BACKOFF, ThreadPolicy
 
 
@@ -70,10 +72,46 @@ def test_passes_are_bucketed_by_powers_of_two():
 
 def test_a_trial_of_large_passes_is_short():
     """A long prompt's prefill is measured on the slower thread count for one pass, not
-    four: a trial holds about ``trial_tokens`` tokens' worth of passes."""
+    four: a trial holds about ``trial_tokens`` tokens' worth of passes; and a large pass
+    seen first tries all threads first."""
     policy = ThreadPolicy(max_threads=2, trial_passes=4, trial_tokens=64)
-    assert _serve(policy, 512, {1: 2e-3, 2: 1e-3}, passes=6) == [1, 2, 2, 2, 2, 2]
+    assert _serve(policy, 512, {1: 2e-3, 2: 1e-3}, passes=6) == [2, 1, 2, 2, 2, 2]
     assert _serve(policy, 32, {1: 2e-3, 2: 1e-3}, passes=6) == [1, 1, 2, 2, 2, 2]
+
+
+def test_a_larger_size_of_pass_starts_on_all_threads_where_a_smaller_one_runs_them():
+    """Where a smaller bucket measured both counts and runs all threads, a new larger one
+    runs all threads from its first pass (no trial of one thread until its first exploring
+    one); a smaller bucket that runs one thread passes nothing on."""
+    policy = ThreadPolicy(max_threads=2, explore_every=20, trial_passes=4)
+    _serve(policy, 1, {1: 1.0e-3, 2: 1.6e-3}, passes=8)  # one thread
+    assert _serve(policy, 2, {1: 6.0e-4, 2: 5.0e-4}, passes=8)[:4] == [1] * 4  # tried
+    assert policy.chosen() == {1: 1, 2: 2}
+    chosen = _serve(policy, 256, {1: 2.0e-4, 2: 1.1e-4}, passes=30)
+    assert chosen[:19] == [2] * 19 and chosen[19] == 1 and chosen[20:] == [2] * 10
+    assert policy.chosen()[256] == 2
+
+
+def test_an_inherited_choice_gives_way_to_the_passes_own_times():
+    """The inherited estimates are replaced by the bucket's own first measurements: with
+    the other core now busy, all-thread passes slower than the one-thread estimate move the
+    new bucket to one thread at once."""
+    policy = ThreadPolicy(max_threads=2, explore_every=20, trial_passes=4)
+    _serve(policy, 16, {1: 2.0e-4, 2: 1.2e-4}, passes=8)
+    chosen = _serve(policy, 64, {1: 1.9e-4, 2: 9.0e-4}, passes=10)
+    assert chosen[0] == 2 and chosen[1:] == [1] * 9
+    assert policy.chosen()[64] == 1
+
+
+def test_a_pass_on_a_count_under_trial_is_reported_as_such():
+    """``last_was_trial``: a bucket's first passes (each count tried) are trials, the passes
+    on its choice are not."""
+    policy = ThreadPolicy(max_threads=2, trial_passes=1)
+    runs = []
+    for _ in range(4):  # one thread takes ten times as long
+        policy.run(128, runs.append, lambda: time.sleep(0.01 if runs[-1] == 1 else 0.001))
+        runs.append(policy.last_was_trial)
+    assert runs == [2, True, 1, True, 2, False, 2, False]
 
 
 def test_trials_that_change_nothing_come_ever_more_rarely_but_do_come():

@@ -13,6 +13,7 @@ from tiny_models import reference_prompt_logprobs
 from workloads import greedy, random_ids
 
 from radixlm.kernels.forward_batch import ForwardMode
+from radixlm.runtime.model_executor.thread_policy import ThreadPolicy
 from radixlm.runtime.scheduler.prefill_pace import ALONE_TARGET_FACTOR
 
 CHUNK = 32
@@ -291,3 +292,28 @@ def test_a_prompt_nobody_waits_behind_is_cut_into_longer_chunks(scheduler_for, m
     # again, the second one's grow.
     assert all(n == CHUNK for step in extends[: LONG // CHUNK] for n in step)
     assert [lone] in extends[LONG // CHUNK :]
+
+
+def test_a_pass_on_a_thread_count_under_trial_does_not_set_the_pace(scheduler_for, monkeypatch):
+    """The CPU thread policy tries each thread count on a size of pass it has not seen (one
+    thread can take twice as long): such passes must not make the pace cut the next prompts
+    shorter. The prompt passes that ran on the policy's choice, and only they, are timed."""
+    scheduler = scheduler_for(chunked_prefill_size=LONG, chunked_prefill_step_ms=250)
+    monkeypatch.setattr(scheduler.runner, "thread_policy", ThreadPolicy(max_threads=2))
+    observed: list[int] = []
+    monkeypatch.setattr(scheduler.prefill_pace, "observe",
+                        lambda tokens, seconds: observed.append(tokens))
+    trials: list[bool] = []
+    forward = scheduler.runner.forward
+
+    def noting_forward(batch):
+        hidden = forward(batch)
+        if batch.mode == ForwardMode.EXTEND:
+            trials.append(scheduler.runner.last_pass_was_trial)
+        return hidden
+
+    monkeypatch.setattr(scheduler.runner, "forward", noting_forward)
+    for seed in range(4):
+        run(scheduler, [random_ids(20 + seed, 100)], [greedy(1)])
+    assert trials == [True, True, False, False]  # all threads tried, then one, then chosen
+    assert observed == [100, 100]
