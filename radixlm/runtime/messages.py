@@ -5,6 +5,7 @@ Typed msgspec structs, serialized as msgpack: a peer can only ever send data, ne
 socket carrying several kinds decodes into the right one.
 
     TokenizerManager --GenerateReq/AbortReq/ControlReq--> Scheduler
+    (a batch's GenerateReqs as the frames of one ZMQ message: they arrive together)
     Scheduler --DetokenizeBatch--> Detokenizer --TextBatch--> TokenizerManager
     Scheduler --TokenBatch/ControlReply--> TokenizerManager
 

@@ -95,8 +95,11 @@ class TokenizerManager:
             self.states[req.rid] = state
             states.append(state)
         self.trim.busy()
-        for payload in payloads:
-            await self.to_scheduler.send(payload)
+        # One message of a frame a request: ZMQ delivers it whole, so the Scheduler admits
+        # the batch together (sent one by one, its first requests were often prefilled
+        # alone, in a pass of their own).
+        if payloads:
+            await self.to_scheduler.send_multipart(payloads)
         return states
 
     async def collect(self, reqs: list[io.GenerateReq]) -> list[dict[str, Any]]:

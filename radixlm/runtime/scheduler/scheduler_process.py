@@ -180,18 +180,20 @@ class SchedulerLoop:
 
     def _receive(self, timeout: int) -> bool:
         """Handles every message that comes within ``timeout`` ms (and those right after
-        it); False when told to shut down (or orphaned)."""
+        it); False when told to shut down (or orphaned). A batch's requests come as the
+        frames of one ZMQ message, so they are all added before the next step."""
         while self.inbox.poll(timeout):
             timeout = 0
-            msg = self._decode(self.inbox.recv())
-            if isinstance(msg, io.GenerateReq):
-                self._add(msg)
-            elif isinstance(msg, io.AbortReq):
-                self._abort(msg.rid)
-            elif isinstance(msg, io.ControlReq):
-                if msg.kind == "shutdown":
-                    return False
-                self._control(msg)
+            for frame in self.inbox.recv_multipart():
+                msg = self._decode(frame)
+                if isinstance(msg, io.GenerateReq):
+                    self._add(msg)
+                elif isinstance(msg, io.AbortReq):
+                    self._abort(msg.rid)
+                elif isinstance(msg, io.ControlReq):
+                    if msg.kind == "shutdown":
+                        return False
+                    self._control(msg)
         return os.getppid() == self.parent
 
     def _add(self, msg: io.GenerateReq) -> None:

@@ -56,6 +56,19 @@ def test_generate_calls_from_several_threads_batch_together(engine_for):
     assert [results[i] for i in range(len(PROMPTS))] == expected
 
 
+def test_a_batch_arrives_whole_and_is_prefilled_in_one_pass(engine_for):
+    """A list of prompts reaches the scheduler as one message: it admits them together, one
+    prefill pass for the batch. (Sent one by one, the first of 40 requests were prefilled
+    in a pass of their own in every one of four runs of this test.)"""
+    engine = engine_for()
+    for round_ in range(5):
+        prompts = [f"{round_}: {p}" for p in PROMPTS * 8]  # new to the cache each round
+        before = engine.get_server_info()["stats"]["extend_steps"]
+        outputs = engine.generate(prompts, greedy(2))
+        assert len(outputs) == len(prompts)
+        assert engine.get_server_info()["stats"]["extend_steps"] - before == 1
+
+
 def test_killing_the_scheduler_fails_pending_calls_within_seconds(tiny_model_dir):
     """Four requests of 4000 tokens each, which cannot end before the kill lands (see the
     Detokenizer's test below)."""
