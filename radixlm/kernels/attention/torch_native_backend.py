@@ -82,10 +82,16 @@ class _PaddedLayout:
     """Decode only: runs of requests sharing a prefix (``shared_prefix_decode.py``); the
     other requests are ``plain_rows``."""
     plain_rows: torch.Tensor | None = None
-    prefill_kernel: Callable | None = None
-    """Extend only: the fused causal prefill attention over the pool, where it serves the
-    pool's dtype and head dims; then it attends the whole batch, and the padded fields
-    but ``kv_slots`` are unused."""
+
+
+@dataclass(frozen=True)
+class _InPoolExtend:
+    """An extend batch that the fused causal prefill attention (where it serves the pool's
+    dtype and head dims) attends whole, each sequence over its keys where they lie in the
+    pool: no gather, padding or mask."""
+
+    kv_slots: torch.Tensor  # (B, S) slot of key j of request b (past its keys: unread)
+    kernel: Callable  # fused_ops.causal_prefill_attention's paged_prefill_attention
 
 
 CALL_COST_PAIRS = 4096
@@ -136,7 +142,7 @@ class TorchNativeAttentionBackend(AttentionBackend):
     uses_custom_kernels = False
 
     def __init__(self) -> None:
-        self._layout: _PaddedLayout | None = None
+        self._layout: _PaddedLayout | _InPoolExtend | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -148,8 +154,7 @@ class TorchNativeAttentionBackend(AttentionBackend):
         kernel = fused_ops.causal_prefill_attention(
             *fb.kv_pool.get_kv(0)) if fb.mode is ForwardMode.EXTEND else None
         if kernel is not None:
-            self._layout = _PaddedLayout(kv_slots, None, None, False, False, batch_size, max_q,
-                                         prefill_kernel=kernel)
+            self._layout = _InPoolExtend(kv_slots, kernel)
             return
         single_fresh = batch_size == 1 and extend_lens[0] == seq_lens[0]
         single_causal = single_fresh or (
@@ -299,14 +304,16 @@ class TorchNativeAttentionBackend(AttentionBackend):
             values = values.view(*slots.shape, *v_buffer.shape[1:])
         return keys.transpose(1, 2), values.transpose(1, 2)
 
-    def _attend_in_pool(self, kernel, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
+    @staticmethod
+    def _attend_in_pool(layout: _InPoolExtend, q, k, v, layer,
+                        fb: ForwardBatch) -> torch.Tensor:
         """Stores the new K/V, then the prefill kernel attends every sequence's queries
         over its keys where they lie in the pool: (T, H, D_v)."""
         pool = fb.kv_pool
         pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.get_kv(layer.layer_id)
-        return kernel(q, k_buffer, v_buffer, self._layout.kv_slots, fb.seq_lens,
-                      fb.extend_seq_lens, layer.scaling)
+        return layout.kernel(q, k_buffer, v_buffer, layout.kv_slots, fb.seq_lens,
+                             fb.extend_seq_lens, layer.scaling)
 
     def _attend_each(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
         """Sequence by sequence, unpadded: a fresh one causal over its own new K/V (as
@@ -339,8 +346,8 @@ class TorchNativeAttentionBackend(AttentionBackend):
 
     def _attend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
         layout = self._layout
-        if layout.prefill_kernel is not None:
-            return self._attend_in_pool(layout.prefill_kernel, q, k, v, layer, fb)
+        if isinstance(layout, _InPoolExtend):
+            return self._attend_in_pool(layout, q, k, v, layer, fb)
         if layout.sequences is not None:
             return self._attend_each(q, k, v, layer, fb)
         if layout.fresh_keys:  # a single fresh sequence: its K/V are the new ones

@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from radixlm.kernels.attention import torch_native_backend
-from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
+from radixlm.kernels.attention.torch_native_backend import (
+    TorchNativeAttentionBackend,
+    _InPoolExtend,
+)
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
@@ -222,8 +225,9 @@ def test_bfloat16_extends_attend_through_the_prefill_kernel(case, layout_choice)
         backend = batch.attn_backend
         backend.init_forward_metadata(batch)
         layout = backend._layout
-        assert layout.prefill_kernel is not None
-        assert layout.sequences is None and layout.mask is None and layout.query_rows is None
+        assert isinstance(layout, _InPoolExtend)  # no padded grid, mask or split
+        assert torch.equal(layout.kv_slots, batch.req_to_token[
+            batch.req_pool_indices, :max(batch.seq_lens_list)])
         out = backend.forward_extend(q, k, v, layer, batch)
         stored = torch.cat([slots[p:p + e] for slots, p, e in
                             zip(slots_of, prefix_lens, extend_lens, strict=True)])

@@ -53,7 +53,7 @@ def input_logprobs(out: dict) -> torch.Tensor:
 ])
 def test_greedy_tokens_and_logprobs_equal_transformers(engine_for, tiny_model_dir, backend,
                                                        graphs, architecture, kv):
-    """Four prompts decoded together (graphs padded from 4 to the captured 4): each one's
+    """Four prompts decoded together (with graphs, in the graph captured for 4): each one's
     24 greedy tokens, prompt logprobs and output logprobs are transformers' (1e-4)."""
     path = tiny_model_dir(architecture, kv)
     engine = cuda_engine(engine_for, backend, graphs, architecture, kv)
