@@ -34,6 +34,7 @@ def test_generate_reports_bad_input_without_a_traceback(tiny_model_dir):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # a CLI process loading the real model (~17 s): CI's last stage
 @pytest.mark.default_model
 def test_readme_command_answers_with_the_default_model():
     result = run_cli("generate", "What is the capital of Japan?", "--max-new-tokens", "32")

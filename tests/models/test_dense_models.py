@@ -56,6 +56,7 @@ def test_prompt_logprobs_and_greedy_tokens_match_transformers(
         assert out["output_ids"] == batched["output_ids"]
 
 
+@pytest.mark.slow  # an engine of its own (~11 s): CI's last stage
 def test_sharded_checkpoint_loads_like_a_single_file(tmp_path, engine_for, tiny_model_dir):
     single = tiny_model_dir("LlamaForCausalLM", "gqa", False)
     sharded = tmp_path / "sharded"

@@ -62,6 +62,7 @@ def test_chat_template_answer_names_paris(engine):
     assert_engine_idle(engine)
 
 
+@pytest.mark.slow  # a bfloat16 engine and model of its own (~14 s): CI's last stage
 @torch.inference_mode()
 def test_bfloat16_engine_is_as_close_to_float32_as_transformers_bfloat16(reference, caplog):
     """bf16 rounding flips greedy answers where the model is near a tie, and which way
