@@ -12,18 +12,19 @@ changed, and switches only when the other is faster by a margin. A trial lasts a
 of small size but one of a large pass (a long prompt's prefill), so that measuring the
 slower thread count never costs more than about ``trial_tokens`` tokens' worth of passes.
 
-A bucket first seen starts from what is known: where a smaller bucket measured both counts
-and runs all threads, more tokens a pass only make the second thread pay more, so the new
-bucket runs all threads at once, with the smaller one's estimates until its own replace
-them (and tries one thread at its first exploring trial). Else it tries each count, large
-passes all threads first. (A server's first 256-token prompt chunk ran on one thread, 325
-ms against 185 on two, and so did each later size's first pass.)
 With a neighbour busy on the other core, a pass on two threads can take ten times one on
 one thread (each op waits for the descheduled thread), so a trial pass slower than
 ``ABANDON_FACTOR`` times the running count's estimate ends its trial at once, and each
 trial that leaves the choice as it was doubles the wait before the next (up to
 ``MAX_BACKOFF`` times ``explore_every``). A neighbour who starts is noticed at once (the
 running count's own passes slow down); one who stops, at the next trial.
+
+A bucket first seen starts from what is known: where a smaller bucket measured both counts
+and runs all threads, more tokens a pass only make the second thread pay more, so the new
+bucket runs all threads at once, with the smaller one's estimates until its own replace
+them (and tries one thread at its first exploring trial). Else it tries each count, large
+passes all threads first. (A server's first 256-token prompt chunk ran on one thread, 325
+ms against 185 on two, and so did each later size's first pass.)
 
 Invariants: ``choose`` returns one of ``candidates``; a bucket tries each candidate before
 it settles, unless it inherits a smaller bucket's estimates (then its first own measurement
