@@ -41,4 +41,3 @@ def test_it_reads_rows_with_a_stride_and_rejects_what_it_cannot_take(kernels):
         kernels.argmax_rows(torch.randn(50, 4).t())
     with pytest.raises(RuntimeError, match="V >= 1"):
         kernels.argmax_rows(torch.randn(3, 0))
-

@@ -46,7 +46,7 @@ def runner_for(path, **options) -> ModelRunner:
 
 @pytest.mark.slow
 def test_compiled_decode_gives_the_tokens_and_logprobs_of_eager_decode(tiny_model_dir,
-                                                                 inductor_cache):
+                                                                       inductor_cache):
     """Four prompts decoded together (the dynamic graph) and one alone (the one-request
     graph), against an engine decoding eagerly."""
     path = str(tiny_model_dir())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -336,11 +337,18 @@ def test_top_k_top_p_over_a_large_vocabulary_equal_the_full_ranking(case):
         assert int((filtered[1] != 0).sum()) > TOP_CANDIDATES
 
 
-def test_greedy_rows_with_the_fused_cpu_kernels_on_are_torch_argmax():
+def test_greedy_rows_with_the_fused_cpu_kernels_on_are_torch_argmax(monkeypatch):
     """On a CPU the kernels' vectorised argmax serves greedy rows: the same tokens (ties go
     to the first), plain greedy and greedy beside sampled rows."""
     was_on = fused_ops.active() is not None
     assert fused_ops.enable()
+    kernels, calls = fused_ops.active(), []
+
+    def observed_argmax(x):
+        calls.append(x.shape[0])
+        return kernels.argmax_rows(x)
+
+    monkeypatch.setattr(fused_ops, "_module", SimpleNamespace(argmax_rows=observed_argmax))
     try:
         logits = torch.randn(6, VOCAB + 3).round()  # ties; columns past the vocabulary
         logits[2, VOCAB + 1] = 1e9  # outside the vocabulary: never picked
@@ -349,6 +357,8 @@ def test_greedy_rows_with_the_fused_cpu_kernels_on_are_torch_argmax():
         assert sample(Sampler(VOCAB, {EOS}, 0), logits.clone(), greedy) == want
         mixed = greedy[:3] + [make_req(temperature=1.0, sampling_seed=1) for _ in range(3)]
         assert sample(Sampler(VOCAB, {EOS}, 0), logits.clone(), mixed)[:3] == want[:3]
+        assert calls == [6, 6]  # the kernel, not torch's argmax, for both batches
     finally:
+        monkeypatch.undo()  # the real module back, before it may be turned off
         if not was_on:
             fused_ops.disable()
