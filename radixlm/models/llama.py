@@ -101,9 +101,10 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this block's output, the residual stream before it is added). A decode
         step runs as one call of the fused CPU kernels where the layer and step allow it
-        (``_fused_decode``), with the same result; torch.compile traces the modules."""
+        (``fused_decode``), with the same result; torch.compile traces the modules. (A
+        model whose layers all have one runs them all as one call: ``DecoderOnlyLM``.)"""
         if forward_batch.mode is ForwardMode.DECODE and not torch.compiler.is_compiling():
-            fused = self._fused_decode()
+            fused = self.fused_decode()
             out = None if fused is None else fused.run(rope, x, residual, forward_batch)
             if out is not None:
                 return out
@@ -115,7 +116,7 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-    def _fused_decode(self) -> FusedDecodeLayer | None:
+    def fused_decode(self) -> FusedDecodeLayer | None:
         """This layer's decode step as one call of the fused CPU kernels, where its parts
         allow it (``cpu_decode_layer``); built at the first decode step."""
         if not self._fused_built:

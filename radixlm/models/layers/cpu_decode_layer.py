@@ -67,7 +67,7 @@ class FusedDecodeLayer:
         input_norm, post_norm = self.input_norm.weight, self.post_norm.weight
         if kernels is None or not x.dtype == input_norm.dtype == post_norm.dtype:
             return None
-        products = self._products(x.shape[0], x.dtype)
+        products = self.products(x.shape[0], x.dtype)
         if products is None:
             return None
         pool = forward_batch.kv_pool
@@ -83,14 +83,19 @@ class FusedDecodeLayer:
             v_buffer, forward_batch.out_cache_loc, *tables, self.heads, self.kv_heads,
             self.scale)
 
-    def _products(self, rows: int, dtype: torch.dtype) -> ProjectionOperands | None:
+    def weights(self) -> list:
+        """The projections' weights as they multiply them now: each one's packed weight, or
+        its plain one."""
+        return [p.weight if p.packed is None else p.packed for p in self.projections]
+
+    def products(self, rows: int, dtype: torch.dtype) -> ProjectionOperands | None:
         """The projections' kernels, weights and scales for passes of ``rows`` rows of
         ``dtype`` (``Linear.fused_projection``), or None where one runs none of the kernels.
         Kept per (rows, dtype) while every projection holds the weight it held then (a
         weight packed or laid out anew is asked again): nothing else they depend on changes
         between decode steps (``row_invariant_products``, which oneDNN's layout heeds, is
         only entered for prompt passes)."""
-        weights = [p.weight if p.packed is None else p.packed for p in self.projections]
+        weights = self.weights()
         known = self._known.get((rows, dtype))
         if known is not None and all(a is b for a, b in zip(known[0], weights)):
             return known[1]

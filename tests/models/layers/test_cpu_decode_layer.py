@@ -1,8 +1,11 @@
-"""A decoder layer's fused decode step (one call of the fused CPU kernels) gives the hidden
-states, logits and stored KV of the module path to the bit, for every weight layout and
-format it multiplies, and runs where, and only where, its parts and the step allow it."""
+"""A decoder layer's fused decode step (one call of the fused CPU kernels), and all the layers'
+steps as one call (the stack), give the hidden states, logits and stored KV of the module
+path to the bit, for every weight layout and format they multiply, and run where, and only
+where, the layers' parts and the step allow it."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.kernels.forward_batch import ForwardMode
 from radixlm.models.layers.cpu_decode_layer import FusedDecodeLayer
+from radixlm.models.layers.cpu_decode_stack import FusedDecodeStack
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.weight_formats import (
     ConversionBuffer,
@@ -42,22 +46,45 @@ def pairs_serve(kernels_on):
 
 @pytest.fixture
 def fused_runs(monkeypatch):
-    """Counts the layer steps that ran fused (the real ``run``, observed)."""
-    counts = {"fused": 0, "declined": 0}
-    real_run = FusedDecodeLayer.run
+    """Counts, by observing the real ``run``s: layer steps that ran fused (alone or in the
+    stack), layer steps whose fused run declined, and steps the stack ran."""
+    counts = {"fused": 0, "declined": 0, "stacked": 0}
+    real_layer_run, real_stack_run = FusedDecodeLayer.run, FusedDecodeStack.run
 
-    def observed(self, *args):
-        out = real_run(self, *args)
+    def observed_layer(self, *args):
+        out = real_layer_run(self, *args)
         counts["fused" if out is not None else "declined"] += 1
         return out
 
-    monkeypatch.setattr(FusedDecodeLayer, "run", observed)
+    def observed_stack(self, *args):
+        out = real_stack_run(self, *args)
+        if out is not None:
+            counts["fused"] += len(self.layers)
+            counts["stacked"] += 1
+        return out
+
+    monkeypatch.setattr(FusedDecodeLayer, "run", observed_layer)
+    monkeypatch.setattr(FusedDecodeStack, "run", observed_stack)
     return counts
 
 
+def unstacked(monkeypatch) -> None:
+    """Each layer's fused step runs on its own (no stack is built)."""
+    monkeypatch.setattr(FusedDecodeStack, "build", classmethod(lambda cls, layers: None))
+
+
 def make_runner(path, dtype="bfloat16", **options) -> ModelRunner:
+    """A runner whose norms' weights differ from layer to layer and norm to norm (the tiny
+    models' are all ones), so that a norm applied in another's place shows."""
     args = ServerArgs(str(path), dtype=dtype, max_total_tokens=512, **options)
-    return ModelRunner(args, ModelConfig.from_path(str(path)))
+    runner = ModelRunner(args, ModelConfig.from_path(str(path)))
+    with torch.no_grad():
+        for i, layer in enumerate(runner.model.layers):
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            for j, norm in enumerate(norms):
+                phase = torch.arange(norm.weight.numel()) + 5 * i + 2 * j
+                norm.weight.copy_(1 + 0.5 * torch.sin(phase))
+    return runner
 
 
 def generate(runner: ModelRunner, prompts: list[list[int]] = PROMPTS
@@ -103,7 +130,9 @@ def assert_fused_equals_modules(path, fused_runs, monkeypatch, prompts=PROMPTS,
     used = [p.fused_projection(len(prompts), runner.dtype).kernel for p in projections]
     fused_steps, fused_kv = generate(runner, prompts)
     layers = len(runner.model.layers)
-    assert fused_runs == {"fused": layers * DECODE_STEPS, "declined": 0}
+    stacked = runner.model.fused_decode_stack() is not None
+    assert fused_runs == {"fused": layers * DECODE_STEPS, "declined": 0,
+                          "stacked": DECODE_STEPS if stacked else 0}
     monkeypatch.setattr(FusedDecodeLayer, "build", classmethod(lambda cls, *args: None))
     module_steps, module_kv = generate(make_runner(path, **options), prompts)
     assert fused_runs["fused"] == layers * DECODE_STEPS  # no more
@@ -113,11 +142,16 @@ def assert_fused_equals_modules(path, fused_runs, monkeypatch, prompts=PROMPTS,
 
 
 @pytest.mark.parametrize("kv", ["gqa", "mha"])
+@pytest.mark.parametrize("stacked", [True, False])
 def test_fused_steps_by_pairs_equal_the_module_path_to_the_bit(pairs_serve, tiny_model_dir,
-                                                               fused_runs, monkeypatch, kv):
+                                                               fused_runs, monkeypatch, kv,
+                                                               stacked):
+    if not stacked:
+        unstacked(monkeypatch)
     used = assert_fused_equals_modules(tiny_model_dir("LlamaForCausalLM", kv, False),
                                        fused_runs, monkeypatch)
     assert used == [ProjectionKernel.PAIRS] * 4
+    assert (fused_runs["stacked"] > 0) is stacked
 
 
 @pytest.mark.parametrize("dtype, quantization, requests, kernel", [
@@ -153,7 +187,8 @@ def test_a_step_with_the_kernels_off_runs_the_modules(kernels_on, tiny_model_dir
         generate(runner)
     finally:
         fused_ops.enable()
-    assert fused_runs == {"fused": 0, "declined": len(runner.model.layers) * DECODE_STEPS}
+    assert fused_runs == {"fused": 0, "declined": len(runner.model.layers) * DECODE_STEPS,
+                          "stacked": 0}
 
 
 @pytest.mark.parametrize("architecture", [
@@ -164,8 +199,9 @@ def test_layers_whose_parts_do_not_allow_it_run_the_modules(kernels_on, tiny_mod
                                                              fused_runs, architecture):
     runner = make_runner(tiny_model_dir(architecture, "gqa", False))
     generate(runner)
-    assert fused_runs == {"fused": 0, "declined": 0}
-    assert all(layer._fused_decode() is None for layer in runner.model.layers)
+    assert fused_runs == {"fused": 0, "declined": 0, "stacked": 0}
+    assert all(layer.fused_decode() is None for layer in runner.model.layers)
+    assert runner.model.fused_decode_stack() is None
 
 
 def test_steps_whose_products_run_on_onednn_run_the_modules(kernels_on, tiny_model_dir,
@@ -173,7 +209,33 @@ def test_steps_whose_products_run_on_onednn_run_the_modules(kernels_on, tiny_mod
     runner = make_runner(tiny_model_dir("LlamaForCausalLM", "gqa", False),
                          disable_cpu_weight_rows=True)  # oneDNN's layout, no kept rows
     generate(runner)
-    assert fused_runs == {"fused": 0, "declined": len(runner.model.layers) * DECODE_STEPS}
+    assert runner.model.fused_decode_stack() is not None  # built, and declines each step
+    assert fused_runs == {"fused": 0, "declined": len(runner.model.layers) * DECODE_STEPS,
+                          "stacked": 0}
+
+
+def test_layers_that_differ_in_shape_or_lack_a_fused_step_are_not_stacked(kernels_on,
+                                                                          tiny_model_dir):
+    runner = make_runner(tiny_model_dir("LlamaForCausalLM", "gqa", False))
+    layers = [layer.fused_decode() for layer in runner.model.layers]
+    assert len(layers) > 1 and FusedDecodeStack.build(layers) is not None
+    assert FusedDecodeStack.build([]) is None
+    assert FusedDecodeStack.build([*layers[:-1], None]) is None
+    for change in ({"heads": layers[-1].heads * 2}, {"scale": layers[-1].scale / 2}):
+        assert FusedDecodeStack.build([*layers[:-1], replace(layers[-1], **change)]) is None
+
+
+def test_the_stack_gathers_its_operands_anew_when_a_weight_changes(kernels_on, tiny_model_dir):
+    runner = make_runner(tiny_model_dir("LlamaForCausalLM", "gqa", False))
+    stack = runner.model.fused_decode_stack()
+    first = stack._operands(3, runner.dtype)
+    assert first is not None and stack._operands(3, runner.dtype) is first  # kept
+    norm = stack.layers[1].post_norm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
+    again = stack._operands(3, runner.dtype)
+    assert again is not first and again[0][3] is norm.weight  # layer 1's post norm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().float())
+    assert stack._operands(3, runner.dtype) is None  # a norm not of the rows' dtype
 
 
 def test_a_projection_names_the_kernel_its_matmul_runs():
