@@ -355,6 +355,10 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
               "weight must be (d,) for x (..., d)");
 }
 
+// How many times a norm's or RoPE's output (the row grain's unit) one of silu_mul's costs.
+constexpr int64_t kSiluCost = 4;
+
+// Rows of row_size outputs a thread takes at least: torch's grain of elements.
 int64_t row_grain(int64_t row_size) {
   return std::max<int64_t>(1, kElementGrain / std::max<int64_t>(row_size, 1));
 }
@@ -471,7 +475,10 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-// silu_mul(gate_up (T, 2 I)) -> (T, I): silu(gate_up[:, :I]) * gate_up[:, I:].
+// silu_mul(gate_up (T, 2 I)) -> (T, I): silu(gate_up[:, :I]) * gate_up[:, I:]. An output
+// costs about kSiluCost times a norm's or RoPE's (an exponential and a division), so
+// threads share rows from a quarter of the grain on (16 rows of the default model's 1536: 11.4
+// against 20.7 us on one thread, 2-core Zen 4).
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
               "gate_up must be (T, 2 I) with unit stride in its last dim");
@@ -479,7 +486,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, width}, gate_up.options());
   DISPATCH_STORAGE_TYPES(gate_up.scalar_type(), "silu", [&] {
-    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, row_grain(kSiluCost * width), [&](int64_t begin, int64_t end) {
       silu_mul_rows(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), begin, end, width,
                     gate_up.stride(0));
     });
