@@ -66,6 +66,8 @@ SHAPES = [
     (1, 50, 4, 1, 64, 64),  # one token after a prefix (a decode-like extend)
     (40, 131, 4, 4, 128, 128),  # wide heads, an odd count of keys
     (19, 19, 2, 1, 48, 32),  # D not a multiple of 32, D_v of 16
+    (300, 300, 9, 3, 64, 64),  # more than one block of keys: the running softmax
+    (20, 600, 4, 2, 64, 64),  # after a prefix of two blocks and more
 ]
 
 
@@ -107,15 +109,15 @@ def test_a_later_query_changes_no_earlier_output(kernel):
     assert torch.equal(whole[:37], kernel(q[:37], k[:37], v[:37], 0.125))
 
 
-@pytest.mark.parametrize("cached", [1, 31, 64, 100])
+@pytest.mark.parametrize("cached", [1, 31, 64, 100, 270])
 def test_a_prompt_after_a_cache_hit_computes_what_the_whole_prompt_did(kernel, cached):
     """Rows after a cached prefix equal, bit for bit, the same rows of the whole prompt:
     key blocks start at position 0 whatever the rows, and keys a row does not see add
     exact zeros."""
     gen = torch.Generator().manual_seed(cached)
-    q = torch.randn(150, 9, 64, generator=gen).bfloat16()
-    k = torch.randn(150, 3, 64, generator=gen).bfloat16()
-    v = torch.randn(150, 3, 64, generator=gen).bfloat16()
+    q = torch.randn(400, 9, 64, generator=gen).bfloat16()
+    k = torch.randn(400, 3, 64, generator=gen).bfloat16()
+    v = torch.randn(400, 3, 64, generator=gen).bfloat16()
     assert torch.equal(kernel(q[cached:], k, v, 0.125), kernel(q, k, v, 0.125)[cached:])
 
 
