@@ -301,13 +301,62 @@ inline void score_16_keys(const float* q, const T* const* keys, int64_t dim, flo
   }
   _mm512_storeu_ps(scores, sum_each_of_16(acc));
 }
+
+#if defined(__AVX512BF16__)
+#define RADIXLM_BF16_DECODE_SCORES 1
+// scores[j] = scale * q . key_j for 16 bfloat16 keys and a bfloat16 q of dim (a multiple of
+// 32), on dot-product instructions (vdpbf16ps: each lane sums a pair of products, exact, in
+// float32): half the instructions of widening the keys to float32, and no widening; the
+// scale multiplies the sums (rather than q first). With the value rows read once for a
+// group's queries (weighted_rows_64): 16 requests of ~500 tokens, the default model's 30
+// layers from the pool, 15.0 against 16.7 ms a step; one layer's (in cache) thirty times,
+// 6.1 against 7.0 (2-core Zen 4, both builds side by side in one process).
+inline void score_16_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* const* keys,
+                               int64_t dim, float scale, float* scores) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + i);
+    for (int t = 0; t < 16; ++t) {
+      acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)_mm512_loadu_si512(keys[t] + i));
+    }
+  }
+  _mm512_storeu_ps(scores, _mm512_mul_ps(sum_each_of_16(acc), _mm512_set1_ps(scale)));
+}
 #endif
+#endif
+
+// out_g[0, 64) = scales[g] * sum_j w_g[j] * row_j[0, 64) for the G queries g of a group
+// (w_g = w + g * w_stride, out_g = out + g * out_stride), each value row read once for all
+// of them: the sums of each query as weighted_rows's, in the same order.
+template <int G, typename T>
+inline void weighted_rows_64(const float* w, int64_t w_stride, const T* base,
+                             const int64_t* slots, int64_t len, int64_t stride,
+                             const float* scales, T* out, int64_t out_stride) {
+  Vec acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = Vec(0.f);
+  for (int64_t j = 0; j < len; ++j) {
+    const T* row = base + slots[j] * stride;
+    const Vec v[4] = {load_vec(row), load_vec(row + kLanes), load_vec(row + 2 * kLanes),
+                      load_vec(row + 3 * kLanes)};
+    for (int g = 0; g < G; ++g) {
+      const Vec weight(w[g * w_stride + j]);
+      for (int c = 0; c < 4; ++c) acc[g][c] = at::vec::fmadd(weight, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float sums[4 * kLanes];
+    for (int c = 0; c < 4; ++c) (acc[g][c] * Vec(scales[g])).store(sums + c * kLanes);
+    for (int64_t l = 0; l < 4 * kLanes; ++l) out[g * out_stride + l] = static_cast<T>(sums[l]);
+  }
+}
 
 // Tasks [begin, end) of (request, KV head): the group's queries over the request's keys.
 template <typename T>
 void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens,
                   T* out, const DecodeShape& s, float scale, int64_t begin, int64_t end) {
-  std::vector<float> qf(s.group * s.dim), scores(s.group * s.width);
+  std::vector<float> qf(s.group * s.dim), scores(s.group * s.width), inverse_totals(s.group);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t b = task / s.kv_heads, hk = task % s.kv_heads, len = lens[b];
     const int64_t* row_slots = slots + b * s.width;
@@ -328,7 +377,17 @@ void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, cons
           keys[t] = k + row_slots[j + t] * s.k_slot_stride + hk * s.k_head_stride;
         }
         for (int64_t g = 0; g < s.group; ++g) {
-          score_16_keys(qf.data() + g * s.dim, keys, s.dim, scores.data() + g * s.width + j);
+          float* block_scores = scores.data() + g * s.width + j;
+#ifdef RADIXLM_BF16_DECODE_SCORES
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            if (s.dim % 32 == 0) {
+              score_16_keys_bf16(q + (first_head + g) * s.dim, keys, s.dim, scale,
+                                 block_scores);
+              continue;
+            }
+          }
+#endif
+          score_16_keys(qf.data() + g * s.dim, keys, s.dim, block_scores);
         }
       }
     }
@@ -339,11 +398,34 @@ void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, cons
         scores[g * s.width + j] = dot(qf.data() + g * s.dim, key, s.dim);
       }
     }
-    for (int64_t g = 0; g < s.group; ++g) {  // the group's value rows stay in cache
-      float* p = scores.data() + g * s.width;
-      const float total = exp_shifted(p, len);
-      weighted_rows(p, v + hk * s.v_head_stride, row_slots, len, s.v_slot_stride, 1.f / total,
-                    out + (first_head + g) * s.v_dim, s.v_dim);
+    for (int64_t g = 0; g < s.group; ++g) {
+      inverse_totals[g] = 1.f / exp_shifted(scores.data() + g * s.width, len);
+    }
+    const T* values = v + hk * s.v_head_stride;
+    T* group_out = out + first_head * s.v_dim;
+    int64_t g = 0;
+    if (s.v_dim == 4 * kLanes) {  // up to four queries a pass over the value rows
+      for (; g + 4 <= s.group; g += 4) {
+        weighted_rows_64<4>(scores.data() + g * s.width, s.width, values, row_slots, len,
+                            s.v_slot_stride, inverse_totals.data() + g,
+                            group_out + g * s.v_dim, s.v_dim);
+      }
+      const auto rest = [&](auto count) {
+        weighted_rows_64<decltype(count)::value>(
+            scores.data() + g * s.width, s.width, values, row_slots, len, s.v_slot_stride,
+            inverse_totals.data() + g, group_out + g * s.v_dim, s.v_dim);
+        g += count;
+      };
+      switch (s.group - g) {
+        case 3: rest(std::integral_constant<int, 3>()); break;
+        case 2: rest(std::integral_constant<int, 2>()); break;
+        case 1: rest(std::integral_constant<int, 1>()); break;
+        default: break;
+      }
+    }
+    for (; g < s.group; ++g) {  // the group's value rows stay in cache
+      weighted_rows(scores.data() + g * s.width, values, row_slots, len, s.v_slot_stride,
+                    inverse_totals[g], group_out + g * s.v_dim, s.v_dim);
     }
   }
 }

@@ -97,6 +97,8 @@ def _reference_decode(q, k_buffer, v_buffer, slots, seq_lens, scale):
     (4, 4, 32, 32),  # multi-head
     (8, 1, 80, 64),  # latent attention: one KV head, values a view of the keys' first dims
     (4, 2, 96, 96),  # value rows of whole vector blocks and a remainder
+    (6, 3, 64, 64),  # two queries a KV head
+    (10, 2, 64, 64),  # five: value rows read for four queries, then for one
 ])
 def test_decode_attention_over_the_pool_equals_gathered_sdpa(kernels, dtype, heads, kv_heads,
                                                               dim, v_dim):
