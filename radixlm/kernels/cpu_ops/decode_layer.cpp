@@ -4,7 +4,9 @@
 // operands the layer's modules give them, so its outputs equal theirs to the bit;
 // what it leaves out is the Python between them (module calls, views, the attention
 // backend's dispatch: about 100 us a layer, a quarter of a batch-1 step of the default
-// model). Compiled as one translation unit with those files (see fused_ops.py), after them.
+// model). decode_layers runs a model's consecutive layers so in one call, leaving out the
+// Python between the layers too. Compiled as one translation unit with those files (see
+// fused_ops.py), after them.
 
 namespace radixlm_decode_layer {
 
