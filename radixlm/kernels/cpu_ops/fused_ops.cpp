@@ -308,8 +308,8 @@ inline void score_16_keys(const float* q, const T* const* keys, int64_t dim, flo
 // 32), on dot-product instructions (vdpbf16ps: each lane sums a pair of products, exact, in
 // float32): half the instructions of widening the keys to float32, and no widening; the
 // scale multiplies the sums (rather than q first). With the value rows read once for a
-// group's queries (weighted_rows_64): 16 requests of ~500 tokens, the default model's 30
-// layers from the pool, 15.0 against 16.7 ms a step; one layer's (in cache) thirty times,
+// group's queries (weighted_rows_of_group): 16 requests of ~500 tokens, the default model's
+// 30 layers from the pool, 15.0 against 16.7 ms a step; one layer's (in cache) thirty times,
 // 6.1 against 7.0 (2-core Zen 4, both builds side by side in one process).
 inline void score_16_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* const* keys,
                                int64_t dim, float scale, float* scores) {
@@ -326,11 +326,12 @@ inline void score_16_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* cons
 #endif
 #endif
 
-// out_g[0, 64) = scales[g] * sum_j w_g[j] * row_j[0, 64) for the G queries g of a group
-// (w_g = w + g * w_stride, out_g = out + g * out_stride), each value row read once for all
-// of them: the sums of each query as weighted_rows's, in the same order.
+// out_g[0, n) = scales[g] * sum_j w_g[j] * row_j[0, n) for n = 4 vectors (64 values on
+// AVX-512) and the G queries g of a group (w_g = w + g * w_stride, out_g = out + g *
+// out_stride), each value row read once for all of them: the sums of each query as
+// weighted_rows's, in the same order.
 template <int G, typename T>
-inline void weighted_rows_64(const float* w, int64_t w_stride, const T* base,
+inline void weighted_rows_of_group(const float* w, int64_t w_stride, const T* base,
                              const int64_t* slots, int64_t len, int64_t stride,
                              const float* scales, T* out, int64_t out_stride) {
   Vec acc[G][4];
@@ -406,12 +407,12 @@ void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, cons
     int64_t g = 0;
     if (s.v_dim == 4 * kLanes) {  // up to four queries a pass over the value rows
       for (; g + 4 <= s.group; g += 4) {
-        weighted_rows_64<4>(scores.data() + g * s.width, s.width, values, row_slots, len,
-                            s.v_slot_stride, inverse_totals.data() + g,
-                            group_out + g * s.v_dim, s.v_dim);
+        weighted_rows_of_group<4>(scores.data() + g * s.width, s.width, values, row_slots,
+                                  len, s.v_slot_stride, inverse_totals.data() + g,
+                                  group_out + g * s.v_dim, s.v_dim);
       }
       const auto rest = [&](auto count) {
-        weighted_rows_64<decltype(count)::value>(
+        weighted_rows_of_group<decltype(count)::value>(
             scores.data() + g * s.width, s.width, values, row_slots, len, s.v_slot_stride,
             inverse_totals.data() + g, group_out + g * s.v_dim, s.v_dim);
         g += count;
@@ -559,8 +560,8 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 // silu_mul(gate_up (T, 2 I)) -> (T, I): silu(gate_up[:, :I]) * gate_up[:, I:]. An output
 // costs about kSiluCost times a norm's or RoPE's (an exponential and a division), so
-// threads share rows from a quarter of the grain on (16 rows of the default model's 1536: 11.4
-// against 20.7 us on one thread, 2-core Zen 4).
+// threads share rows from a quarter of the grain on (16 rows of the default model's 1536:
+// 11.4 against 20.7 us on one thread, 2-core Zen 4).
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
               "gate_up must be (T, 2 I) with unit stride in its last dim");
