@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.kv_cache.allocator import OutOfKVSlots, TokenToKVPoolAllocator, pages_for
+from radixlm.host_to_device import to_device
+from radixlm.kv_cache.allocator import (
+    OutOfKVSlots,
+    TokenToKVPoolAllocator,
+    opens_page,
+    pages_for,
+)
 from radixlm.kv_cache.base import MatchResult, PrefixCache
 from radixlm.kv_cache.memory_pool import ReqToTokenPool
 from radixlm.runtime.request import Req
@@ -83,16 +89,27 @@ class RequestMemory:
 
     def alloc_decode(self, reqs: list[Req], rows: torch.Tensor,
                      columns: torch.Tensor) -> torch.Tensor:
-        """One slot for each request's next token (one allocation when pages are tokens).
+        """One slot for each request's next token, in one allocation: the next slot of
+        the request's last page where it has room, else a fresh page.
 
         ``rows`` and ``columns`` (B,) on the pool's device: the requests' rows and
         ``kv_len``s, where the slots are written."""
         if self.page_size > 1:
-            return torch.cat([self.alloc(req, 1) for req in reqs])
-        self._make_room(len(reqs))
-        slots = self.allocator.alloc(len(reqs))
-        self.req_to_token[rows, columns] = slots  # no read-back: pages of one token need
-        return slots                              # no last_slot (see ``Req.last_slot``)
+            last_slots = [req.last_slot for req in reqs]
+            fresh = sum(opens_page(last, self.page_size) for last in last_slots)
+            self._make_room(fresh * self.page_size)
+            try:
+                next_slots = self.allocator.alloc_next(last_slots)
+            except OutOfKVSlots as err:
+                raise OutOfKVSlots(f"{err}; the scheduler's reservation was wrong") from err
+            for req, slot in zip(reqs, next_slots):
+                req.last_slot = slot
+            slots = to_device(next_slots, torch.int64, self.req_to_token.device)
+        else:
+            self._make_room(len(reqs))
+            slots = self.allocator.alloc(len(reqs))  # pages of one token keep no last_slot
+        self.req_to_token[rows, columns] = slots
+        return slots
 
     def _make_room(self, slots: int) -> None:
         """Evicts from the cache until ``slots`` slots are free (as far as it can)."""
