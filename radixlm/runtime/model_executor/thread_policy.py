@@ -16,8 +16,9 @@ With a neighbour busy on the other core, a pass on two threads can take ten time
 one thread (each op waits for the descheduled thread), so a trial pass slower than
 ``ABANDON_FACTOR`` times the running count's estimate ends its trial at once, and each
 trial that leaves the choice as it was doubles the wait before the next (up to
-``MAX_BACKOFF`` times ``explore_every``). A neighbour who starts is noticed at once (the
-running count's own passes slow down); one who stops, at the next trial.
+``MAX_BACKOFF`` times ``explore_every``). A neighbour who starts is noticed within a pass or
+two (the running count's own passes slow down, see ``RUNNING_WEIGHT``); one who stops, at
+the next trial.
 
 A bucket first seen starts from what is known: where a smaller bucket measured both counts
 and runs all threads, more tokens a pass only make the second thread pay more, so the new
@@ -29,8 +30,12 @@ ms against 185 on two, and so did each later size's first pass.)
 Invariants: ``choose`` returns one of ``candidates``; a bucket tries each candidate before
 it settles, unless it inherits a smaller bucket's estimates (then its first own measurement
 of a count replaces the inherited one); a candidate's estimate otherwise only moves by
-``record``. ``last_was_trial`` says whether the last pass ``run`` ran was on a count under
-trial (not the bucket's choice), so that callers who time passes can leave it out.
+``record``. ``last_was_trial`` says whether the last pass ``run`` ran was on a count other
+than the bucket's choice once that pass was measured, so that callers who time passes can
+leave it out. A fresh bucket's first pass makes its count the choice, so it counts: the
+scheduler's prefill pace is measured from a server's first long prompt, not its third
+(before, a 512-token prompt on a fresh 2-core server went as two chunks of 256, the second
+on one thread, 564 ms against 320 for one pass on two).
 """
 
 from __future__ import annotations
@@ -46,6 +51,13 @@ ABANDON_FACTOR = 1.5
 (2.0 let a batch-16 decode try one thread for four passes, each ~1.8 times slower: in
 short runs of 32 tokens, two engines side by side, 615 against 679 tok/s for two threads
 fixed.)"""
+
+RUNNING_WEIGHT = 0.25
+"""How far a pass on the running count moves that count's estimate towards its own time (a
+trial's later passes move theirs halfway). Halfway, one pass that the host slowed by 1.4-1.5
+times moved a batch-1 decode to one thread until the next trial, 18 and 28 passes 20%
+slower in one benchmark run; a quarter of the way, such a pass leaves the choice, and a
+busy neighbour (two threads each pass twice as slow or more) still moves it at once."""
 
 
 @dataclass
@@ -125,7 +137,8 @@ class ThreadPolicy:
             bucket.fresh = False
             bucket.inherited.discard(threads)
         else:
-            estimates[threads] = (estimates[threads] + per_token) / 2
+            weight = RUNNING_WEIGHT if threads == bucket.current else 0.5
+            estimates[threads] += weight * (per_token - estimates[threads])
         if bucket.current is None or bucket.current not in estimates:
             bucket.current = threads
         if (threads == bucket.trial and threads != bucket.current
@@ -137,13 +150,12 @@ class ThreadPolicy:
 
     def run(self, num_tokens: int, set_threads: Callable[[int], None], work: Callable):
         """Runs ``work()`` on the chosen thread count (set through ``set_threads``), timed."""
-        size = _bucket_of(num_tokens)
         threads = self.choose(num_tokens)
-        self.last_was_trial = threads != self._buckets[size].current
         set_threads(threads)
         start = time.perf_counter()
         result = work()
         self.record(num_tokens, threads, time.perf_counter() - start)
+        self.last_was_trial = threads != self._buckets[_bucket_of(num_tokens)].current
         return result
 
     def chosen(self) -> dict[int, int]:
