@@ -13,7 +13,8 @@ Outputs travel as deltas, one message per step and receiver, in columns (request
 new tokens end to end, and sparse maps for what few requests have: a finish, logprobs,
 changed counters): each step the Scheduler sends every request's new tokens (with their
 logprobs and the request's state) to the TokenizerManager, and the same new tokens (without
-logprobs) to the Detokenizer, which sends back only the text they add. So a stream of N
+logprobs) to the Detokenizer, which sends back only the text they add. (A request that is not
+streamed is sent at its first token, every 50 tokens and at its end.) So a stream of N
 tokens moves O(N) bytes. The TokenizerManager pairs the two: a row that carries tokens or a
 finish (a ``TokenOut``) has exactly one ``TextOut``, in the same order.
 """
@@ -51,6 +52,9 @@ class GenerateReq(msgspec.Struct, tag=True):
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     """Set for half of a disaggregated request (``runtime/disaggregation``)."""
+    streamed: bool = True
+    """Whether its caller takes the output step by step; if not, the Scheduler reports it
+    less often (see ``scheduler_process.UNSTREAMED_REPORT_TOKENS``)."""
 
 
 class AbortReq(msgspec.Struct, tag=True):

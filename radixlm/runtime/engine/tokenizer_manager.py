@@ -78,6 +78,8 @@ class TokenizerManager:
             raise ValueError(f"rid {duplicate[0]!r} is already in use by a running request")
         if len({r.rid for r in reqs}) < len(reqs):
             raise ValueError("a rid is given to more than one request of the batch")
+        for req in reqs:
+            req.streamed = streamed
         try:
             payloads = [io.encode(req) for req in reqs]
         except UnicodeEncodeError as err:  # a lone surrogate in some string (rid, stop, ...)

@@ -44,6 +44,14 @@ HANDOFF_POLL_MS = 2
 waits for a request before it looks at the peers' messages again."""
 HEARTBEAT_S = 1.0
 """Most time between two ``Heartbeat`` messages while the loop turns."""
+UNSTREAMED_REPORT_TOKENS = 50
+"""A request whose caller waits for the whole output (not streamed) is reported at its first
+token (the time to first token), then once it has this many unreported tokens (SGLang's
+interval for such requests) and at its end, not every step: each report costs the scheduler
+its messages and the other two processes their turn on cores the forward pass runs on. The
+default model's batches of 16 requests of 32 tokens on 2 cores: the engine's and the
+Detokenizer's processes took 1% of a core instead of 5%; throughput, 5 of 7 runs side by
+side faster (mean 779 against 741 tok/s), within the host's noise."""
 
 
 def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
@@ -117,11 +125,13 @@ def make_req(msg: io.GenerateReq, tokenizer, leaders: dict[str, Req],
         handoff=handoff, bootstrap_room=msg.bootstrap_room,
         bootstrap_address=(f"{msg.bootstrap_host}:{msg.bootstrap_port}"
                            if handoff == "receive" else None),
+        streamed=msg.streamed,
     )
 
 
 class SchedulerLoop:
-    """Receives requests, steps the scheduler, reports every change of every request."""
+    """Receives requests, steps the scheduler, reports the changes of its requests (those
+    of a request that is not streamed, less often: ``UNSTREAMED_REPORT_TOKENS``)."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, context: zmq.Context,
                  paths: io.SocketPaths):
@@ -267,7 +277,8 @@ class SchedulerLoop:
 def report_messages(reqs: list[Req]) -> tuple[io.TokenBatch | None, io.DetokenizeBatch | None]:
     """What ``reqs`` produced since they were last reported (and marks it reported): tokens,
     logprobs and states for the TokenizerManager, tokens for the Detokenizer (None where
-    there is nothing to send).
+    there is nothing to send). A request that is not streamed and has reported its first
+    token waits until it ends or has ``UNSTREAMED_REPORT_TOKENS`` new tokens.
 
     A request that only gained tokens costs a few list appends; the rest (a finish,
     logprobs, changed counters, the Detokenizer's spec) goes into the sparse maps.
@@ -285,6 +296,9 @@ def report_messages(reqs: list[Req]) -> tuple[io.TokenBatch | None, io.Detokeniz
         finish = req.finish_reason
         if finish is None and req.beam is not None:
             continue  # a beam's tokens change as the search goes: only its end is reported
+        if (finish is None and not req.streamed and reported > 0
+                and len(output_ids) - reported < UNSTREAMED_REPORT_TOKENS):
+            continue  # nobody reads it before its end: the first token and every 50th
         if len(output_ids) == reported and finish is None and (
                 len(req.input_token_logprobs) == req.reported_input_logprobs):
             continue

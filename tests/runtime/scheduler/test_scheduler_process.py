@@ -9,7 +9,11 @@ from radixlm.runtime import messages as io
 from radixlm.runtime.engine.request_state import ReqState
 from radixlm.runtime.request import finish_length
 from radixlm.runtime.sampling.sampling_params import SamplingParams
-from radixlm.runtime.scheduler.scheduler_process import make_req, report_messages
+from radixlm.runtime.scheduler.scheduler_process import (
+    UNSTREAMED_REPORT_TOKENS,
+    make_req,
+    report_messages,
+)
 
 
 def _req(rid: str, prompt: list[int], **message) -> object:
@@ -78,3 +82,24 @@ def test_text_batches_keep_only_the_trims_that_are_not_zero():
     assert batch.trims == {1: 3}
     assert list(_over_the_wire(batch).outputs()) == [io.TextOut("a", "x"),
                                                      io.TextOut("b", "", 3)]
+
+
+def test_a_request_that_is_not_streamed_reports_its_first_token_its_50th_and_its_end():
+    """Nobody reads a request that is not streamed before its end: after its first token
+    (the time to first token) it is reported once it has UNSTREAMED_REPORT_TOKENS new
+    tokens, and at its end with every token not yet sent; a streamed one, every step."""
+    whole, streamed = _req("w", [5, 6], streamed=False), _req("s", [7])
+    assert (whole.streamed, streamed.streamed) == (False, True)
+    sent: dict[str, list[int]] = {"w": [], "s": []}
+    for step in range(1, UNSTREAMED_REPORT_TOKENS + 4):
+        whole.output_ids.append(step)
+        streamed.output_ids.append(step)
+        if step == UNSTREAMED_REPORT_TOKENS + 3:
+            whole.finish_reason = finish_length(step)
+        tokens, texts = map(_over_the_wire, report_messages([whole, streamed]))
+        for rid, ids in io.rows(tokens.rids, tokens.ends, tokens.new_ids):
+            sent[rid].append(len(ids))
+        assert [o.rid for o in texts.outputs()] == tokens.rids
+    assert sent["s"] == [1] * (UNSTREAMED_REPORT_TOKENS + 3)
+    assert sent["w"] == [1, UNSTREAMED_REPORT_TOKENS, 2]
+    assert whole.reported_ids == len(whole.output_ids)
