@@ -298,7 +298,7 @@ def report_messages(reqs: list[Req]) -> tuple[io.TokenBatch | None, io.Detokeniz
             continue  # a beam's tokens change as the search goes: only its end is reported
         if (finish is None and not req.streamed and reported > 0
                 and len(output_ids) - reported < UNSTREAMED_REPORT_TOKENS):
-            continue  # nobody reads it before its end: the first token and every 50th
+            continue  # nobody reads it before its end: see UNSTREAMED_REPORT_TOKENS
         if len(output_ids) == reported and finish is None and (
                 len(req.input_token_logprobs) == req.reported_input_logprobs):
             continue
