@@ -184,6 +184,19 @@ void rotate_rows(const T* x, const T* cos, const T* sin, T* y, int64_t begin, in
   }
 }
 
+// exp(v) for silu in storage type T: ATen's faster exp (exp_u20, the one torch's flash
+// attention uses) for bfloat16, whose silu, rounded, then equals F.silu's for every finite
+// bfloat16 (checked exhaustively by the tests: 0.34 against 0.43-0.65 ms for the default
+// model's 512-token gate_up on 2 Zen 4 cores); the exact exp (torch's) for the other types.
+template <typename T>
+inline Vec silu_exp(const Vec& v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return v.exp_u20();
+  } else {
+    return v.exp();
+  }
+}
+
 // Rows [begin, end) of (T, 2 I) gate|up: y = silu(gate) * up.
 template <typename T>
 void silu_mul_rows(const T* x, T* y, int64_t begin, int64_t end, int64_t width,
@@ -196,7 +209,8 @@ void silu_mul_rows(const T* x, T* y, int64_t begin, int64_t end, int64_t width,
     int64_t i = 0;
     for (; i + kStep <= width; i += kStep) {  // silu(gate) rounded to T, as F.silu's is
       const VecPair g = load_step(gate + i);
-      const VecPair silu{g.lo / (one + g.lo.neg().exp()), g.hi / (one + g.hi.neg().exp())};
+      const VecPair silu{g.lo / (one + silu_exp<T>(g.lo.neg())),
+                         g.hi / (one + silu_exp<T>(g.hi.neg()))};
       store_step(out + i, round_step<T>(silu) * load_step(up + i));
     }
     for (; i < width; ++i) {

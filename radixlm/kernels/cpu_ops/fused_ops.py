@@ -39,6 +39,8 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
   and 18.0 for oneDNN, 16 rows 18.5 against 22.3 (oneDNN), 512 rows 337 against 340;
   ``pair_matmul_serves`` says where it serves; ``int8_pair_matmul(x, pairs, scales)``, the
   same over int8 weights by pairs (``int8wo`` there), widened to bfloat16 in registers;
+  ``pair_matmul_silu(x, pairs)`` and ``int8_pair_matmul_silu(x, pairs, scales)``, a gated
+  MLP's gate and up products taken straight to silu(gate) * up (``silu_mul``'s bits);
 - ``decode_layer(...)`` (in ``decode_layer.cpp``): a Llama-style layer's whole decode step
   (the norms, QKV, RoPE, KV store, attention, O and MLP) as one call of the kernels above,
   each projection multiplied as ``ProjectionKernel`` says (``models/layers/cpu_decode_layer.py``):
@@ -93,7 +95,8 @@ SOURCES = tuple(Path(__file__).with_name(name)
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
              "scatter_rows", "int8_matmul", "dense_matmul",
              "paged_prefill_attention", "prefill_attention_available", "pair_matmul",
-             "int8_pair_matmul", "pair_matmul_available", "decode_layer", "decode_layers",
+             "int8_pair_matmul", "pair_matmul_silu", "int8_pair_matmul_silu",
+             "pair_matmul_available", "decode_layer", "decode_layers",
              "argmax_rows")
 COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp")
 

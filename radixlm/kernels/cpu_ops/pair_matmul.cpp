@@ -31,10 +31,19 @@
 // one row 5.3-5.6 ms (bfloat16 pairs 7.8-9.7: half the bytes), 16 rows 15.6 (14.3), 64 rows
 // 47 (47), 512 rows 374-376 (354-390); the int8 rows of few_rows_matmul.cpp 5.3-8.8 across
 // runs, 39-43, 77-103, and (widened to bfloat16 for oneDNN) 420-495.
+//
+// pair_matmul_silu and int8_pair_matmul_silu take a gated MLP's gate_up weight (the gate's
+// groups over the up's) and return silu(gate) * up: a thread computes a chunk of the gate's
+// columns into its own rows, then the up's chunk of the same columns, whose tiles apply the
+// SiLU and the product as they store. The (M, 2 I) products are never written nor read back,
+// and the bits are silu_mul's of pair_matmul's. The default model's gate_up at 512 rows, 2
+// threads: 4.35 ms against 4.57 for pair_matmul then silu_mul; a whole 512-token pass, the
+// two ways alternated 30 times in one process, 336 against 346 ms (median).
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -56,6 +65,22 @@ constexpr int64_t kGroup = 16;  // output columns of one vector of sums
 struct Shape {
   int64_t M, K, N;
   int64_t group_stride;  // elements from one group of 16 columns to the next: K * 16
+};
+
+// Where a tile's sums go, rounded to bfloat16: into `out` (rows `stride` apart), or, where
+// `gate` is given, as the up projection's products of a gated MLP: out = silu(gate) * up,
+// `gate` holding the gate's rounded products of the same rows and columns (rows
+// `gate_stride` apart).
+struct Output {
+  uint16_t* out;
+  int64_t stride;
+  const uint16_t* gate = nullptr;
+  int64_t gate_stride = 0;
+
+  Output from(int64_t row, int64_t column) const {
+    return {out + row * stride + column, stride,
+            gate == nullptr ? nullptr : gate + row * gate_stride + column, gate_stride};
+  }
 };
 
 #ifdef RADIXLM_PAIR_MATMUL
@@ -90,13 +115,30 @@ struct Int8Pairs {
   }
 };
 
-// Rows [0, R) of x against groups [0, C) from w into out, the sums of group c multiplied by
+#ifdef RADIXLM_PAIR_MATMUL
+// silu(gate) * up for 16 columns: both rounded to bfloat16 as stored (the up products by
+// the tile, the gate's by the tile before), the SiLU rounded as F.silu's output is, the
+// product rounded once: what fused_ops.cpp's silu_mul computes from the two products, bit
+// for bit (the same exp, the same division, ATen's rounding).
+inline __m256i silu_times(__m256bh up_rounded, const uint16_t* gate) {
+  using Vec = at::vec::Vectorized<float>;
+  __m512 up, g;
+  at::vec::cvtbf16_fp32((__m256i)up_rounded, up);
+  at::vec::cvtbf16_fp32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate)), g);
+  const Vec gate_vec(g);
+  __m512 silu = gate_vec / (Vec(1.f) + gate_vec.neg().exp_u20());
+  at::vec::cvtbf16_fp32(at::vec::cvtfp32_bf16(silu), silu);
+  return at::vec::cvtfp32_bf16(_mm512_mul_ps(silu, up));
+}
+#endif
+
+// Rows [0, R) of x against groups [0, C) from w into o, the sums of group c multiplied by
 // scales[c * 16, c * 16 + 16) where scales is given. `ahead_lines` 64-byte lines from
 // `ahead` (the next chunk's weights, or a share of them) are requested into L2 evenly as
 // the pairs go.
 template <class Pairs, int R, int C>
 inline void tile(const uint16_t* x, const typename Pairs::Weight* w, const float* scales,
-                 uint16_t* out, const Shape& s, const char* ahead, int64_t ahead_lines) {
+                 const Output& o, const Shape& s, const char* ahead, int64_t ahead_lines) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -135,18 +177,22 @@ inline void tile(const uint16_t* x, const typename Pairs::Weight* w, const float
       __m512 sums = acc[r][c];
       if (scales != nullptr) sums = _mm512_mul_ps(sums, _mm512_loadu_ps(scales + c * kGroup));
       const __m256bh rounded = _mm512_cvtneps_pbh(sums);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * s.N + c * kGroup),
-                          (__m256i)rounded);
+      auto* to = reinterpret_cast<__m256i*>(o.out + r * o.stride + c * kGroup);
+      if (o.gate == nullptr) {
+        _mm256_storeu_si256(to, (__m256i)rounded);
+      } else {
+        _mm256_storeu_si256(to, silu_times(rounded, o.gate + r * o.gate_stride + c * kGroup));
+      }
     }
   }
 }
 
-// All M rows against the C groups at w (output columns from out), tiles of 8, 4, 2, 1 rows.
+// All M rows against the C groups at w (output columns from o's), tiles of 8, 4, 2, 1 rows.
 // int8 groups that more than one tile reads are widened once, into the thread's buffer, and
 // the tiles read that: the same bfloat16 values in the same order, so the same sums.
 template <class Pairs, int C>
 void chunk(const uint16_t* x, const typename Pairs::Weight* w, const float* scales,
-           uint16_t* out, const Shape& s, const char* ahead, int64_t lines) {
+           const Output& o, const Shape& s, const char* ahead, int64_t lines) {
   if constexpr (std::is_same_v<Pairs, Int8Pairs>) {
     if (s.M > 8) {
       thread_local std::vector<uint16_t> widened;
@@ -155,7 +201,7 @@ void chunk(const uint16_t* x, const typename Pairs::Weight* w, const float* scal
       for (int64_t i = 0; i < elements; i += 2 * kGroup) {
         _mm512_storeu_si512(widened.data() + i, (__m512i)Int8Pairs::load(w + i));
       }
-      return chunk<BFloat16Pairs, C>(x, widened.data(), scales, out, s, ahead, lines);
+      return chunk<BFloat16Pairs, C>(x, widened.data(), scales, o, s, ahead, lines);
     }
   }
   // The first `askers` tiles (two, or the one) ask for the next chunk's lines, a run each.
@@ -168,14 +214,15 @@ void chunk(const uint16_t* x, const typename Pairs::Weight* w, const float* scal
   };
   for (; m + 8 <= s.M; m += 8, ++t) {
     const auto [from, count] = share(t);
-    tile<Pairs, 8, C>(x + m * s.K, w, scales, out + m * s.N, s, from, count);
+    tile<Pairs, 8, C>(x + m * s.K, w, scales, o.from(m, 0), s, from, count);
   }
   for (int rows = 4; rows > 0; rows /= 2) {  // the rest: a tile of 4, 2, 1 rows each
     if ((s.M - m) & rows) {
       const auto [from, count] = share(t);
-      if (rows == 4) tile<Pairs, 4, C>(x + m * s.K, w, scales, out + m * s.N, s, from, count);
-      if (rows == 2) tile<Pairs, 2, C>(x + m * s.K, w, scales, out + m * s.N, s, from, count);
-      if (rows == 1) tile<Pairs, 1, C>(x + m * s.K, w, scales, out + m * s.N, s, from, count);
+      const Output rest = o.from(m, 0);
+      if (rows == 4) tile<Pairs, 4, C>(x + m * s.K, w, scales, rest, s, from, count);
+      if (rows == 2) tile<Pairs, 2, C>(x + m * s.K, w, scales, rest, s, from, count);
+      if (rows == 1) tile<Pairs, 1, C>(x + m * s.K, w, scales, rest, s, from, count);
       m += rows, ++t;
     }
   }
@@ -184,12 +231,12 @@ void chunk(const uint16_t* x, const typename Pairs::Weight* w, const float* scal
 // The last chunk of a thread's share may have fewer groups than the others.
 template <class Pairs, int C>
 void chunk_of(int64_t groups, const uint16_t* x, const typename Pairs::Weight* w,
-              const float* scales, uint16_t* out, const Shape& s, const char* ahead,
+              const float* scales, const Output& o, const Shape& s, const char* ahead,
               int64_t lines) {
   if constexpr (C > 1) {
-    if (groups < C) return chunk_of<Pairs, C - 1>(groups, x, w, scales, out, s, ahead, lines);
+    if (groups < C) return chunk_of<Pairs, C - 1>(groups, x, w, scales, o, s, ahead, lines);
   }
-  chunk<Pairs, C>(x, w, scales, out, s, ahead, lines);
+  chunk<Pairs, C>(x, w, scales, o, s, ahead, lines);
 }
 
 // C groups a chunk: 3 where tiles of 8 rows are walked (24 sums, 3 weight vectors and a
@@ -210,18 +257,52 @@ void matmul(const uint16_t* x, const typename Pairs::Weight* w, const float* sca
       const auto* ahead = reinterpret_cast<const char*>(weights + C * s.group_stride);
       const int64_t lines = next_groups * s.group_stride * sizeof(*w) / 64;
       chunk_of<Pairs, C>(std::min<int64_t>(C, groups - g), x, weights,
-                         scales == nullptr ? nullptr : scales + g * kGroup, out + g * kGroup,
-                         s, ahead, lines);
+                         scales == nullptr ? nullptr : scales + g * kGroup,
+                         Output{out + g * kGroup, s.N}, s, ahead, lines);
+    }
+  });
+}
+
+// A gated MLP's silu(x @ gate.T) * (x @ up.T) for w stacking the gate's groups over the
+// up's (N = 2 I): a thread takes the gate's chunk of C groups into its own rows (M by 16 C,
+// within L2), then the up's chunk of the same columns, whose tiles end in silu_times into
+// out (M, I). The products are those of matmul: the same tiles, the same sums.
+template <class Pairs, int C>
+void gated_matmul(const uint16_t* x, const typename Pairs::Weight* w, const float* scales,
+                  uint16_t* out, const Shape& s) {
+  const int64_t half = s.N / kGroup / 2;  // groups of the gate, and of the up
+  const int64_t chunks = (half + C - 1) / C;
+  const int64_t work = std::max<int64_t>(1, 2 * s.M * s.K * C * kGroup);
+  const int64_t bytes = s.group_stride * sizeof(*w);  // of one group's weights
+  at::parallel_for(0, chunks, std::max<int64_t>(1, kParallelWork / work),
+                   [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint16_t> gate_rows;
+    gate_rows.resize(s.M * C * kGroup);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t g = t * C, count = std::min<int64_t>(C, half - g);
+      const auto* gate_w = w + g * s.group_stride;
+      const auto* up_w = w + (half + g) * s.group_stride;
+      const int64_t next = t + 1 < end ? std::min<int64_t>(C, half - g - C) : 0;
+      const auto* next_w = reinterpret_cast<const char*>(gate_w + C * s.group_stride);
+      chunk_of<Pairs, C>(count, x, gate_w, scales == nullptr ? nullptr : scales + g * kGroup,
+                         Output{gate_rows.data(), C * kGroup}, s,
+                         reinterpret_cast<const char*>(up_w), count * bytes / 64);
+      chunk_of<Pairs, C>(count, x, up_w,
+                         scales == nullptr ? nullptr : scales + (half + g) * kGroup,
+                         Output{out + g * kGroup, half * kGroup, gate_rows.data(), C * kGroup},
+                         s, next_w, next * bytes / 64);
     }
   });
 }
 
 template <class Pairs>
 void matmul_rows(const uint16_t* x, const typename Pairs::Weight* w, const float* scales,
-                 uint16_t* out, const Shape& s) {
+                 uint16_t* out, const Shape& s, bool gated) {
   if (s.M >= 8) {
+    if (gated) return gated_matmul<Pairs, 3>(x, w, scales, out, s);
     matmul<Pairs, 3>(x, w, scales, out, s);
   } else {
+    if (gated) return gated_matmul<Pairs, 4>(x, w, scales, out, s);
     matmul<Pairs, 4>(x, w, scales, out, s);
   }
 }
@@ -240,53 +321,71 @@ bool pair_matmul_available() {
 
 namespace radixlm_pairs {
 
-// x (M, K) bfloat16 against pairs (N / 16, K / 2, 16, 2) of `dtype`: the output, empty,
-// (M, N) bfloat16, and the checked shape.
-std::pair<at::Tensor, Shape> prepare(const at::Tensor& x, const at::Tensor& pairs,
-                                     at::ScalarType dtype) {
+// x (M, K) bfloat16 against pairs (N / 16, K / 2, 16, 2), bfloat16 or int8 with scales (N,)
+// float32 (weight ~= int8 * scale, output column by column; `scales` undefined for
+// bfloat16): (M, N) bfloat16, or `gated`, silu(the first N / 2 columns) * the others, (M,
+// N / 2). Checks the arguments.
+at::Tensor product(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor& scales,
+                   bool gated) {
   TORCH_CHECK(pair_matmul_available(), "the pair kernels need a build with AVX-512 BF16");
   TORCH_CHECK(x.device().is_cpu() && pairs.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bfloat16");
-  TORCH_CHECK(pairs.scalar_type() == dtype, "pairs must be ", dtype);
+  const bool int8 = scales.defined();
+  TORCH_CHECK(pairs.scalar_type() == (int8 ? at::kChar : at::kBFloat16), "pairs must be ",
+              int8 ? at::kChar : at::kBFloat16);
   TORCH_CHECK(pairs.dim() == 4 && pairs.size(2) == kGroup && pairs.size(3) == 2 &&
                   pairs.is_contiguous(),
               "pairs must be a contiguous (N / 16, K / 2, 16, 2)");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == 2 * pairs.size(1),
               "x must be (M, K) for pairs (N / 16, K / 2, 16, 2)");
-  const int64_t M = x.size(0), K = x.size(1), N = pairs.size(0) * kGroup;
-  return {at::empty({M, N}, x.options()), Shape{M, K, N, K * kGroup}};
+  TORCH_CHECK(!gated || pairs.size(0) % 2 == 0,
+              "gated pairs must stack gate and up of 16 I columns each (N / 16 even)");
+  const at::Tensor a = x.contiguous();
+  const int64_t M = a.size(0), K = a.size(1), N = pairs.size(0) * kGroup;
+  if (int8) {
+    TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat &&
+                    scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(),
+                "scales must be a contiguous (N,) float32");
+  }
+  at::Tensor out = at::empty({M, gated ? N / 2 : N}, a.options());
+  if (M == 0 || N == 0) return out;
+#ifdef RADIXLM_PAIR_MATMUL
+  const auto* rows = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  auto* to = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const Shape shape{M, K, N, K * kGroup};
+  if (int8) {
+    matmul_rows<Int8Pairs>(rows, pairs.data_ptr<int8_t>(), scales.data_ptr<float>(), to, shape,
+                           gated);
+  } else {
+    matmul_rows<BFloat16Pairs>(
+        rows, reinterpret_cast<const uint16_t*>(pairs.data_ptr<at::BFloat16>()), nullptr, to,
+        shape, gated);
+  }
+#endif
+  return out;
 }
 
 }  // namespace radixlm_pairs
 
 at::Tensor pair_matmul(const at::Tensor& x, const at::Tensor& pairs) {
-  const at::Tensor a = x.contiguous();
-  auto [out, shape] = radixlm_pairs::prepare(a, pairs, at::kBFloat16);
-  if (shape.M == 0 || shape.N == 0) return out;
-#ifdef RADIXLM_PAIR_MATMUL
-  radixlm_pairs::matmul_rows<radixlm_pairs::BFloat16Pairs>(
-      reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
-      reinterpret_cast<const uint16_t*>(pairs.data_ptr<at::BFloat16>()), nullptr,
-      reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), shape);
-#endif
-  return out;
+  return radixlm_pairs::product(x, pairs, at::Tensor(), false);
+}
+
+// pair_matmul_silu(x, pairs) = silu_mul(pair_matmul(x, pairs)) bit for bit, for pairs that
+// stack a gated MLP's gate over its up: (M, N / 2), without the (M, N) products.
+at::Tensor pair_matmul_silu(const at::Tensor& x, const at::Tensor& pairs) {
+  return radixlm_pairs::product(x, pairs, at::Tensor(), true);
 }
 
 // int8_pair_matmul: x (M, K) bfloat16 against an int8 weight by pairs with scales (N,)
 // float32 (weight ~= int8 * scale, output column by column): (M, N) bfloat16.
 at::Tensor int8_pair_matmul(const at::Tensor& x, const at::Tensor& pairs,
                             const at::Tensor& scales) {
-  const at::Tensor a = x.contiguous();
-  auto [out, shape] = radixlm_pairs::prepare(a, pairs, at::kChar);
-  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat &&
-                  scales.dim() == 1 && scales.size(0) == shape.N && scales.is_contiguous(),
-              "scales must be a contiguous (N,) float32");
-  if (shape.M == 0 || shape.N == 0) return out;
-#ifdef RADIXLM_PAIR_MATMUL
-  radixlm_pairs::matmul_rows<radixlm_pairs::Int8Pairs>(
-      reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
-      pairs.data_ptr<int8_t>(), scales.data_ptr<float>(),
-      reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), shape);
-#endif
-  return out;
+  return radixlm_pairs::product(x, pairs, scales, false);
+}
+
+// int8_pair_matmul_silu: silu_mul(int8_pair_matmul(x, pairs, scales)) bit for bit.
+at::Tensor int8_pair_matmul_silu(const at::Tensor& x, const at::Tensor& pairs,
+                                 const at::Tensor& scales) {
+  return radixlm_pairs::product(x, pairs, scales, true);
 }

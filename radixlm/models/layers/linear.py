@@ -87,6 +87,17 @@ class StackedLinear(Linear):
             self.shard_offsets[name] = (offset, size)
             offset += size
 
+    def silu_gated_project(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a layer stacking a gated MLP's gate over its up (equal shards, no bias): x (T,
+        in) -> silu(x @ gate.T) * (x @ up.T) (T, out / 2) from one kernel call where the
+        packed weight has one (``PackedWeight.gated_matmul``), else None (the caller
+        projects, then applies SiLU and the product). Not while torch.compile traces."""
+        if self.packed is None or self.bias is not None or torch.compiler.is_compiling():
+            return None
+        if x.dim() != 2:
+            return None
+        return self.packed.gated_matmul(x)
+
     def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
         """Copies this layer's rows of checkpoint tensor ``tensor`` into the rows of
         ``shard`` of ``param_name``."""

@@ -29,7 +29,10 @@ class GatedMLP(nn.Module):
                                            count, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # (T, I / tp) in between
+        gated = self.gate_up_proj.silu_gated_project(x)  # (T, I / tp), or None
+        if gated is None:
+            gated = silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj(gated)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,12 @@ def by_column_pairs(weight: torch.Tensor) -> torch.Tensor:
     return pairs.permute(0, 2, 1, 3).contiguous()
 
 
+def gates_by_pairs(pairs: torch.Tensor) -> bool:
+    """Whether weight pairs (``by_column_pairs``) can stand for a gate stacked over an up
+    for the kernels' gated products: the two halves' boundary falls between groups of 16."""
+    return pairs.dim() == 4 and pairs.shape[0] % 2 == 0
+
+
 def from_column_pairs(pairs: torch.Tensor) -> torch.Tensor:
     """The (out, in) weight of ``by_column_pairs``' layout (a copy)."""
     groups, in_pairs = pairs.shape[:2]
@@ -188,6 +194,13 @@ class PackedWeight:
         """The float32 (out, in) weight this stands for."""
         raise NotImplementedError
 
+    def gated_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a weight stacking a gated MLP's gate over its up (out = 2 I): silu(x @
+        gate.T) * (x @ up.T), (T, I), from one kernel call that never writes the (T, 2 I)
+        products, equal bit for bit to ``silu_and_mul(matmul(x))``; or None where this
+        layout has no such kernel here (the caller then takes those two steps)."""
+        return None
+
     def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
         """The kernel and operands through which ``matmul`` multiplies ``rows`` rows of
         ``dtype`` while the fused kernels are on, or None where it takes another path (the
@@ -284,6 +297,13 @@ class Int8Weight(PackedWeight):
         wide = self.buffer.take(weight.shape, x.dtype, x.device).copy_(weight)
         scales = self.kernel_scales if x.dtype == torch.bfloat16 else self.scales.to(x.dtype)
         return F.linear(x, wide).mul_(scales)
+
+    def gated_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.pairs is None or x.dtype != torch.bfloat16 or not gates_by_pairs(self.pairs):
+            return None
+        kernels = fused_ops.for_tensor(x)
+        return None if kernels is None else kernels.int8_pair_matmul_silu(x, self.pairs,
+                                                                          self.scales)
 
     def _rows(self) -> torch.Tensor:
         """The (out, in) integers (unpaired anew where they are by pairs: only should the

@@ -3,7 +3,8 @@ with a scale a column) compute what ``x @ w.T`` computes: against float64 they e
 than one bfloat16 step of the sum of |x| |w|, for every tail of their row tiles (8, 4, 2, 1)
 and column chunks (3 or 4 groups of 16), strided rows and any thread count; a row's products
 are the same bits whatever rows share its pass (int8 groups are widened per tile for up to
-8 rows, once a chunk beyond); they reject what they cannot take."""
+8 rows, once a chunk beyond); their gated forms give a gated MLP's silu(gate) * up with the
+same bits as ``silu_mul`` of the products; they reject what they cannot take."""
 
 from __future__ import annotations
 
@@ -75,6 +76,42 @@ def test_a_rows_products_do_not_depend_on_the_rows_beside_it(by_pairs):
     strided = torch.randn(40, 1152).bfloat16()[:, ::2]
     assert torch.equal(multiply(strided), multiply(strided.contiguous()))
     assert multiply(x[:0]).shape == (0, 208)
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
+@pytest.mark.parametrize("intermediate", [16, 48, 80, 1536])  # 1, 3, 5, 96 groups a half
+def test_the_gated_products_equal_silu_mul_of_the_products(kernel, kernels, weights, rows,
+                                                           intermediate):
+    """Chunks of 3 (8 rows and more) or 4 groups, whole and cut short; on one thread too."""
+    torch.manual_seed(rows + intermediate)
+    weight = torch.randn(2 * intermediate, 96) * 0.05  # gate over up
+    x = torch.randn(rows, 96).bfloat16()
+    if weights == "bfloat16":
+        pairs = pairs_of(weight.bfloat16())
+        products, gated = kernel(x, pairs), kernels.pair_matmul_silu(x, pairs)
+    else:
+        packed = Int8Weight.pack(weight, ConversionBuffer(), by_pairs=True)
+        products = kernels.int8_pair_matmul(x, packed.pairs, packed.scales)
+        gated = kernels.int8_pair_matmul_silu(x, packed.pairs, packed.scales)
+    assert gated.shape == (rows, intermediate)
+    assert torch.equal(gated, kernels.silu_mul(products))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        again = (kernels.pair_matmul_silu(x, pairs) if weights == "bfloat16" else
+                 kernels.int8_pair_matmul_silu(x, packed.pairs, packed.scales))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(again, gated)
+
+
+def test_the_gated_kernel_needs_gate_and_up_in_whole_groups(kernel, kernels):
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match=r"N / 16 even"):
+        kernels.pair_matmul_silu(x, pairs_of(torch.randn(48, 64).bfloat16()))
+    assert kernels.pair_matmul_silu(x[:0], pairs_of(torch.randn(32, 64).bfloat16())).shape == (
+        0, 16)
 
 
 def test_it_rejects_arguments_that_do_not_fit(kernel):

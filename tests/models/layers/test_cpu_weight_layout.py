@@ -20,8 +20,9 @@ from radixlm.models.layers.cpu_weight_layout import (
     uses_blocked_layout,
 )
 from radixlm.models.layers.linear import Linear
+from radixlm.models.layers.mlp import GatedMLP, silu_and_mul
 from radixlm.models.layers.moe_experts import StackedExperts
-from radixlm.models.layers.weight_formats import Int8Weight
+from radixlm.models.layers.weight_formats import ConversionBuffer, Int8Weight
 from radixlm.models.loader import load_model
 from radixlm.models.model_config import ModelConfig
 
@@ -123,6 +124,33 @@ def test_a_paired_weight_multiplies_as_f_linear_does(pairs_on, rows):
         assert torch.equal(paired.matmul(x), F.linear(x, weight))
     finally:
         fused_ops.enable()
+
+
+@pytest.mark.parametrize("weight_format", [None, "int8wo"])
+def test_a_gated_mlp_over_pairs_gets_its_silu_from_the_kernel(pairs_on, weight_format):
+    """GatedMLP's gate_up over pairs (bfloat16, or int8 by pairs) hands silu(gate) * up to
+    one kernel call: the same bits as the product, then silu_and_mul; with the kernels off,
+    or halves that split a group of 16, it takes those two steps."""
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 48).bfloat16()
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.pack_weight(PairedWeight.pack if weight_format is None else
+                          lambda w: Int8Weight.pack(w, ConversionBuffer(), by_pairs=True))
+    x = torch.randn(5, 64).bfloat16()
+    gated = mlp.gate_up_proj.silu_gated_project(x)
+    assert gated is not None and gated.shape == (5, 48)
+    two_steps = silu_and_mul(mlp.gate_up_proj(x))
+    assert torch.equal(gated, two_steps)
+    assert torch.equal(mlp(x), mlp.down_proj(two_steps))
+    fused_ops.disable()
+    try:
+        assert mlp.gate_up_proj.silu_gated_project(x) is None
+        assert mlp(x).shape == (5, 64)
+    finally:
+        fused_ops.enable()
+    odd = GatedMLP(64, 40).bfloat16()  # halves of 40: the boundary inside a group
+    odd.gate_up_proj.pack_weight(PairedWeight.pack)
+    assert odd.gate_up_proj.silu_gated_project(x) is None
 
 
 def test_only_weights_that_fit_are_paired():
