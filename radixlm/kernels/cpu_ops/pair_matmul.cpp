@@ -120,7 +120,7 @@ struct Int8Pairs {
 // the tile, the gate's by the tile before), the SiLU rounded as F.silu's output is, the
 // product rounded once: what fused_ops.cpp's silu_mul computes from the two products, bit
 // for bit (the same exp, the same division, ATen's rounding).
-inline __m256i silu_times(__m256bh up_rounded, const uint16_t* gate) {
+__attribute__((noinline)) __m256i silu_times(__m256bh up_rounded, const uint16_t* gate) {
   using Vec = at::vec::Vectorized<float>;
   __m512 up, g;
   at::vec::cvtbf16_fp32((__m256i)up_rounded, up);
@@ -133,10 +133,12 @@ inline __m256i silu_times(__m256bh up_rounded, const uint16_t* gate) {
 #endif
 
 // Rows [0, R) of x against groups [0, C) from w into o, the sums of group c multiplied by
-// scales[c * 16, c * 16 + 16) where scales is given. `ahead_lines` 64-byte lines from
+// scales[c * 16, c * 16 + 16) where scales is given; `Gated`: o has a gate (silu_times, a
+// call, so that the plain tiles' code stays as small as it was: with it inlined there,
+// batch-1 decode slowed by a tenth). `ahead_lines` 64-byte lines from
 // `ahead` (the next chunk's weights, or a share of them) are requested into L2 evenly as
 // the pairs go.
-template <class Pairs, int R, int C>
+template <class Pairs, int R, int C, bool Gated>
 inline void tile(const uint16_t* x, const typename Pairs::Weight* w, const float* scales,
                  const Output& o, const Shape& s, const char* ahead, int64_t ahead_lines) {
   __m512 acc[R][C];
@@ -178,10 +180,10 @@ inline void tile(const uint16_t* x, const typename Pairs::Weight* w, const float
       if (scales != nullptr) sums = _mm512_mul_ps(sums, _mm512_loadu_ps(scales + c * kGroup));
       const __m256bh rounded = _mm512_cvtneps_pbh(sums);
       auto* to = reinterpret_cast<__m256i*>(o.out + r * o.stride + c * kGroup);
-      if (o.gate == nullptr) {
-        _mm256_storeu_si256(to, (__m256i)rounded);
-      } else {
+      if constexpr (Gated) {
         _mm256_storeu_si256(to, silu_times(rounded, o.gate + r * o.gate_stride + c * kGroup));
+      } else {
+        _mm256_storeu_si256(to, (__m256i)rounded);
       }
     }
   }
@@ -190,7 +192,7 @@ inline void tile(const uint16_t* x, const typename Pairs::Weight* w, const float
 // All M rows against the C groups at w (output columns from o's), tiles of 8, 4, 2, 1 rows.
 // int8 groups that more than one tile reads are widened once, into the thread's buffer, and
 // the tiles read that: the same bfloat16 values in the same order, so the same sums.
-template <class Pairs, int C>
+template <class Pairs, int C, bool Gated>
 void chunk(const uint16_t* x, const typename Pairs::Weight* w, const float* scales,
            const Output& o, const Shape& s, const char* ahead, int64_t lines) {
   if constexpr (std::is_same_v<Pairs, Int8Pairs>) {
@@ -201,7 +203,7 @@ void chunk(const uint16_t* x, const typename Pairs::Weight* w, const float* scal
       for (int64_t i = 0; i < elements; i += 2 * kGroup) {
         _mm512_storeu_si512(widened.data() + i, (__m512i)Int8Pairs::load(w + i));
       }
-      return chunk<BFloat16Pairs, C>(x, widened.data(), scales, o, s, ahead, lines);
+      return chunk<BFloat16Pairs, C, Gated>(x, widened.data(), scales, o, s, ahead, lines);
     }
   }
   // The first `askers` tiles (two, or the one) ask for the next chunk's lines, a run each.
@@ -214,29 +216,31 @@ void chunk(const uint16_t* x, const typename Pairs::Weight* w, const float* scal
   };
   for (; m + 8 <= s.M; m += 8, ++t) {
     const auto [from, count] = share(t);
-    tile<Pairs, 8, C>(x + m * s.K, w, scales, o.from(m, 0), s, from, count);
+    tile<Pairs, 8, C, Gated>(x + m * s.K, w, scales, o.from(m, 0), s, from, count);
   }
   for (int rows = 4; rows > 0; rows /= 2) {  // the rest: a tile of 4, 2, 1 rows each
     if ((s.M - m) & rows) {
       const auto [from, count] = share(t);
       const Output rest = o.from(m, 0);
-      if (rows == 4) tile<Pairs, 4, C>(x + m * s.K, w, scales, rest, s, from, count);
-      if (rows == 2) tile<Pairs, 2, C>(x + m * s.K, w, scales, rest, s, from, count);
-      if (rows == 1) tile<Pairs, 1, C>(x + m * s.K, w, scales, rest, s, from, count);
+      if (rows == 4) tile<Pairs, 4, C, Gated>(x + m * s.K, w, scales, rest, s, from, count);
+      if (rows == 2) tile<Pairs, 2, C, Gated>(x + m * s.K, w, scales, rest, s, from, count);
+      if (rows == 1) tile<Pairs, 1, C, Gated>(x + m * s.K, w, scales, rest, s, from, count);
       m += rows, ++t;
     }
   }
 }
 
 // The last chunk of a thread's share may have fewer groups than the others.
-template <class Pairs, int C>
+template <class Pairs, int C, bool Gated>
 void chunk_of(int64_t groups, const uint16_t* x, const typename Pairs::Weight* w,
               const float* scales, const Output& o, const Shape& s, const char* ahead,
               int64_t lines) {
   if constexpr (C > 1) {
-    if (groups < C) return chunk_of<Pairs, C - 1>(groups, x, w, scales, o, s, ahead, lines);
+    if (groups < C) {
+      return chunk_of<Pairs, C - 1, Gated>(groups, x, w, scales, o, s, ahead, lines);
+    }
   }
-  chunk<Pairs, C>(x, w, scales, o, s, ahead, lines);
+  chunk<Pairs, C, Gated>(x, w, scales, o, s, ahead, lines);
 }
 
 // C groups a chunk: 3 where tiles of 8 rows are walked (24 sums, 3 weight vectors and a
@@ -256,7 +260,7 @@ void matmul(const uint16_t* x, const typename Pairs::Weight* w, const float* sca
       const int64_t next_groups = t + 1 < end ? std::min<int64_t>(C, groups - g - C) : 0;
       const auto* ahead = reinterpret_cast<const char*>(weights + C * s.group_stride);
       const int64_t lines = next_groups * s.group_stride * sizeof(*w) / 64;
-      chunk_of<Pairs, C>(std::min<int64_t>(C, groups - g), x, weights,
+      chunk_of<Pairs, C, false>(std::min<int64_t>(C, groups - g), x, weights,
                          scales == nullptr ? nullptr : scales + g * kGroup,
                          Output{out + g * kGroup, s.N}, s, ahead, lines);
     }
@@ -284,10 +288,10 @@ void gated_matmul(const uint16_t* x, const typename Pairs::Weight* w, const floa
       const auto* up_w = w + (half + g) * s.group_stride;
       const int64_t next = t + 1 < end ? std::min<int64_t>(C, half - g - C) : 0;
       const auto* next_w = reinterpret_cast<const char*>(gate_w + C * s.group_stride);
-      chunk_of<Pairs, C>(count, x, gate_w, scales == nullptr ? nullptr : scales + g * kGroup,
+      chunk_of<Pairs, C, false>(count, x, gate_w, scales == nullptr ? nullptr : scales + g * kGroup,
                          Output{gate_rows.data(), C * kGroup}, s,
                          reinterpret_cast<const char*>(up_w), count * bytes / 64);
-      chunk_of<Pairs, C>(count, x, up_w,
+      chunk_of<Pairs, C, true>(count, x, up_w,
                          scales == nullptr ? nullptr : scales + (half + g) * kGroup,
                          Output{out + g * kGroup, half * kGroup, gate_rows.data(), C * kGroup},
                          s, next_w, next * bytes / 64);
