@@ -92,9 +92,8 @@ class StackedLinear(Linear):
         in) -> silu(x @ gate.T) * (x @ up.T) (T, out / 2) from one kernel call where the
         packed weight has one (``PackedWeight.gated_matmul``), else None (the caller
         projects, then applies SiLU and the product). Not while torch.compile traces."""
-        if self.packed is None or self.bias is not None or torch.compiler.is_compiling():
-            return None
-        if x.dim() != 2:
+        if (self.packed is None or self.bias is not None or x.dim() != 2
+                or torch.compiler.is_compiling()):
             return None
         return self.packed.gated_matmul(x)
 
