@@ -77,9 +77,9 @@ struct Output {
   const uint16_t* gate = nullptr;
   int64_t gate_stride = 0;
 
-  Output from(int64_t row, int64_t column) const {
-    return {out + row * stride + column, stride,
-            gate == nullptr ? nullptr : gate + row * gate_stride + column, gate_stride};
+  Output from_row(int64_t row) const {
+    return {out + row * stride, stride, gate == nullptr ? nullptr : gate + row * gate_stride,
+            gate_stride};
   }
 };
 
@@ -115,7 +115,6 @@ struct Int8Pairs {
   }
 };
 
-#ifdef RADIXLM_PAIR_MATMUL
 // silu(gate) * up for 16 columns: both rounded to bfloat16 as stored (the up products by
 // the tile, the gate's by the tile before), the SiLU rounded as F.silu's output is, the
 // product rounded once: what fused_ops.cpp's silu_mul computes from the two products, bit
@@ -130,12 +129,12 @@ __attribute__((noinline)) __m256i silu_times(__m256bh up_rounded, const uint16_t
   at::vec::cvtbf16_fp32(at::vec::cvtfp32_bf16(silu), silu);
   return at::vec::cvtfp32_bf16(_mm512_mul_ps(silu, up));
 }
-#endif
 
 // Rows [0, R) of x against groups [0, C) from w into o, the sums of group c multiplied by
 // scales[c * 16, c * 16 + 16) where scales is given; `Gated`: o has a gate (silu_times, a
-// call, so that the plain tiles' code stays as small as it was: with it inlined there,
-// batch-1 decode slowed by a tenth). `ahead_lines` 64-byte lines from
+// call made only from these instances, so the plain tiles' code is what it was without
+// it; inlined into every tile, an engine's batch-1 decode read 88 against 97 tok/s, within
+// the host's noise but not worth the doubt). `ahead_lines` 64-byte lines from
 // `ahead` (the next chunk's weights, or a share of them) are requested into L2 evenly as
 // the pairs go.
 template <class Pairs, int R, int C, bool Gated>
@@ -216,12 +215,12 @@ void chunk(const uint16_t* x, const typename Pairs::Weight* w, const float* scal
   };
   for (; m + 8 <= s.M; m += 8, ++t) {
     const auto [from, count] = share(t);
-    tile<Pairs, 8, C, Gated>(x + m * s.K, w, scales, o.from(m, 0), s, from, count);
+    tile<Pairs, 8, C, Gated>(x + m * s.K, w, scales, o.from_row(m), s, from, count);
   }
   for (int rows = 4; rows > 0; rows /= 2) {  // the rest: a tile of 4, 2, 1 rows each
     if ((s.M - m) & rows) {
       const auto [from, count] = share(t);
-      const Output rest = o.from(m, 0);
+      const Output rest = o.from_row(m);
       if (rows == 4) tile<Pairs, 4, C, Gated>(x + m * s.K, w, scales, rest, s, from, count);
       if (rows == 2) tile<Pairs, 2, C, Gated>(x + m * s.K, w, scales, rest, s, from, count);
       if (rows == 1) tile<Pairs, 1, C, Gated>(x + m * s.K, w, scales, rest, s, from, count);
