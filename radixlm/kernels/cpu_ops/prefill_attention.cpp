@@ -15,10 +15,10 @@
 // One call a layer takes the whole batch: every sequence's keys and values are packed (read
 // through its row of the slot table: no padded grid, no mask) in one parallel loop, and its
 // tasks join one shared loop. Packing by vector gathers and widenings in that one loop took
-// 0.05 ms a layer for 512 tokens, against 0.10 value by value in two loops. A sequence's outputs do not depend on the others in its
-// batch: the same packed blocks, the same sums in the same order. Sixteen prompts of about
-// 12 tokens (default model, 2-core Zen 4): 0.24 ms a layer, against 0.79 for the padded SDPA
-// call (and its gather) they took before.
+// 0.05 ms a layer for 512 tokens, against 0.10 value by value in two loops. A sequence's
+// outputs do not depend on the others in its batch: the same packed blocks, the same sums
+// in the same order. Sixteen prompts of about 12 tokens (default model, 2-core Zen 4):
+// 0.24 ms a layer, against 0.79 for the padded SDPA call (and its gather) they took before.
 //
 // torch's own CPU kernel computes every key of a block of up to 512 whatever the causal mask,
 // at about a third of the rate of a plain bfloat16 matrix product: on a 2-core AVX-512 BF16
