@@ -15,6 +15,7 @@ from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.kernels.forward_batch import ForwardMode
 from radixlm.models.layers.cpu_decode_layer import FusedDecodeLayer
 from radixlm.models.layers.cpu_decode_stack import FusedDecodeStack
+from radixlm.models.layers.cpu_weight_layout import uses_blocked_layout
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.weight_formats import (
     ConversionBuffer,
@@ -204,6 +205,8 @@ def test_layers_whose_parts_do_not_allow_it_run_the_modules(kernels_on, tiny_mod
     assert runner.model.fused_decode_stack() is None
 
 
+@pytest.mark.skipif(not uses_blocked_layout("cpu", torch.bfloat16),
+                    reason="no oneDNN bfloat16 layout here: bfloat16 rows run the kernels")
 def test_steps_whose_products_run_on_onednn_run_the_modules(kernels_on, tiny_model_dir,
                                                             fused_runs):
     runner = make_runner(tiny_model_dir("LlamaForCausalLM", "gqa", False),
