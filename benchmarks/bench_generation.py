@@ -9,11 +9,12 @@ Systems:
 - transformers, in the CPU's auto dtype (bfloat16 with native bf16, else float32), with
   torch's default threads (its reference configuration) and, like radixlm's processes, the
   OpenMP wait radixlm sets on import (a short spin, see ``radixlm/__init__.py``);
-- radixlm in the auto dtype, and with each ``--formats`` weight format (``fp16wo``,
-  ``int8wo``); with ``--torch-ops`` also without its fused CPU kernels
-  (``disable_cpu_kernels``, "radixlm torch ops"); with ``--torch-compile`` also with its
-  decode compiled by torch.compile ("radixlm compiled": torch's operations, fused by
-  inductor);
+- radixlm in the auto dtype (on CPUs without native bf16: float32 over 16-bit weights),
+  and with each ``--formats`` weight format (``fp16wo``, ``int8wo``); with ``--float32``
+  also in float32 with float32 weights ("radixlm float32"); with ``--torch-ops`` also
+  without its fused CPU kernels (``disable_cpu_kernels``, "radixlm torch ops"); with
+  ``--torch-compile`` also with its decode compiled by torch.compile ("radixlm compiled":
+  torch's operations, fused by inductor);
 - llama.cpp through ``llama-cpp-python`` (optional, benchmark-only) on the GGUF files given
   (``--gguf-f16``, ``--gguf-q8``: the same weights converted by llama.cpp's
   ``convert_hf_to_gguf.py --outtype f16 / q8_0``); its batch of 16 runs sequentially.
@@ -21,8 +22,8 @@ Systems:
 Prompts differ in every run, so no system reuses a cached prefix.
 
     python benchmarks/bench_generation.py [--rounds 3] [--formats fp16wo int8wo]
-        [--torch-ops] [--torch-compile] [--gguf-f16 smol-f16.gguf --gguf-q8 smol-q8_0.gguf
-        [--llama-no-extra-buffers]]
+        [--float32] [--torch-ops] [--torch-compile]
+        [--gguf-f16 smol-f16.gguf --gguf-q8 smol-q8_0.gguf [--llama-no-extra-buffers]]
 """
 # ruff: noqa: I001 - radixlm is imported before torch, for the reason given there
 
@@ -73,10 +74,12 @@ def prompts(tokenizer, count: int, length: int | None = None) -> list[list[int]]
 
 class Radixlm:
     def __init__(self, path: str, quantization: str | None, torch_ops: bool = False,
-                 compiled: bool = False):
+                 compiled: bool = False, dtype: str = "auto"):
         self.name = ("radixlm" + (f" {quantization}" if quantization else "")
+                     + (f" {dtype}" if dtype != "auto" else "")
                      + (" torch ops" if torch_ops else "") + (" compiled" if compiled else ""))
         self.engine = radixlm.Engine(path, quantization=quantization, max_total_tokens=16384,
+                                     dtype=dtype,
                                      disable_cpu_kernels=torch_ops,
                                      enable_torch_compile=compiled)
 
@@ -156,6 +159,8 @@ def main() -> None:
     parser.add_argument("--llama-no-extra-buffers", action="store_true",
                         help="llama.cpp without its repacked weight layouts (see "
                              "llama_cpp_worker.py: Q8_0 crashes with them on AMX CPUs)")
+    parser.add_argument("--float32", action="store_true",
+                        help="also radixlm in float32 with float32 weights")
     parser.add_argument("--torch-ops", action="store_true",
                         help="also radixlm without its fused CPU kernels (torch's operations)")
     parser.add_argument("--torch-compile", action="store_true",
@@ -168,6 +173,8 @@ def main() -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     systems = [Transformers(path, dtype, tokenizer), Radixlm(path, None)]
     systems += [Radixlm(path, name) for name in args.formats]
+    if args.float32:
+        systems.append(Radixlm(path, None, dtype="float32"))
     if args.torch_ops:
         systems.append(Radixlm(path, None, torch_ops=True))
     if args.torch_compile:
@@ -206,7 +213,8 @@ def main() -> None:
             cells.append(f"{ours:>12.1f} ({ours / base:>5.2f}x)")
         print(f"{system.name:<18}" + "".join(f"{c:>24}" for c in cells))
     print("(x: against transformers in the same column)")
-    pairs = [("radixlm", "llama.cpp F16"), ("radixlm fp16wo", "llama.cpp F16"),
+    pairs = [("radixlm", "llama.cpp F16"), ("radixlm float32", "llama.cpp F16"),
+             ("radixlm fp16wo", "llama.cpp F16"),
              ("radixlm int8wo", "llama.cpp Q8_0")]
     names = {system.name for system in systems}
     for ours, theirs in pairs:

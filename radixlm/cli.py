@@ -16,7 +16,8 @@ import sys
 SERVER_OPTION_HELP = {
     "model_path": "a Hugging Face directory, a .gguf file or a hub id (default: the default model)",
     "tokenizer_path": "the tokenizer's directory (default: the model's)",
-    "dtype": "auto (bf16 where the hardware has it, else float32), float32, bfloat16, float16",
+    "dtype": "auto (bf16 where the hardware has it, else float32 over 16-bit weights), "
+             "float32, bfloat16, float16",
     "quantization": "weight-only format on CPUs: fp16wo (half), int8wo (int8) or gguf (the .gguf "
                     "model's own: F16 -> fp16wo, Q8_0 -> int8wo); compute stays in dtype",
     "device": "auto, cpu or cuda[:N]",

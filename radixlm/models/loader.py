@@ -11,6 +11,7 @@ from radixlm.kernels.cpu_ops import fused_ops, huge_pages
 from radixlm.models.layers.cpu_weight_layout import lay_out_for_cpu, uses_blocked_layout
 from radixlm.models.layers.tensor_parallel import SINGLE, TensorParallel, building
 from radixlm.models.layers.weight_formats import PackedWeight, pack_weights
+from radixlm.models.layers.weight_storage import SIXTEEN_BIT_STORAGE, store_in_16_bits
 from radixlm.models.model_config import ModelConfig
 from radixlm.models.registry import model_class
 from radixlm.models.weight_loading import iterate_safetensors, safetensors_files
@@ -31,16 +32,23 @@ def load_model(
     ``weight_format``: a weight-only format (``weight_formats.py``) the projections and the
     output head are packed into, from the checkpoint's float32 weights (int8 by column pairs
     for a bfloat16 model on a CPU where ``keep_weight_rows`` and the kernels'
-    ``pair_matmul_serves``). Without one, a bfloat16 model on a CPU gets them in its
-    kernel's layout (``cpu_weight_layout.py``), keeping their plain rows too with
-    ``keep_weight_rows`` (for the fused CPU kernels' few-row matmul).
+    ``pair_matmul_serves``); ``SIXTEEN_BIT_STORAGE``: they are kept in 16 bits and
+    computed in float32 (``weight_storage.py``; for a float32 ``dtype``). Without one, a
+    bfloat16 model on a CPU gets them in its kernel's layout (``cpu_weight_layout.py``),
+    keeping their plain rows too with ``keep_weight_rows`` (for the fused CPU kernels'
+    few-row matmul).
     """
     cls = model_class(config.architecture)
     files = safetensors_files(config.path)
     with torch.device(device), building(tp):
         model = cls(config.hf_config, max_position=max_position)
     model.load_weights(iterate_safetensors(files))
-    if weight_format is not None:
+    if weight_format == SIXTEEN_BIT_STORAGE:
+        counts = store_in_16_bits(model)
+        logger.info("weights stored in 16 bits, computed in float32: %.1f MiB (%d bfloat16, "
+                    "exact; %d float16, rounded; %d left float32)", counts["bytes"] / 2**20,
+                    counts["bfloat16"], counts["float16"], counts["float32"])
+    elif weight_format is not None:
         by_pairs = (keep_weight_rows and dtype == torch.bfloat16
                     and torch.device(device).type == "cpu" and fused_ops.pair_matmul_serves())
         packed = pack_weights(model, weight_format, by_pairs)

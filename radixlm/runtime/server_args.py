@@ -34,7 +34,10 @@ class ServerArgs:
     """A Hugging Face model directory, a ``.gguf`` file or a hub id; None: the default model."""
     tokenizer_path: str | None = None
     dtype: str = "auto"
-    """``auto``: bfloat16 on GPUs and on CPUs with native bf16, else float32."""
+    """``auto``: bfloat16 on GPUs and on CPUs with native bf16, else float32 with the
+    projections' and output head's weights stored in 16 bits (bfloat16 where that is exact,
+    else float16; ``radixlm.models.layers.weight_storage``) where the fused CPU kernels run;
+    ``float32`` keeps every weight in float32."""
     quantization: str | None = None
     """A weight-only format for the projections and the output head on CPUs: ``fp16wo``
     (half storage) or ``int8wo`` (int8, a scale per output row); computation stays in

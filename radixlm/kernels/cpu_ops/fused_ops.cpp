@@ -341,6 +341,34 @@ inline void score_16_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* cons
 #endif
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2)
+// The sums of 8 vectors of 8 lanes, sum(v[j]) in lane j: two rounds of pairwise adds within
+// 128-bit halves, then the halves' sums.
+inline __m256 sum_each_of_8(const __m256* v) {
+  const __m256 pairs[4] = {_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]),
+                           _mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7])};
+  const __m256 low = _mm256_hadd_ps(pairs[0], pairs[1]);   // halves of v[0..3]'s sums
+  const __m256 high = _mm256_hadd_ps(pairs[2], pairs[3]);  // halves of v[4..7]'s sums
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                       _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// scores[j] = q . key_j for 8 keys (q float32 of dim, a multiple of 8). With the value rows
+// read once for a group's queries 32 values at a time (weighted_rows_of_group): 16 requests
+// of 200 tokens in scattered slots, the default model's 30 layers, float32, 2-core Zen 3,
+// 6.4 against 7.3 ms (best of 15, both builds alternated in one process).
+template <typename T>
+inline void score_8_keys(const float* q, const T* const* keys, int64_t dim, float* scores) {
+  __m256 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(load_vec(keys[t] + i), qv, acc[t]);
+  }
+  _mm256_storeu_ps(scores, sum_each_of_8(acc));
+}
+#endif
+
 // out_g[0, n) = scales[g] * sum_j w_g[j] * row_j[0, n) for n = 4 vectors (64 values on
 // AVX-512) and the G queries g of a group (w_g = w + g * w_stride, out_g = out + g *
 // out_stride), each value row read once for all of them: the sums of each query as
@@ -407,6 +435,18 @@ void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, cons
         }
       }
     }
+#elif defined(CPU_CAPABILITY_AVX2)
+    if (s.dim % 8 == 0) {  // 8 keys at a time, for each query of the group
+      const T* keys[8];
+      for (; j + 8 <= len; j += 8) {
+        for (int t = 0; t < 8; ++t) {
+          keys[t] = k + row_slots[j + t] * s.k_slot_stride + hk * s.k_head_stride;
+        }
+        for (int64_t g = 0; g < s.group; ++g) {
+          score_8_keys(qf.data() + g * s.dim, keys, s.dim, scores.data() + g * s.width + j);
+        }
+      }
+    }
 #endif
     for (; j < len; ++j) {  // each key row is read once for the whole group
       const T* key = k + row_slots[j] * s.k_slot_stride + hk * s.k_head_stride;
@@ -420,24 +460,29 @@ void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, cons
     const T* values = v + hk * s.v_head_stride;
     T* group_out = out + first_head * s.v_dim;
     int64_t g = 0;
-    if (s.v_dim == 4 * kLanes) {  // up to four queries a pass over the value rows
-      for (; g + 4 <= s.group; g += 4) {
-        weighted_rows_of_group<4>(scores.data() + g * s.width, s.width, values, row_slots,
-                                  len, s.v_slot_stride, inverse_totals.data() + g,
-                                  group_out + g * s.v_dim, s.v_dim);
+    if (s.v_dim % (4 * kLanes) == 0) {  // up to four queries a pass over the value rows
+      // (4 vectors of each row a pass: 64 values on AVX-512, 32 on AVX2)
+      for (int64_t c = 0; c < s.v_dim; c += 4 * kLanes) {
+        for (g = 0; g + 4 <= s.group; g += 4) {
+          weighted_rows_of_group<4>(scores.data() + g * s.width, s.width, values + c,
+                                    row_slots, len, s.v_slot_stride,
+                                    inverse_totals.data() + g, group_out + g * s.v_dim + c,
+                                    s.v_dim);
+        }
+        const auto rest = [&](auto count) {
+          weighted_rows_of_group<decltype(count)::value>(
+              scores.data() + g * s.width, s.width, values + c, row_slots, len,
+              s.v_slot_stride, inverse_totals.data() + g, group_out + g * s.v_dim + c,
+              s.v_dim);
+        };
+        switch (s.group - g) {
+          case 3: rest(std::integral_constant<int, 3>()); break;
+          case 2: rest(std::integral_constant<int, 2>()); break;
+          case 1: rest(std::integral_constant<int, 1>()); break;
+          default: break;
+        }
       }
-      const auto rest = [&](auto count) {
-        weighted_rows_of_group<decltype(count)::value>(
-            scores.data() + g * s.width, s.width, values, row_slots, len, s.v_slot_stride,
-            inverse_totals.data() + g, group_out + g * s.v_dim, s.v_dim);
-        g += count;
-      };
-      switch (s.group - g) {
-        case 3: rest(std::integral_constant<int, 3>()); break;
-        case 2: rest(std::integral_constant<int, 2>()); break;
-        case 1: rest(std::integral_constant<int, 1>()); break;
-        default: break;
-      }
+      g = s.group;
     }
     for (; g < s.group; ++g) {  // the group's value rows stay in cache
       weighted_rows(scores.data() + g * s.width, values, row_slots, len, s.v_slot_stride,

@@ -227,15 +227,27 @@ class HalfWeight(PackedWeight):
         return cls(buffer, weight.to(torch.float16).contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= HALF_FUSED_MAX_ROWS:
-            kernels = fused_ops.for_tensor(x)
-            if kernels is not None:  # x as stored, float32 sums
-                return kernels.dense_matmul(x, self.weight)
+        out = self._kernel_product(x)
+        if out is not None:  # x as stored, float32 sums
+            return out
         if x.shape[0] == 1:
             return F.linear(x.to(torch.float16), self.weight).to(x.dtype)
         if x.shape[0] <= HALF_GEMV_MAX_ROWS:  # one matrix-vector product per row
             rows = [F.linear(row, self.weight) for row in x.to(torch.float16).split(1)]
             return torch.cat(rows).to(x.dtype)
+        return self._widened_product(x)
+
+    def _kernel_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ weight.T on the fused kernels' ``dense_matmul`` (the weight widened in
+        registers) for up to ``HALF_FUSED_MAX_ROWS`` rows where they are on, else None."""
+        if x.shape[0] <= HALF_FUSED_MAX_ROWS:
+            kernels = fused_ops.for_tensor(x)
+            if kernels is not None:
+                return kernels.dense_matmul(x, self.weight)
+        return None
+
+    def _widened_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T with the weight widened into the buffer in x's dtype."""
         wide = self.buffer.take(self.weight.shape, x.dtype, x.device)
         return F.linear(x, wide.copy_(self.weight))
 

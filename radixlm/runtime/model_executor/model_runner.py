@@ -30,6 +30,7 @@ from radixlm.models.layers.attention import PagedAttention
 from radixlm.models.layers.cpu_weight_layout import row_invariant_products
 from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.layers.tensor_parallel import SINGLE
+from radixlm.models.layers.weight_storage import SIXTEEN_BIT_STORAGE
 from radixlm.models.loader import load_model, validate_split
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor.compiled_decode import (
@@ -95,7 +96,7 @@ class ModelRunner:
         if self.fused_cpu_kernels and self.dtype == torch.float32:
             choose_float32_matrix_vector()
         self.model = load_model(model_config, self.dtype, self.device, self.context_length,
-                                self.tp, self.weight_format,
+                                self.tp, self.weight_format or self._auto_weight_storage(),
                                 self.fused_cpu_kernels and not args.disable_cpu_weight_rows)
         self.max_total_tokens = self._kv_pool_tokens()
         if self.cpu_group is not None:
@@ -319,6 +320,16 @@ class ModelRunner:
             fused_ops.disable()
             return False
         return fused_ops.enable()
+
+    def _auto_weight_storage(self) -> str | None:
+        """``dtype=auto`` serving in float32 on a CPU with the fused kernels (which read
+        16-bit weights in registers): the weights stored in 16 bits, half the bytes a decode
+        step reads (``SIXTEEN_BIT_STORAGE``); else None (``--dtype float32`` keeps them
+        float32)."""
+        if (self.args.dtype == "auto" and self.dtype == torch.float32
+                and self.fused_cpu_kernels):
+            return SIXTEEN_BIT_STORAGE
+        return None
 
     def _make_compiled_decode(self) -> CompiledDecodeRunner | None:
         """Decode compiled by torch.compile where ``enable_torch_compile`` asks for it

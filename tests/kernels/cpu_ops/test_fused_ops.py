@@ -233,14 +233,16 @@ def test_dense_matmul_computes_what_f_linear_computes(kernels, dtype, rows, out_
     assert ((got.double() - expected).abs() <= step * magnitude + 1e-30).all()
     torch.testing.assert_close(got, F.linear(x, weight), **TOLERANCE.get(
         dtype, dict(atol=1e-3, rtol=1e-3)))
-    half = weight.half()  # a float16 weight (fp16wo) beside any activations
-    got = kernels.dense_matmul(x, half)
-    assert got.dtype == dtype
-    expected = x.double() @ half.double().T
-    assert ((got.double() - expected).abs() <= step * magnitude + 1e-30).all()
-    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
-    with pytest.raises(RuntimeError, match="of x's dtype or float16"):
-        kernels.dense_matmul(x, weight.to(other))
+    for narrow in (torch.float16, torch.bfloat16):  # 16-bit weights beside any activations
+        stored = weight.to(narrow)  # (fp16wo; dtype=auto's storage on float32 CPUs)
+        got = kernels.dense_matmul(x, stored)
+        assert got.dtype == dtype
+        expected = x.double() @ stored.double().T
+        magnitude = x.double().abs() @ stored.double().abs().T
+        assert ((got.double() - expected).abs() <= step * magnitude + 1e-30).all()
+    wrong = torch.float64 if dtype == torch.float32 else torch.float32
+    with pytest.raises(RuntimeError, match="of x's dtype, float16 or bfloat16"):
+        kernels.dense_matmul(x, weight.to(wrong))
 
 
 def test_int8_matmul_rejects_arguments_that_do_not_fit(kernels):

@@ -32,22 +32,6 @@ from radixlm.models.model_config import ModelConfig
 FORMATS = {"fp16wo": HalfWeight, "int8wo": Int8Weight}
 
 
-@pytest.fixture(params=["fused kernels", "torch"])
-def cpu_kernels(request):
-    """Each case with the fused CPU kernels on (int8 passes of a few rows run their
-    ``int8_matmul``) and off (torch's int8 kernel); the process's setting is restored."""
-    was_on = fused_ops.active() is not None
-    if request.param == "torch":
-        fused_ops.disable()
-    else:
-        assert fused_ops.enable(), "the fused CPU kernels did not build"
-    yield request.param
-    if was_on:
-        fused_ops.enable()
-    else:
-        fused_ops.disable()
-
-
 # Rows each format runs on torch's low-precision kernel where the fused kernels are off
 # (activations rounded to half / bfloat16 inside it); larger passes, and the fused kernels,
 # multiply in float32, exactly.

@@ -1,0 +1,84 @@
+"""16-bit weight storage for a model served in float32 on a CPU (``dtype=auto`` there).
+
+On a CPU without native bfloat16 arithmetic the model computes in float32, and a float32
+weight takes 4 bytes. A decode step of a few rows reads every weight once and does little
+with it, so its time is the weights' bytes over the memory bandwidth. ``dtype=auto``
+therefore keeps each projection's weight (and the output head's) in 2 bytes and widens it
+to float32 where it is multiplied: in registers, by the fused CPU kernels' ``dense_matmul``,
+for passes of up to ``HALF_FUSED_MAX_ROWS`` rows; into a reused float32 buffer for larger
+passes (prefill), which then multiply as before. A weight is stored
+
+- as bfloat16 where every value is a bfloat16 number (a bfloat16 checkpoint's): exact;
+- else as float16, rounded to nearest (11 significant bits, 2^-12 relative error; values
+  below 2^-14 lose bits, below 2^-24 become 0). That is the precision SGLang's and vLLM's
+  ``auto`` gives a float32 checkpoint (float16) and finer than the bfloat16 (8 bits) that
+  ``auto`` computes in on GPUs and native-bfloat16 CPUs; the default model's weights:
+  0.26% of them below 2^-14, none beyond float16's range;
+- else (a value beyond float16's range, 65504, or NaN) as it is, in float32.
+
+Activations, sums, norms, attention and the KV cache stay float32; ``--dtype float32``
+keeps every weight in float32 (the reference the fidelity tests compare with).
+
+Measured on a 2-core AVX2 CPU (Zen 3, no AVX-512), all the default model's layers'
+weights (30 x QKV, O, gate-up and down) in a loop, 2 threads: one row 6.8 ms (bfloat16)
+and 7.6 (float16) against 13.0 for float32 weights on the same kernel and 28.8 on torch's;
+16 rows 38.9 and 38.5 against 49.1 and 65.6. Widening all of them for a large pass takes
+about 18 ms (a 512-token prefill there takes about 870).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixlm.models.layers.weight_formats import ConversionBuffer, HalfWeight
+
+SIXTEEN_BIT_STORAGE = "16-bit"
+"""The loader's name for this packing (not a ``--quantization`` choice: ``dtype=auto``
+picks it, ``model_executor.model_runner``)."""
+
+
+def storage_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit type a float32 ``weight`` is stored in (bfloat16 where that is exact,
+    else float16), or None where it stays float32 (a value beyond float16's range, NaN)."""
+    if weight.dtype != torch.float32:
+        return None
+    if torch.equal(weight.to(torch.bfloat16).float(), weight):
+        return torch.bfloat16
+    if bool(torch.isfinite(weight.to(torch.float16)).all()):
+        return torch.float16
+    return None
+
+
+class WidenedWeight(HalfWeight):
+    """A float32 (out, in) weight stored as bfloat16 or float16 (``weight``), multiplied in
+    float32: on the kernels for a few rows, else widened into the buffer (never with the
+    activations rounded, as ``HalfWeight``'s torch paths do)."""
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._kernel_product(x)
+        return self._widened_product(x) if out is None else out
+
+
+def store_in_16_bits(model: nn.Module) -> dict[str, int]:
+    """Packs the weight of every module that offers ``pack_weight`` (the projections and
+    the output head) as a ``WidenedWeight`` of its ``storage_dtype``; returns how many
+    weights went to each type ("bfloat16", "float16", "float32" for those left as they
+    were) and the packed bytes ("bytes"); a weight packed already is left alone. Call it
+    on the float32 model, after loading and before the parameters take the serving dtype."""
+    buffer = ConversionBuffer()
+    counts = {"bfloat16": 0, "float16": 0, "float32": 0, "bytes": 0}
+    for module in model.modules():
+        pack = getattr(module, "pack_weight", None)
+        weight = getattr(module, "weight", None)
+        if (pack is None or not isinstance(weight, torch.Tensor)
+                or getattr(module, "packed", None) is not None):  # (packed already)
+            continue
+        dtype = storage_dtype(weight.detach())
+        if dtype is None:
+            counts["float32"] += 1
+            continue
+        counts[str(dtype).removeprefix("torch.")] += 1
+        counts["bytes"] += pack(lambda w, dtype=dtype: WidenedWeight(
+            buffer, w.to(dtype).contiguous()))
+    return counts
