@@ -9,10 +9,12 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
 
 - ``rms_norm(x, weight, eps)`` and ``add_rms_norm(x, residual, weight, eps)`` (the residual
   add of pre-norm decoders folded in: returns the norm and the sum);
-- ``paged_decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scale)``: one query per
-  request over its keys where they lie in the paged pool, instead of gathering them into a
-  padded batch for ``scaled_dot_product_attention`` (on AVX-512, keys scored 16 at a time:
-  64 requests of 100-200 tokens, the default model's 30 layers, 16.8 -> 12.1 ms);
+- ``paged_decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scale)`` (in
+  ``decode_attention.cpp``): one query per request over its keys where they lie in the pool,
+  instead of gathering them into a padded batch for ``scaled_dot_product_attention`` (on
+  AVX-512, keys scored 16 at a time:
+  64 requests of 100-200 tokens, the default model's 30 layers, 16.8 -> 12.1 ms; on AVX2, 8
+  at a time);
 - ``rotary(x, cos, signed_sin)``: RoPE's roll, multiply and multiply-add;
 - ``silu_mul(gate_up)``: the gated MLP's split, SiLU and product;
 - ``scatter_rows(buffer, slots, rows)``: ``buffer.index_copy_(0, slots, rows)``, a KV pool's
@@ -26,12 +28,13 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
   ``causal_prefill_attention`` says where it serves;
 - ``int8_matmul(x, weight, scales)`` and ``dense_matmul(x, weight)`` (in
   ``few_rows_matmul.cpp``): the few rows of a decode step against a projection's weight
-  stored as int8 or float16 (the weight-only formats, ``models/layers/weight_formats.py``)
-  or in x's dtype (bfloat16 rows kept beside oneDNN's layout,
-  ``models/layers/cpu_weight_layout.py``), asking for the weights ahead of where they read.
-  All the default model's weights at one row, in a loop: int8 7.4 ms against 12.6 for
-  torch's ``_weight_int8pack_mm``; float16 12.7 against 29.3 for torch's half kernel;
-  bfloat16 13.3 against 16.1 for oneDNN on its own blocked layout;
+  stored as int8 or float16 (the weight-only formats, ``models/layers/weight_formats.py``),
+  as bfloat16 or float16 under float32 activations (``dtype=auto`` on CPUs without native
+  bfloat16, ``models/layers/weight_storage.py``) or in x's dtype (bfloat16 rows kept beside
+  oneDNN's layout, ``models/layers/cpu_weight_layout.py``), asking for the weights ahead
+  of where they read. All the default model's weights at one row, in a loop: int8 7.4 ms
+  against 12.6 for torch's ``_weight_int8pack_mm``; float16 12.7 against 29.3 for torch's
+  half kernel; bfloat16 13.3 against 16.1 for oneDNN on its own blocked layout;
 - ``pair_matmul(x, pairs)`` (in ``pair_matmul.cpp``): bfloat16 rows against a weight laid
   out by column pairs (``models/layers/cpu_weight_layout.py``) on AVX-512 BF16 dot products,
   each row's products independent of the rows beside it. All the default model's weights on
@@ -90,8 +93,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("fused_ops.cpp", "few_rows_matmul.cpp", "prefill_attention.cpp",
-                             "pair_matmul.cpp", "decode_layer.cpp", "argmax.cpp"))
+                for name in ("fused_ops.cpp", "decode_attention.cpp", "few_rows_matmul.cpp",
+                             "prefill_attention.cpp", "pair_matmul.cpp", "decode_layer.cpp",
+                             "argmax.cpp"))
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
              "scatter_rows", "int8_matmul", "dense_matmul",
              "paged_prefill_attention", "prefill_attention_available", "pair_matmul",

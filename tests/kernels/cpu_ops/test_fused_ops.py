@@ -216,7 +216,7 @@ def test_int8_matmul_multiplies_by_the_scaled_integers(kernels, dtype, rows, out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7])  # 7: a whole tile of 4 rows and one of 3
 @pytest.mark.parametrize("out_features, in_features", [(96, 64), (13, 70), (1024, 576)])
 def test_dense_matmul_computes_what_f_linear_computes(kernels, dtype, rows, out_features,
                                                       in_features):
