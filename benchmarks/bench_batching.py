@@ -1,4 +1,4 @@
-"""Batching on the default model (bfloat16): continuous vs static, and radixlm vs transformers.
+"""Batching on the default model: continuous vs static, and radixlm vs transformers.
 
 (a) Continuous vs static batching, on the same engine options but ``batching``: 32
     requests with output budgets drawn from [4, 128] (ignore_eos), eight running at most,
@@ -9,10 +9,12 @@
     16-256 tokens and outputs of 16-128 tokens. transformers generates every row of a batch
     to the batch's longest budget; only the requested tokens count as output for both.
 
-Both run in this process, one after the other, on the same converted weights. Prompts are
+Both run in this process, one after the other, on the same converted weights, in
+``--dtype`` (default ``auto``: radixlm's own choice for this CPU, and transformers in the
+dtype it resolves to, bfloat16 with native bf16, else float32). Prompts are
 random token ids (no two share a prefix, so the prefix cache gives radixlm nothing).
 
-    python benchmarks/bench_batching.py [--requests 256] [--repeats 1]
+    python benchmarks/bench_batching.py [--requests 256] [--repeats 1] [--dtype auto]
 """
 
 # ruff: noqa: I001 - radixlm is imported before torch, for the reason given there
@@ -32,8 +34,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from radixlm.models.default_model import default_model_path  # noqa: E402
+from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
-DTYPE = "bfloat16"
 HF_BATCH = 16
 
 
@@ -69,7 +71,7 @@ def compare_batching(path, args, rng: random.Random) -> None:
     budgets = [rng.randint(4, 128) for _ in prompts]
     total = sum(budgets)
     engines = {
-        mode: radixlm.Engine(str(path), dtype=DTYPE, batching=mode, max_running_requests=8,
+        mode: radixlm.Engine(str(path), dtype=args.dtype, batching=mode, max_running_requests=8,
                              max_total_tokens=8 * 256)
         for mode in ("continuous", "static")
     }
@@ -84,7 +86,7 @@ def compare_batching(path, args, rng: random.Random) -> None:
     for engine in engines.values():
         engine.shutdown()
     print(f"\n(a) 32 requests, prompts 16-64 tokens, outputs 4-128 tokens ({total} in all), "
-          f"8 running at most, {DTYPE}; median of {args.repeats}")
+          f"8 running at most, {args.dtype}; median of {args.repeats}")
     print(f"{'batching':<12} {'output tok/s':>13} {'mean latency s':>15}")
     summary = {}
     for mode, runs in results.items():
@@ -121,12 +123,12 @@ def compare_with_transformers(path, args, rng: random.Random, threads: int) -> N
         tokenizer.eos_token_id
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, DTYPE)
+        path, dtype=ServerArgs(device="cpu", dtype=args.dtype).resolved_dtype()
     ).eval()
     prompts = random_prompts(rng, args.requests, 16, 256, model.config.vocab_size)
     budgets = [rng.randint(16, 128) for _ in prompts]
     total = sum(budgets)
-    engine = radixlm.Engine(str(path), dtype=DTYPE, max_total_tokens=64 * 512)
+    engine = radixlm.Engine(str(path), dtype=args.dtype, max_total_tokens=64 * 512)
     engine.generate(input_ids=prompts[:4], sampling_params=greedy(4))  # warm-up
     transformers_run(model, prompts[:4], [4] * 4, pad_id)
     ours, theirs = [], []
@@ -141,7 +143,7 @@ def compare_with_transformers(path, args, rng: random.Random, threads: int) -> N
     engine.shutdown()
     ours_tps, theirs_tps = statistics.median(ours), statistics.median(theirs)
     print(f"\n(b) {len(prompts)} requests ran, prompts 16-256 tokens, outputs 16-128 tokens "
-          f"({total} in all), {DTYPE}, transformers on {threads} threads; "
+          f"({total} in all), {args.dtype}, transformers on {threads} threads; "
           f"median of {args.repeats}")
     print(f"{'runtime':<34} {'output tok/s':>13}")
     print(f"{'radixlm (continuous, 1 call)':<34} {ours_tps:>13.1f}")
@@ -155,6 +157,7 @@ def main() -> None:
                         help="requests in the radixlm vs transformers comparison")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--only", choices=["batching", "transformers"], default=None)
     args = parser.parse_args()
     path = default_model_path()
