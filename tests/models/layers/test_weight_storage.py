@@ -57,7 +57,7 @@ def test_each_path_multiplies_by_the_weight_it_stores(stored_as, rows, cpu_kerne
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     torch.testing.assert_close(got, F.linear(x, expected_weight, bias), atol=1e-5, rtol=1e-5)
     if rows > HALF_FUSED_MAX_ROWS or cpu_kernels == "torch":  # F.linear on the widened copy
-        assert torch.equal(got, F.linear(x, expected_weight, bias))
+        assert torch.equal(got, F.linear(x, expected_weight) + bias)  # (the layer's own steps)
 
 
 def test_weights_16_bits_cannot_hold_stay_float32():
