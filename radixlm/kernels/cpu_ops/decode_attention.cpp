@@ -62,12 +62,17 @@ struct DecodeShape {
   int64_t k_slot_stride, k_head_stride, v_slot_stride, v_head_stride;
 };
 
+// Keys are scored kLanes at a time where the build has SIMD registers: the lanes of kLanes
+// accumulators summed at once (sum_each: one vector of sums) in place of kLanes horizontal
+// sums. Simd is one register of kLanes float32 lanes as the intrinsics take it (ATen's Vec
+// converts to and from it): arrays of these stay in registers where arrays of Vec are kept
+// on the stack.
 #if defined(CPU_CAPABILITY_AVX512)
-// The sums of 16 vectors of 16 lanes, sum(v[j]) in lane j: a tree of 45 shuffles and adds
-// in place of 16 horizontal sums. Scoring keys 16 at a time so took the default model's
-// decode attention (30 layers, bfloat16, 2 threads, a Zen 4) from 16.8 to 12.1 ms for 64
-// requests of 100-200 tokens, 157 to 66 ms for 128 of 150-300.
-inline __m512 sum_each_of_16(const __m512* v) {
+#define RADIXLM_KEYS_AT_ONCE 1
+using Simd = __m512;
+
+// The sums of 16 vectors of 16 lanes, sum(v[j]) in lane j: a tree of 45 shuffles and adds.
+inline Simd sum_each(const Simd* v) {
   __m512 halves[8], quarters[4], pairs[2];
   for (int i = 0; i < 8; ++i) {  // 256-bit halves of v[2i] (low) and v[2i + 1] (high)
     halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
@@ -87,20 +92,45 @@ inline __m512 sum_each_of_16(const __m512* v) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, sums);
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+#define RADIXLM_KEYS_AT_ONCE 1
+using Simd = __m256;
 
-// scores[j] = q . key_j for 16 keys (q float32 of dim, a multiple of 16).
-template <typename T>
-inline void score_16_keys(const float* q, const T* const* keys, int64_t dim, float* scores) {
-  __m512 acc[16];
-  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < dim; i += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + i);
-    for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(load_vec(keys[t] + i), qv, acc[t]);
-  }
-  _mm512_storeu_ps(scores, sum_each_of_16(acc));
+// The sums of 8 vectors of 8 lanes, sum(v[j]) in lane j: two rounds of pairwise adds within
+// 128-bit halves, then the halves' sums.
+inline Simd sum_each(const Simd* v) {
+  const __m256 pairs[4] = {_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]),
+                           _mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7])};
+  const __m256 low = _mm256_hadd_ps(pairs[0], pairs[1]);   // halves of v[0..3]'s sums
+  const __m256 high = _mm256_hadd_ps(pairs[2], pairs[3]);  // halves of v[4..7]'s sums
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                       _mm256_permute2f128_ps(low, high, 0x31));
 }
+#endif
 
-#if defined(__AVX512BF16__)
+#ifdef RADIXLM_KEYS_AT_ONCE
+// scores[j] = q . key_j for kLanes keys (q float32 of dim, a multiple of kLanes), their
+// sums taken together at the end (sum_each). AVX-512, 16 keys at a time: the default model's
+// decode attention (30 layers, bfloat16, 2 threads, a Zen 4) from 16.8 to 12.1 ms for 64
+// requests of 100-200 tokens, 157 to 66 ms for 128 of 150-300. AVX2, 8 at a time, with the
+// value rows read once for a group's queries 32 values at a time (weighted_rows_of_group):
+// 16 requests of 200 tokens in scattered slots, the default model's 30 layers, float32,
+// 2-core Zen 3, 6.4 against 7.3 ms (best of 15, both builds alternated in one process).
+template <typename T>
+inline void score_keys(const float* q, const T* const* keys, int64_t dim, float* scores) {
+  Simd acc[kLanes];
+  for (int t = 0; t < kLanes; ++t) acc[t] = Vec(0.f);
+  for (int64_t i = 0; i < dim; i += kLanes) {
+    const Vec qv = Vec::loadu(q + i);
+    for (int t = 0; t < kLanes; ++t) {
+      acc[t] = at::vec::fmadd(load_vec(keys[t] + i), qv, Vec(acc[t]));
+    }
+  }
+  Vec(sum_each(acc)).store(scores);
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #define RADIXLM_BF16_DECODE_SCORES 1
 // scores[j] = scale * q . key_j for 16 bfloat16 keys and a bfloat16 q of dim (a multiple of
 // 32), on dot-product instructions (vdpbf16ps: each lane sums a pair of products, exact, in
@@ -119,36 +149,7 @@ inline void score_16_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* cons
       acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)_mm512_loadu_si512(keys[t] + i));
     }
   }
-  _mm512_storeu_ps(scores, _mm512_mul_ps(sum_each_of_16(acc), _mm512_set1_ps(scale)));
-}
-#endif
-#endif
-
-#if defined(CPU_CAPABILITY_AVX2)
-// The sums of 8 vectors of 8 lanes, sum(v[j]) in lane j: two rounds of pairwise adds within
-// 128-bit halves, then the halves' sums.
-inline __m256 sum_each_of_8(const __m256* v) {
-  const __m256 pairs[4] = {_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]),
-                           _mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7])};
-  const __m256 low = _mm256_hadd_ps(pairs[0], pairs[1]);   // halves of v[0..3]'s sums
-  const __m256 high = _mm256_hadd_ps(pairs[2], pairs[3]);  // halves of v[4..7]'s sums
-  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
-                       _mm256_permute2f128_ps(low, high, 0x31));
-}
-
-// scores[j] = q . key_j for 8 keys (q float32 of dim, a multiple of 8). With the value rows
-// read once for a group's queries 32 values at a time (weighted_rows_of_group): 16 requests
-// of 200 tokens in scattered slots, the default model's 30 layers, float32, 2-core Zen 3,
-// 6.4 against 7.3 ms (best of 15, both builds alternated in one process).
-template <typename T>
-inline void score_8_keys(const float* q, const T* const* keys, int64_t dim, float* scores) {
-  __m256 acc[8];
-  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < dim; i += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(load_vec(keys[t] + i), qv, acc[t]);
-  }
-  _mm256_storeu_ps(scores, sum_each_of_8(acc));
+  _mm512_storeu_ps(scores, _mm512_mul_ps(sum_each(acc), _mm512_set1_ps(scale)));
 }
 #endif
 
@@ -196,11 +197,11 @@ void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, cons
       for (int64_t i = 0; i < s.dim; ++i) qf[g * s.dim + i] = load(qh, i) * scale;
     }
     int64_t j = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-    if (s.dim % 16 == 0) {  // 16 keys at a time, for each query of the group
-      const T* keys[16];
-      for (; j + 16 <= len; j += 16) {
-        for (int t = 0; t < 16; ++t) {
+#ifdef RADIXLM_KEYS_AT_ONCE
+    if (s.dim % kLanes == 0) {  // kLanes keys at a time, for each query of the group
+      const T* keys[kLanes];
+      for (; j + kLanes <= len; j += kLanes) {
+        for (int t = 0; t < kLanes; ++t) {
           keys[t] = k + row_slots[j + t] * s.k_slot_stride + hk * s.k_head_stride;
         }
         for (int64_t g = 0; g < s.group; ++g) {
@@ -214,19 +215,7 @@ void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, cons
             }
           }
 #endif
-          score_16_keys(qf.data() + g * s.dim, keys, s.dim, block_scores);
-        }
-      }
-    }
-#elif defined(CPU_CAPABILITY_AVX2)
-    if (s.dim % 8 == 0) {  // 8 keys at a time, for each query of the group
-      const T* keys[8];
-      for (; j + 8 <= len; j += 8) {
-        for (int t = 0; t < 8; ++t) {
-          keys[t] = k + row_slots[j + t] * s.k_slot_stride + hk * s.k_head_stride;
-        }
-        for (int64_t g = 0; g < s.group; ++g) {
-          score_8_keys(qf.data() + g * s.dim, keys, s.dim, scores.data() + g * s.width + j);
+          score_keys(qf.data() + g * s.dim, keys, s.dim, block_scores);
         }
       }
     }

@@ -6,7 +6,7 @@ each, so on a CPU its time is the weights' bytes over the memory bandwidth. A fo
 the weight of each projection (``linear.Linear``) and of the output head
 (``VocabParallelEmbedding.logits``; the embedding lookup keeps its own rows) after loading:
 
-- ``fp16wo``: IEEE half (2 bytes a weight). Passes of up to ``HALF_FUSED_MAX_ROWS`` rows
+- ``fp16wo``: IEEE half (2 bytes a weight). Passes of up to ``half_fused_max_rows`` rows
   run the fused CPU kernels' ``dense_matmul`` where they are on (activations as stored,
   float32 sums; the default model's weights, float32 activations: one row 12.7 ms against
   29.3 on torch's kernel, 16 rows 34.8 against 64.6). Without them, passes of up to
@@ -48,6 +48,14 @@ from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 
 HALF_GEMV_MAX_ROWS = 4
 HALF_FUSED_MAX_ROWS = 32
+"""Rows of 16-bit activations up to which half weights run ``dense_matmul`` (measured on
+the AMX CPU, where oneDNN's 16-bit GEMM takes larger passes)."""
+HALF_FUSED_MAX_ROWS_FLOAT32 = 64
+"""Rows of float32 activations up to which they do: on 2-core AVX2 (Zen 3), all the
+default model's layers' float16 weights, 2 threads, 48 rows 86 ms against 108 widened for
+torch's GEMM and 64 rows 117 against 116 (the kernel keeps about 115 GFLOP/s at every size;
+the widening costs a pass about 18 ms); its output head, 48 rows 22 against 37 ms, 64 rows
+29 against 42."""
 FLOAT32_FUSED_ROWS = range(3, 17)
 FLOAT32_FUSED_ROWS_FROM_ONE = range(1, 17)
 _float32_fused_rows = FLOAT32_FUSED_ROWS  # see fuse_float32_matrix_vector
@@ -55,6 +63,12 @@ INT8_KERNEL_MAX_ROWS = 32
 INT8_KERNEL_MAX_ROWS_BF16 = 16
 WEIGHT_FORMATS = ("fp16wo", "int8wo")
 PAIR_COLUMNS = 16  # out features of one group of a weight laid out by column pairs
+
+
+def half_fused_max_rows(dtype: torch.dtype) -> int:
+    """The most rows of ``dtype`` activations a pass over half weights runs on the fused
+    kernels' ``dense_matmul`` (larger ones widen the weight for torch's GEMM)."""
+    return HALF_FUSED_MAX_ROWS_FLOAT32 if dtype == torch.float32 else HALF_FUSED_MAX_ROWS
 
 
 def fits_column_pairs(weight: torch.Tensor) -> bool:
@@ -239,8 +253,8 @@ class HalfWeight(PackedWeight):
 
     def _kernel_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """x @ weight.T on the fused kernels' ``dense_matmul`` (the weight widened in
-        registers) for up to ``HALF_FUSED_MAX_ROWS`` rows where they are on, else None."""
-        if x.shape[0] <= HALF_FUSED_MAX_ROWS:
+        registers) for up to ``half_fused_max_rows`` rows where they are on, else None."""
+        if x.shape[0] <= half_fused_max_rows(x.dtype):
             kernels = fused_ops.for_tensor(x)
             if kernels is not None:
                 return kernels.dense_matmul(x, self.weight)
@@ -252,7 +266,7 @@ class HalfWeight(PackedWeight):
         return F.linear(x, wide.copy_(self.weight))
 
     def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
-        if rows <= HALF_FUSED_MAX_ROWS:
+        if rows <= half_fused_max_rows(dtype):
             return FusedProjection.of(ProjectionKernel.DENSE, self.weight)
         return None
 

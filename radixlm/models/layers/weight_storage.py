@@ -5,7 +5,7 @@ weight takes 4 bytes. A decode step of a few rows reads every weight once and do
 with it, so its time is the weights' bytes over the memory bandwidth. ``dtype=auto``
 therefore keeps each projection's weight (and the output head's) in 2 bytes and widens it
 to float32 where it is multiplied: in registers, by the fused CPU kernels' ``dense_matmul``,
-for passes of up to ``HALF_FUSED_MAX_ROWS`` rows; into a reused float32 buffer for larger
+for passes of up to ``HALF_FUSED_MAX_ROWS_FLOAT32`` rows; into a reused float32 buffer for larger
 passes (prefill), which then multiply as before. A weight is stored
 
 - as bfloat16 where every value is a bfloat16 number (a bfloat16 checkpoint's): exact;

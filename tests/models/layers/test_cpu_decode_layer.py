@@ -18,6 +18,8 @@ from radixlm.models.layers.cpu_decode_stack import FusedDecodeStack
 from radixlm.models.layers.cpu_weight_layout import uses_blocked_layout
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.weight_formats import (
+    HALF_FUSED_MAX_ROWS,
+    HALF_FUSED_MAX_ROWS_FLOAT32,
     ConversionBuffer,
     HalfWeight,
     Int8Weight,
@@ -259,5 +261,7 @@ def test_a_projection_names_the_kernel_its_matmul_runs():
     assert paired.fused_projection(512, torch.bfloat16).kernel is ProjectionKernel.INT8_PAIRS
     assert paired.fused_projection(1, torch.float32) is None  # the pairs take bfloat16 rows
     half = HalfWeight.pack(weight, ConversionBuffer())
-    assert half.fused_projection(32, torch.float32).weight is half.weight
-    assert half.fused_projection(33, torch.float32) is None
+    assert half.fused_projection(HALF_FUSED_MAX_ROWS_FLOAT32, torch.float32).weight is half.weight
+    assert half.fused_projection(HALF_FUSED_MAX_ROWS_FLOAT32 + 1, torch.float32) is None
+    assert half.fused_projection(HALF_FUSED_MAX_ROWS, torch.bfloat16).weight is half.weight
+    assert half.fused_projection(HALF_FUSED_MAX_ROWS + 1, torch.bfloat16) is None

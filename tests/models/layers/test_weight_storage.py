@@ -9,7 +9,7 @@ from tiny_models import reference_model
 
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.tensor_parallel import SINGLE
-from radixlm.models.layers.weight_formats import HALF_FUSED_MAX_ROWS
+from radixlm.models.layers.weight_formats import HALF_FUSED_MAX_ROWS_FLOAT32
 from radixlm.models.layers.weight_storage import (
     SIXTEEN_BIT_STORAGE,
     WidenedWeight,
@@ -21,7 +21,9 @@ from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.server_args import cpu_has_native_bf16
 
 PROMPT = ("The quick brown fox jumps over the lazy dog; Paris is the capital of France, "
-          "Berlin the capital of Germany, and Rome the capital of Italy. Numbers: 1 2 3 4")
+          "Berlin the capital of Germany, and Rome the capital of Italy. Numbers: 1 2 3 4. "
+          "Rivers: the Seine, the Rhine, the Danube and the Tiber, which flows through Rome; "
+          "colours: red, green, blue, yellow, violet and a grey that is nearly black.")
 
 
 def test_a_weight_is_stored_in_the_16_bit_type_that_holds_it_best():
@@ -40,7 +42,8 @@ def test_a_weight_is_stored_in_the_16_bit_type_that_holds_it_best():
 
 
 @pytest.mark.parametrize("stored_as", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, HALF_FUSED_MAX_ROWS, HALF_FUSED_MAX_ROWS + 1, 80])
+@pytest.mark.parametrize("rows", [1, 5, 33, HALF_FUSED_MAX_ROWS_FLOAT32,
+                                  HALF_FUSED_MAX_ROWS_FLOAT32 + 1])
 def test_each_path_multiplies_by_the_weight_it_stores(stored_as, rows, cpu_kernels):
     """A few rows on the kernels (widened in registers) or, like larger passes, widened into
     the buffer: the float32 product with the stored values, to float32 rounding."""
@@ -56,7 +59,7 @@ def test_each_path_multiplies_by_the_weight_it_stores(stored_as, rows, cpu_kerne
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     torch.testing.assert_close(got, F.linear(x, expected_weight, bias), atol=1e-5, rtol=1e-5)
-    if rows > HALF_FUSED_MAX_ROWS or cpu_kernels == "torch":  # F.linear on the widened copy
+    if rows > HALF_FUSED_MAX_ROWS_FLOAT32 or cpu_kernels == "torch":  # widened, F.linear
         assert torch.equal(got, F.linear(x, expected_weight) + bias)  # (the layer's own steps)
 
 
@@ -109,7 +112,7 @@ def test_auto_dtype_serves_what_transformers_computes_with_the_stored_weights(ti
     engine = radixlm.Engine(str(path), dtype="auto", max_total_tokens=4096)
     try:
         ids = engine.tokenizer.encode(PROMPT)
-        assert len(ids) > HALF_FUSED_MAX_ROWS  # the prompt's pass widens the weights
+        assert len(ids) > HALF_FUSED_MAX_ROWS_FLOAT32  # the prompt's pass widens the weights
         out = engine.generate(input_ids=ids, return_logprob=True, logprob_start_len=0,
                               sampling_params={"max_new_tokens": 12, "temperature": 0.0,
                                                "ignore_eos": True})
