@@ -50,12 +50,17 @@ HALF_GEMV_MAX_ROWS = 4
 HALF_FUSED_MAX_ROWS = 32
 """Rows of 16-bit activations up to which half weights run ``dense_matmul`` (measured on
 the AMX CPU, where oneDNN's 16-bit GEMM takes larger passes)."""
-HALF_FUSED_MAX_ROWS_FLOAT32 = 64
-"""Rows of float32 activations up to which they do: on 2-core AVX2 (Zen 3), all the
-default model's layers' float16 weights, 2 threads, 48 rows 86 ms against 108 widened for
-torch's GEMM and 64 rows 117 against 116 (the kernel keeps about 115 GFLOP/s at every size;
-the widening costs a pass about 18 ms); its output head, 48 rows 22 against 37 ms, 64 rows
-29 against 42."""
+HALF_FUSED_MAX_ROWS_FLOAT32 = 160
+"""Rows of float32 activations up to which they do. The kernel keeps about 115 GFLOP/s at
+every size; torch's GEMM does more, but only after the weight is widened, and widening all
+of a model's weights costs a pass the time to write them out in float32: the default
+model's 30 layers, about 18 ms with the weights in cache, 16-52 ms in a served prompt's pass
+(profiled). On 2-core AVX2 (Zen 3), 2 threads, the default model's prompt passes at runner
+level, caches evicted between passes as a decode step would: 96 tokens 194 ms against 248
+widened, 136 tokens 284 against 314, 192 tokens 401 against 387, 256 tokens 552 against
+492. Decode steps of 33-64 requests, which widened every weight at the former limit of 32
+rows: 33 requests 94 against 137 ms a step, 48 requests 134 against 159. The output head
+(49152 x 576): 64 rows 29 against 42 ms, 128 rows 61 against 65."""
 FLOAT32_FUSED_ROWS = range(3, 17)
 FLOAT32_FUSED_ROWS_FROM_ONE = range(1, 17)
 _float32_fused_rows = FLOAT32_FUSED_ROWS  # see fuse_float32_matrix_vector

@@ -6,7 +6,7 @@ with it, so its time is the weights' bytes over the memory bandwidth. ``dtype=au
 therefore keeps each projection's weight (and the output head's) in 2 bytes and widens it
 to float32 where it is multiplied: in registers, by the fused CPU kernels' ``dense_matmul``,
 for passes of up to ``HALF_FUSED_MAX_ROWS_FLOAT32`` rows; into a reused float32 buffer for larger
-passes (prefill), which then multiply as before. A weight is stored
+passes (long prompts), which then multiply as before. A weight is stored
 
 - as bfloat16 where every value is a bfloat16 number (a bfloat16 checkpoint's): exact;
 - else as float16, rounded to nearest (11 significant bits, 2^-12 relative error; values
@@ -23,8 +23,10 @@ Measured on a 2-core AVX2 CPU (Zen 3, no AVX-512), all the default model's layer
 weights (30 x QKV, O, gate-up and down) in a loop, 2 threads: one row 6.8 ms (bfloat16)
 and 7.6 (float16) against 13.0 for float32 weights on the same kernel and 28.8 on torch's;
 16 rows (float16) 29.5 against 36.3 and 65.6. Widening all of them for a large pass takes
-about 18 ms (one 3072 x 576 weight: 0.30 ms, scaled by size; a 512-token prefill there
-takes about 870). The default model's batch-1 decode step there: 11.6 against 19.3 ms.
+about 18 ms with the weights in cache (one 3072 x 576 weight: 0.30 ms, scaled by size) and
+16-52 ms in a served prompt's pass (profiled; a 512-token prefill there takes about 870),
+which is why passes of up to ``HALF_FUSED_MAX_ROWS_FLOAT32`` rows stay on the kernels. The
+default model's batch-1 decode step there: 11.6 against 19.3 ms.
 """
 
 from __future__ import annotations
@@ -56,6 +58,21 @@ class WidenedWeight(HalfWeight):
     float32: on the kernels for a few rows, else widened into the buffer (never with the
     activations rounded, as ``HalfWeight``'s torch paths do)."""
 
+    @classmethod
+    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer,
+             by_pairs: bool = False) -> WidenedWeight:
+        """``weight`` (float32) in its ``storage_dtype`` (``by_pairs`` is ignored: the rows
+        stay rows); ValueError for one that must stay float32."""
+        dtype = storage_dtype(weight)
+        if dtype is None:
+            raise ValueError("weight must be float32 and within float16's range, without NaN")
+        return cls.stored_as(weight, dtype, buffer)
+
+    @classmethod
+    def stored_as(cls, weight: torch.Tensor, dtype: torch.dtype,
+                  buffer: ConversionBuffer) -> WidenedWeight:
+        return cls(buffer, weight.to(dtype).contiguous())
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         out = self._kernel_product(x)
         return self._widened_product(x) if out is None else out
@@ -80,6 +97,6 @@ def store_in_16_bits(model: nn.Module) -> dict[str, int]:
             counts["float32"] += 1
             continue
         counts[str(dtype).removeprefix("torch.")] += 1
-        counts["bytes"] += pack(lambda w, dtype=dtype: WidenedWeight(
-            buffer, w.to(dtype).contiguous()))
+        counts["bytes"] += pack(
+            lambda w, dtype=dtype: WidenedWeight.stored_as(w, dtype, buffer))
     return counts

@@ -9,7 +9,7 @@ from tiny_models import reference_model
 
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.tensor_parallel import SINGLE
-from radixlm.models.layers.weight_formats import HALF_FUSED_MAX_ROWS_FLOAT32
+from radixlm.models.layers.weight_formats import HALF_FUSED_MAX_ROWS_FLOAT32, ConversionBuffer
 from radixlm.models.layers.weight_storage import (
     SIXTEEN_BIT_STORAGE,
     WidenedWeight,
@@ -61,6 +61,19 @@ def test_each_path_multiplies_by_the_weight_it_stores(stored_as, rows, cpu_kerne
     torch.testing.assert_close(got, F.linear(x, expected_weight, bias), atol=1e-5, rtol=1e-5)
     if rows > HALF_FUSED_MAX_ROWS_FLOAT32 or cpu_kernels == "torch":  # widened, F.linear
         assert torch.equal(got, F.linear(x, expected_weight) + bias)  # (the layer's own steps)
+
+
+def test_packing_one_weight_picks_its_storage_type():
+    """WidenedWeight.pack (the packers' common entry) stores as store_in_16_bits does."""
+    buffer = ConversionBuffer()
+    exact = (torch.randn(8, 16) * 0.1).bfloat16().float()
+    assert WidenedWeight.pack(exact, buffer).weight.dtype == torch.bfloat16
+    rounded = torch.randn(8, 16) * 0.1
+    packed = WidenedWeight.pack(rounded, buffer)
+    assert packed.weight.dtype == torch.float16
+    assert torch.equal(packed.dequantized(), rounded.half().float())
+    with pytest.raises(ValueError, match="within float16's range"):
+        WidenedWeight.pack(torch.full((8, 16), 1e6), buffer)
 
 
 def test_weights_16_bits_cannot_hold_stay_float32():
