@@ -25,9 +25,10 @@ the weight of each projection (``linear.Linear``) and of the output head
 
 The row limits of torch's kernels are where the measured costs cross on 2-core AVX2,
 AVX-512 and AMX CPUs (the kernels' cost grows with the rows, the conversion's does not);
-the fused kernels' were measured on the AMX CPU only (at 32 rows, float16 weights: 55 vs
-74 ms in float32, 65 vs 125 in bfloat16; int8 passes keep torch's kernel's limits, below
-which the fused one was faster at every size). Outputs come back in the serving dtype.
+the fused kernels' were measured on the AMX CPU (at 32 rows, float16 weights: 55 vs 74 ms
+in float32, 65 vs 125 in bfloat16; int8 passes keep torch's kernel's limits, below which
+the fused one was faster at every size) and, for float32 activations over half weights, on
+2-core AVX2 (``HALF_FUSED_MAX_ROWS_FLOAT32``). Outputs come back in the serving dtype.
 Invariant: packing changes which bytes a layer reads, never its shapes, its bias or the
 model's interface; the buffer is shared by one model's layers, so forward passes of one
 model must not run concurrently (the scheduler runs them one at a time).
