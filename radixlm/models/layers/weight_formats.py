@@ -55,8 +55,8 @@ HALF_FUSED_MAX_ROWS_FLOAT32 = 160
 """Rows of float32 activations up to which they do. The kernel keeps about 115 GFLOP/s at
 every size; torch's GEMM does more, but only after the weight is widened, and widening all
 of a model's weights costs a pass the time to write them out in float32: the default
-model's 30 layers, about 18 ms with the weights in cache, 16-52 ms in a served prompt's pass
-(profiled). On 2-core AVX2 (Zen 3), 2 threads, the default model's prompt passes at runner
+model's 30 layers, about 18 ms with the weights in cache (scaled from one weight), 16-52 ms
+in a served prompt's pass (profiled). On 2-core AVX2 (Zen 3), 2 threads, the default model's prompt passes at runner
 level, caches evicted between passes as a decode step would: 96 tokens 194 ms against 248
 widened, 136 tokens 284 against 314, 192 tokens 401 against 387, 256 tokens 552 against
 492. Decode steps of 33-64 requests, which widened every weight at the former limit of 32

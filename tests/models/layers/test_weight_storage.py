@@ -64,7 +64,8 @@ def test_each_path_multiplies_by_the_weight_it_stores(stored_as, rows, cpu_kerne
 
 
 def test_packing_one_weight_picks_its_storage_type():
-    """WidenedWeight.pack (the packers' common entry) stores as store_in_16_bits does."""
+    """WidenedWeight.pack (which it inherited from HalfWeight, always float16, before it had
+    its own) stores in the type store_in_16_bits picks; nothing in the loader calls it."""
     buffer = ConversionBuffer()
     exact = (torch.randn(8, 16) * 0.1).bfloat16().float()
     assert WidenedWeight.pack(exact, buffer).weight.dtype == torch.bfloat16
