@@ -56,12 +56,13 @@ HALF_FUSED_MAX_ROWS_FLOAT32 = 160
 every size; torch's GEMM does more, but only after the weight is widened, and widening all
 of a model's weights costs a pass the time to write them out in float32: the default
 model's 30 layers, about 18 ms with the weights in cache (scaled from one weight), 16-52 ms
-in a served prompt's pass (profiled). On 2-core AVX2 (Zen 3), 2 threads, the default model's prompt passes at runner
-level, caches evicted between passes as a decode step would: 96 tokens 194 ms against 248
-widened, 136 tokens 284 against 314, 192 tokens 401 against 387, 256 tokens 552 against
-492. Decode steps of 33-64 requests, which widened every weight at the former limit of 32
-rows: 33 requests 94 against 137 ms a step, 48 requests 134 against 159. The output head
-(49152 x 576): 64 rows 29 against 42 ms, 128 rows 61 against 65."""
+in a served prompt's pass (profiled). On 2-core AVX2 (Zen 3), 2 threads, the default
+model's prompt passes at runner level, caches evicted between passes as a decode step
+would: 96 tokens 194 ms against 248 widened, 136 tokens 284 against 314, 192 tokens 401
+against 387, 256 tokens 552 against 492. Decode steps of 33-64 requests, which widened
+every weight at the former limit of 32 rows: 33 requests 94 against 137 ms a step, 48
+requests 134 against 159. The output head (49152 x 576): 64 rows 29 against 42 ms, 128 rows
+61 against 65."""
 FLOAT32_FUSED_ROWS = range(3, 17)
 FLOAT32_FUSED_ROWS_FROM_ONE = range(1, 17)
 _float32_fused_rows = FLOAT32_FUSED_ROWS  # see fuse_float32_matrix_vector
