@@ -102,6 +102,18 @@ inline Lanes load_weights(const W* p) {
   }
 }
 
+// Makes the compiler keep v in a register from here on. In a whole tile GCC would rather
+// fold the x loads into the multiply-adds, loading each x vector once per weight row: 15
+// loads for a step's 12 multiply-adds on AVX2, where a core loads 2 vectors a cycle. With x
+// loaded once (7 loads), 16 rows of all the default model's weights take 27 against 32 ms
+// (float16; bfloat16 31 against 36, int8 27 against 30; 2-core Zen 3). Fewer rows than a
+// tile's are limited by memory, not loads, and keep the compiler's choice (2 rows: 7% faster).
+inline void in_register(Lanes& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  __asm__("" : "+v"(v));
+#endif
+}
+
 // A tile of the product: rows [0, MB) of x against weight rows [0, R) (rows of K, each
 // scaled by scales[r] unless scales is null) into out[m * out_stride + r]. With `prefetch`,
 // the weights kPrefetchBytes past the tile's own (the next tiles' rows) are requested as it
@@ -120,7 +132,8 @@ inline void tile(const T* x, int64_t x_stride, const W* w, const float* scales, 
     Lanes wide[R];
     for (int r = 0; r < R; ++r) wide[r] = load_weights(w + r * K + k);
     for (int m = 0; m < MB; ++m) {
-      const Lanes xv = load_activations(x + m * x_stride + k);
+      Lanes xv = load_activations(x + m * x_stride + k);
+      if constexpr (MB == kRowsPerTile) in_register(xv);
       for (int r = 0; r < R; ++r) acc[m][r] += xv * wide[r];
     }
   }

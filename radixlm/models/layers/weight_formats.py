@@ -52,17 +52,17 @@ HALF_FUSED_MAX_ROWS = 32
 """Rows of 16-bit activations up to which half weights run ``dense_matmul`` (measured on
 the AMX CPU, where oneDNN's 16-bit GEMM takes larger passes)."""
 HALF_FUSED_MAX_ROWS_FLOAT32 = 160
-"""Rows of float32 activations up to which they do. The kernel keeps about 115 GFLOP/s at
-every size; torch's GEMM does more, but only after the weight is widened, and widening all
-of a model's weights costs a pass the time to write them out in float32: the default
-model's 30 layers, about 18 ms with the weights in cache (scaled from one weight), 16-52 ms
-in a served prompt's pass (profiled). On 2-core AVX2 (Zen 3), 2 threads, the default
-model's prompt passes at runner level, caches evicted between passes as a decode step
-would: 96 tokens 194 ms against 248 widened, 136 tokens 284 against 314, 192 tokens 401
-against 387, 256 tokens 552 against 492. Decode steps of 33-64 requests, which widened
-every weight at the former limit of 32 rows: 33 requests 94 against 137 ms a step, 48
-requests 134 against 159. The output head (49152 x 576): 64 rows 29 against 42 ms, 128 rows
-61 against 65."""
+"""Rows of float32 activations up to which they do. The kernel keeps 130-150 GFLOP/s from 16
+rows on; torch's GEMM does more, but only after the weight is widened, and widening all of
+a model's weights costs a pass the time to write them out in float32: the default model's
+30 layers, about 18 ms with the weights in cache (scaled from one weight), 16-52 ms in a
+served prompt's pass (profiled). On 2-core AVX2 (Zen 3), 2 threads, the default model's
+prompt passes at runner level, caches evicted between passes as a decode step would: 128
+tokens 213 ms against 229 widened, 160 tokens 274 against 278, 192 tokens 342 against 321,
+256 tokens 477 against 429. Decode steps of 33-64 requests, which widened every weight at
+the former limit of 32 rows (measured before the kernel kept x in registers, which made it
+15-20% faster): 33 requests 94 against 137 ms a step, 48 requests 134 against 159. The
+output head (49152 x 576): 64 rows 29 against 42 ms, 128 rows 61 against 65."""
 FLOAT32_FUSED_ROWS = range(3, 17)
 FLOAT32_FUSED_ROWS_FROM_ONE = range(1, 17)
 _float32_fused_rows = FLOAT32_FUSED_ROWS  # see fuse_float32_matrix_vector

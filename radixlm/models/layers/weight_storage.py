@@ -22,11 +22,12 @@ keeps every weight in float32 (the reference the fidelity tests compare with).
 Measured on a 2-core AVX2 CPU (Zen 3, no AVX-512), all the default model's layers'
 weights (30 x QKV, O, gate-up and down) in a loop, 2 threads: one row 6.8 ms (bfloat16)
 and 7.6 (float16) against 13.0 for float32 weights on the same kernel and 28.8 on torch's;
-16 rows (float16) 29.5 against 36.3 and 65.6. Widening all of them for a large pass takes
-about 18 ms with the weights in cache (one 3072 x 576 weight: 0.30 ms, scaled by size) and
-16-52 ms in a served prompt's pass (profiled; a 512-token prefill there takes about 870),
-which is why passes of up to ``HALF_FUSED_MAX_ROWS_FLOAT32`` rows stay on the kernels. The
-default model's batch-1 decode step there: 11.6 against 19.3 ms.
+16 rows (float16) 27 (29.5 before the kernel kept x in registers) against 36.3 and 65.6.
+Widening all of them for a large pass takes about 18 ms with the weights in cache (one
+3072 x 576 weight: 0.30 ms, scaled by size) and 16-52 ms in a served prompt's pass
+(profiled; a 512-token prefill there takes about 870), which is why passes of up to
+``HALF_FUSED_MAX_ROWS_FLOAT32`` rows stay on the kernels. The default model's batch-1
+decode step there: 11.6 against 19.3 ms.
 """
 
 from __future__ import annotations
