@@ -15,7 +15,9 @@ from radixlm.models.layers.tensor_parallel import SINGLE
 from radixlm.models.layers.weight_formats import (
     FLOAT32_FUSED_ROWS_FROM_ONE,
     HALF_FUSED_MAX_ROWS,
+    HALF_FUSED_MAX_ROWS_FLOAT32,
     HALF_GEMV_MAX_ROWS,
+    INT8_FUSED_MAX_ROWS_FLOAT32,
     INT8_KERNEL_MAX_ROWS,
     INT8_KERNEL_MAX_ROWS_BF16,
     ConversionBuffer,
@@ -45,7 +47,8 @@ LONG_PROMPT = ("The quick brown fox jumps over the lazy dog; Paris is the capita
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 5, 32, 33, 80])  # each side of each path's limit
+@pytest.mark.parametrize("rows", [1, 3, 5, 32, 33, 80, INT8_FUSED_MAX_ROWS_FLOAT32,
+                                  INT8_FUSED_MAX_ROWS_FLOAT32 + 1])  # each side of each limit
 def test_each_path_multiplies_by_the_weight_it_stands_for(weight_format, rows, cpu_kernels):
     torch.manual_seed(rows)
     weight = torch.randn(96, 64) * 0.05
@@ -201,8 +204,8 @@ def test_a_packed_model_serves_what_transformers_computes_with_its_weights(
     path = tiny_model_dir("LlamaForCausalLM", "gqa", True)
     engine = engine_for("LlamaForCausalLM", "gqa", True, quantization=weight_format)
     assert engine.get_server_info()["quantization"] == weight_format
-    ids = engine.tokenizer.encode(LONG_PROMPT)
-    assert len(ids) > INT8_KERNEL_MAX_ROWS  # the prompt's pass widens the weights: exact
+    ids = engine.tokenizer.encode(" ".join([LONG_PROMPT] * 6))
+    assert len(ids) > max(INT8_FUSED_MAX_ROWS_FLOAT32, HALF_FUSED_MAX_ROWS_FLOAT32)  # widened
     out = engine.generate(input_ids=ids, return_logprob=True, logprob_start_len=0,
                           sampling_params={"max_new_tokens": 12, "temperature": 0.0,
                                            "ignore_eos": True})
