@@ -24,8 +24,10 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
   on AVX-512 BF16 dot products, each sequence (fresh or after a cached prefix) over its
   keys where they lie in the KV pool, computing only the key blocks the mask keeps
   (torch's CPU flash kernel computes all of a block of up to 512): 1.7 against 5.7 ms a
-  layer for a 512-token prompt of the default model, on a 2-core Zen 4 without AMX;
-  ``causal_prefill_attention`` says where it serves;
+  layer for a 512-token prompt of the default model, on a 2-core Zen 4 without AMX; in
+  float32 (``prefill_attention_float32.cpp``) on float32 multiply-adds, 3.1 against 6.0 ms
+  for the gather and SDPA on a 2-core Zen 3; ``causal_prefill_attention`` says where it
+  serves;
 - ``int8_matmul(x, weight, scales)`` and ``dense_matmul(x, weight)`` (in
   ``few_rows_matmul.cpp``): the few rows of a decode step against a projection's weight
   stored as int8 or float16 (the weight-only formats, ``models/layers/weight_formats.py``),
@@ -94,7 +96,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("fused_ops.cpp", "decode_attention.cpp", "few_rows_matmul.cpp",
-                             "prefill_attention.cpp", "pair_matmul.cpp", "decode_layer.cpp",
+                             "prefill_attention.cpp", "prefill_attention_float32.cpp",
+                             "pair_matmul.cpp", "decode_layer.cpp",
                              "argmax.cpp"))
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
              "scatter_rows", "int8_matmul", "dense_matmul",
@@ -120,6 +123,7 @@ _module: ModuleType | None = None
 _loaded: ModuleType | None = None  # kept across disable() / enable()
 _unavailable: str | None = None  # why they could not be built: not retried in this process
 _pair_kernels_pay = False  # see pair_matmul_serves and causal_prefill_attention
+_vectorized = False  # the kernels built on AVX2 or AVX-512 vectors (causal_prefill_attention)
 
 
 def active() -> ModuleType | None:
@@ -138,19 +142,25 @@ def for_tensor(tensor: torch.Tensor) -> ModuleType | None:
 
 def causal_prefill_attention(keys: torch.Tensor, values: torch.Tensor) -> Callable | None:
     """The kernels' ``paged_prefill_attention`` where it serves attention over ``keys`` (..., D)
-    and ``values`` (..., D_v) (a KV pool's buffers), else None: the kernels on, bfloat16 on
-    a CPU, a build with AVX-512 BF16, D even and D_v a multiple of 16 up to 128, and a CPU
-    without AMX (its flash attention there runs on AMX tiles through oneDNN, 33 ms over the
-    default model's 30 layers for a 512-token prompt, and this kernel is not measured
-    there)."""
+    and ``values`` (..., D_v) (a KV pool's buffers), else None: the kernels on, a CPU, D even
+    and D_v a multiple of 16, and
+
+    - bfloat16: D_v up to 128, a build with AVX-512 BF16 and a CPU without AMX (its flash
+      attention there runs on AMX tiles through oneDNN, 33 ms over the default model's 30
+      layers for a 512-token prompt, and this kernel is not measured there);
+    - float32: D_v up to 256 and a build with AVX2 or AVX-512 vectors (the kernel in
+      ``prefill_attention_float32.cpp``)."""
     module = for_tensor(keys)
-    if (module is None or keys.dtype != torch.bfloat16 or values.dtype != torch.bfloat16
-            or not _pair_kernels_pay):
+    if module is None or keys.dtype != values.dtype:
         return None
     dim, v_dim = keys.shape[-1], values.shape[-1]
-    if dim % 2 or v_dim % 16 or v_dim > 128:
+    if dim % 2 or v_dim % 16:
         return None
-    return module.paged_prefill_attention
+    if keys.dtype == torch.bfloat16:
+        serves = _pair_kernels_pay and v_dim <= 128
+    else:
+        serves = keys.dtype == torch.float32 and v_dim <= 256 and _vectorized
+    return module.paged_prefill_attention if serves else None
 
 
 def pair_matmul_serves() -> bool:
@@ -164,7 +174,7 @@ def enable() -> bool:
     """Builds (first time on this machine) or loads the kernels and turns them on for this
     process; returns whether they are on. Where they cannot be built, one warning says why
     (once a process) and torch's operations stay."""
-    global _module, _loaded, _unavailable, _pair_kernels_pay
+    global _module, _loaded, _unavailable, _pair_kernels_pay, _vectorized
     if _loaded is None and _unavailable is None:
         _unavailable = _missing_tool()
         if _unavailable is None:
@@ -178,8 +188,10 @@ def enable() -> bool:
             logger.warning("fused CPU kernels unavailable, using torch's operations: %s",
                            _unavailable)
     _module = _loaded
+    flags = _cpu_flags()
     _pair_kernels_pay = (_module is not None and _module.prefill_attention_available()
-                         and _module.pair_matmul_available() and "amx_bf16" not in _cpu_flags())
+                         and _module.pair_matmul_available() and "amx_bf16" not in flags)
+    _vectorized = _vector_capability(flags) != ["-DCPU_CAPABILITY=DEFAULT"]
     return _module is not None
 
 

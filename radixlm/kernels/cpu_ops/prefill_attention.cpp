@@ -48,18 +48,105 @@
 
 namespace radixlm_prefill {
 
-#ifdef RADIXLM_PREFILL_ATTENTION
-
 constexpr int64_t kRows = 4;        // query rows walked together (their sums in registers)
 constexpr int64_t kTaskRows = 32;   // query rows of a task
 constexpr int64_t kKeyBlock = 256;  // keys scored before each softmax update
-constexpr int64_t kKeyGroup = 16;   // keys of one packed block (one vector of scores)
-constexpr int64_t kColumns = 16;    // value columns of one vector
 
+// A call's shape: a sequence's n new queries, the last of its S = total keys, the heads and
+// dims; its packed sizes per KV head, S padded to whole groups of keys (bfloat16: groups of
+// 16, and their pairs; float32: groups of a vector's width).
 struct Shape {
   int64_t n, total, heads, kv_heads, dim, v_dim;
-  int64_t key_groups, key_pairs;  // per KV head, S padded to whole groups of 16 keys
+  int64_t key_groups, key_pairs;
 };
+
+// The widest D_v each kernel takes (its rows' sums of values are kept on the stack).
+constexpr int64_t max_value_dim(at::ScalarType type) { return type == at::kFloat ? 256 : 128; }
+
+// One sequence of a call: its shape (n new queries, the last of its S = total keys; its
+// packed sizes), its first query row, its row of the slot table (key j lies at row slots[j]
+// of the pool) and where its packed keys and values start in the call's buffers.
+struct Sequence {
+  Shape shape;
+  int64_t q_start;
+  const int64_t* slots;
+  int64_t packed_k = 0, packed_v = 0;
+};
+
+// (sequence, task within it) of a task of the whole call, from each sequence's first task
+// (`starts`, B + 1 entries, the last the count of all).
+inline std::pair<int64_t, int64_t> locate(const std::vector<int64_t>& starts, int64_t task) {
+  const int64_t b = std::upper_bound(starts.begin(), starts.end(), task) - starts.begin() - 1;
+  return {b, task - starts[b]};
+}
+
+// run(sequence, task within it) for every task of the whole call (`starts` as for locate),
+// in one parallel loop of `grain` tasks a piece.
+template <class Run>
+void for_each_task(const std::vector<int64_t>& starts, int64_t grain, const Run& run) {
+  at::parallel_for(0, starts.back(), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [b, local] = locate(starts, task);
+      run(b, local);
+    }
+  });
+}
+
+// The groups of kRows query rows of attend task `local` of sequence sq (task = row block x
+// head, its block taken in alternating early and late order, so each thread's share of a
+// sequence's tasks holds as many keys as another's: a late block sees more of them):
+// visit(h, q_rows, out_rows, last_key, rows) for each, its rows' pointers into q (T, H, D)
+// with the given strides and into out (T, H, D_v) and the last key each row sees; a short
+// group repeats its last row.
+template <typename T, class Visit>
+void for_each_row_group(const Sequence& sq, int64_t local, const T* q, int64_t q_stride_t,
+                        int64_t q_stride_h, T* out, const Visit& visit) {
+  const Shape& s = sq.shape;
+  const int64_t row_blocks = (s.n + kTaskRows - 1) / kTaskRows;
+  const int64_t order = local / s.heads, h = local % s.heads;
+  const int64_t block = order % 2 == 0 ? order / 2 : row_blocks - 1 - order / 2;
+  const int64_t first = block * kTaskRows, last = std::min(s.n, first + kTaskRows);
+  const int64_t offset = s.total - s.n;  // query i's position
+  for (int64_t i = first; i < last; i += kRows) {
+    const int64_t rows = std::min(kRows, last - i);
+    const T* q_rows[kRows];
+    T* out_rows[kRows];
+    int64_t last_key[kRows];
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t row = i + std::min(r, rows - 1);
+      q_rows[r] = q + (sq.q_start + row) * q_stride_t + h * q_stride_h;
+      out_rows[r] = out + ((sq.q_start + row) * s.heads + h) * s.v_dim;
+      last_key[r] = offset + row;
+    }
+    visit(h, q_rows, out_rows, last_key, rows);
+  }
+}
+
+// q (T, H, D), k (P, H_kv, D), v (P, H_kv, D_v): CPU tensors of one dtype, bfloat16 or
+// float32, with unit stride in their last dim; the heads and dims they give.
+Shape check_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be 3-D");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "CPU tensors expected");
+  const at::ScalarType type = q.scalar_type();
+  TORCH_CHECK((type == at::kBFloat16 || type == at::kFloat) && k.scalar_type() == type &&
+                  v.scalar_type() == type, "q, k and v must be all bfloat16 or all float32");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "q, k and v need unit stride in their last dim");
+  Shape s{};
+  s.heads = q.size(1), s.dim = q.size(2), s.kv_heads = k.size(1), s.v_dim = v.size(2);
+  TORCH_CHECK(k.size(2) == s.dim && v.size(1) == s.kv_heads && s.kv_heads > 0 &&
+                  s.heads % s.kv_heads == 0,
+              "q, k and v shapes do not match");
+  TORCH_CHECK(s.dim % 2 == 0 && s.v_dim % 16 == 0 && s.v_dim <= max_value_dim(type),
+              "D must be even and D_v a multiple of 16 up to 128 (bfloat16) or 256 (float32)");
+  return s;
+}
+
+#ifdef RADIXLM_PREFILL_ATTENTION
+
+constexpr int64_t kKeyGroup = 16;   // keys of one packed block (one vector of scores)
+constexpr int64_t kColumns = 16;    // value columns of one vector
 
 inline __m512bh as_pairs(__m512i v) { return (__m512bh)v; }
 
@@ -254,35 +341,6 @@ void attend_rows(const uint16_t* const* q, const int64_t* last_key, const uint16
   }
 }
 
-// One sequence of a call: its shape (n new queries, the last of its S = total keys; its
-// packed sizes), its first query row, its row of the slot table (key j lies at row slots[j]
-// of the pool) and where its packed keys and values start in the call's buffers.
-struct Sequence {
-  Shape shape;
-  int64_t q_start;
-  const int64_t* slots;
-  int64_t packed_k = 0, packed_v = 0;
-};
-
-// (sequence, task within it) of a task of the whole call, from each sequence's first task
-// (`starts`, B + 1 entries, the last the count of all).
-inline std::pair<int64_t, int64_t> locate(const std::vector<int64_t>& starts, int64_t task) {
-  const int64_t b = std::upper_bound(starts.begin(), starts.end(), task) - starts.begin() - 1;
-  return {b, task - starts[b]};
-}
-
-// run(sequence, task within it) for every task of the whole call (`starts` as for locate),
-// in one parallel loop of `grain` tasks a piece.
-template <class Run>
-void for_each_task(const std::vector<int64_t>& starts, int64_t grain, const Run& run) {
-  at::parallel_for(0, starts.back(), grain, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const auto [b, local] = locate(starts, task);
-      run(b, local);
-    }
-  });
-}
-
 // Packs every sequence's keys and values, then attends each one's queries: two parallel
 // loops for the whole call, whatever its number of sequences. q (T, H, D) rows, k and v
 // rows (any count, H_kv heads) as `seqs` say; out (T, H, D_v).
@@ -320,62 +378,28 @@ at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty({q.size(0), dims.heads, dims.v_dim}, q.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t group = dims.heads / dims.kv_heads;
-  // Within a sequence, tasks alternate early and late row blocks, so each thread's share of
-  // the range holds as many keys as another's (a late block sees more of them).
   for_each_task(attend_tasks, 1, [&](int64_t b, int64_t local) {
     const Sequence& sq = seqs[b];
     const Shape& s = sq.shape;
-    const int64_t row_blocks = (s.n + kTaskRows - 1) / kTaskRows;
-    const int64_t order = local / s.heads, h = local % s.heads;
-    const int64_t block = order % 2 == 0 ? order / 2 : row_blocks - 1 - order / 2;
-    const int64_t hk = h / group;
-    const uint16_t* head_keys = packed_k + sq.packed_k + hk * s.key_groups * kKeyGroup * s.dim;
-    const uint16_t* head_values = packed_v + sq.packed_v + hk * s.key_pairs * 2 * s.v_dim;
-    const int64_t first = block * kTaskRows, last = std::min(s.n, first + kTaskRows);
-    const int64_t offset = s.total - s.n;  // query i's position
-    for (int64_t i = first; i < last; i += kRows) {
-      const int64_t rows = std::min(kRows, last - i);
-      const uint16_t* q_rows[kRows];
-      uint16_t* out_rows[kRows];
-      int64_t last_key[kRows];
-      for (int64_t r = 0; r < kRows; ++r) {
-        const int64_t row = i + std::min(r, rows - 1);
-        q_rows[r] = qp + (sq.q_start + row) * q.stride(0) + h * q.stride(1);
-        out_rows[r] = op + ((sq.q_start + row) * s.heads + h) * s.v_dim;
-        last_key[r] = offset + row;
-      }
+    for_each_row_group(sq, local, qp, q.stride(0), q.stride(1), op,
+                       [&](int64_t h, const uint16_t* const* q_rows, uint16_t* const* out_rows,
+                           const int64_t* last_key, int64_t rows) {
+      const int64_t hk = h / group;
+      const uint16_t* head_keys = packed_k + sq.packed_k + hk * s.key_groups * kKeyGroup * s.dim;
+      const uint16_t* head_values = packed_v + sq.packed_v + hk * s.key_pairs * 2 * s.v_dim;
       attend_rows(q_rows, last_key, head_keys, head_values, s, static_cast<float>(scale),
                   out_rows, rows);
-    }
+    });
   });
   return out;
-}
-
-// q (T, H, D), k (P, H_kv, D), v (P, H_kv, D_v): bfloat16 CPU tensors with unit stride in
-// their last dim; the heads and dims they give.
-Shape check_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be 3-D");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "CPU tensors expected");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16, "q, k and v must be bfloat16");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
-              "q, k and v need unit stride in their last dim");
-  Shape s{};
-  s.heads = q.size(1), s.dim = q.size(2), s.kv_heads = k.size(1), s.v_dim = v.size(2);
-  TORCH_CHECK(k.size(2) == s.dim && v.size(1) == s.kv_heads && s.kv_heads > 0 &&
-                  s.heads % s.kv_heads == 0,
-              "q, k and v shapes do not match");
-  TORCH_CHECK(s.dim % 2 == 0 && s.v_dim % kColumns == 0 && s.v_dim <= 8 * kColumns,
-              "D must be even and D_v a multiple of 16 up to 128");
-  return s;
 }
 
 #endif  // RADIXLM_PREFILL_ATTENTION
 
 }  // namespace radixlm_prefill
 
-// Whether this build has the kernel (the building CPU has AVX-512 BF16).
+// Whether this build has the bfloat16 kernel (the building CPU has AVX-512 BF16); the
+// float32 one (prefill_attention_float32.cpp) is in every build.
 bool prefill_attention_available() {
 #ifdef RADIXLM_PREFILL_ATTENTION
   return true;
@@ -384,21 +408,28 @@ bool prefill_attention_available() {
 #endif
 }
 
+namespace radixlm_prefill_float32 {  // defined in prefill_attention_float32.cpp
+at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            std::vector<radixlm_prefill::Sequence>& seqs, double scale);
+}
+
 // paged_prefill_attention(q (T, H, D), k_buffer (P, H_kv, D), v_buffer (P, H_kv, D_v),
 // slots (B, W) int64, seq_lens (B,) int64, extend_lens (B,) int64, scale) -> (T, H, D_v):
 // for each sequence b, whose n_b = extend_lens[b] queries are the next n_b rows of q and
 // the last n_b of its S_b = seq_lens[b] keys, the keys and values at pool rows
 // slots[b, 0 .. S_b), whatever the other sequences are. The new keys and values
 // must be in the pool already; T = the sum of extend_lens; entries at j >= S_b are not read.
+// All bfloat16 (builds with AVX-512 BF16) or all float32.
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                                    const at::Tensor& v_buffer, const at::Tensor& slots,
                                    const at::Tensor& seq_lens, const at::Tensor& extend_lens,
                                    double scale) {
-#ifndef RADIXLM_PREFILL_ATTENTION
-  TORCH_CHECK(false, "paged_prefill_attention: this CPU has no AVX-512 BF16");
-#else
   using namespace radixlm_prefill;
   const Shape heads = check_heads(q, k_buffer, v_buffer);
+#ifndef RADIXLM_PREFILL_ATTENTION
+  TORCH_CHECK(q.scalar_type() == at::kFloat,
+              "paged_prefill_attention: bfloat16 needs a CPU with AVX-512 BF16");
+#endif
   TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   extend_lens.scalar_type() == at::kLong,
               "slots, seq_lens and extend_lens must be int64");
@@ -427,6 +458,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_buff
     q_start += s.n;
   }
   TORCH_CHECK(q_start == q.size(0), "q must have sum(extend_lens) rows");
+  if (q.scalar_type() == at::kFloat) {
+    return radixlm_prefill_float32::attend_sequences(q, k_buffer, v_buffer, seqs, scale);
+  }
+#ifdef RADIXLM_PREFILL_ATTENTION
   return attend_sequences(q, k_buffer, v_buffer, seqs, scale);
+#else
+  return at::Tensor();  // not reached: checked above
 #endif
 }

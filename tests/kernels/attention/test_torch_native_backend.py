@@ -205,15 +205,17 @@ def test_attention_matches_naive_reference_and_writes_new_kv(case, gqa_ratio, la
     assert torch.equal(batch.req_to_token, req_to_token_before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c][0] is ForwardMode.EXTEND])
-def test_bfloat16_extends_attend_through_the_prefill_kernel(case, layout_choice):
-    """Where the fused causal prefill attention serves (bfloat16, AVX-512 BF16, no AMX),
-    every extend batch goes to it whole, fresh sequences and those after a prefix, over
-    keys where they lie in the pool: no padded grid, no mask; the new K/V are stored; the
-    outputs are float32 attention's over the same bfloat16 inputs, to a bfloat16 step."""
+def test_extends_attend_through_the_prefill_kernel(case, dtype, layout_choice):
+    """Where the fused causal prefill attention serves (bfloat16: AVX-512 BF16, no AMX;
+    float32: AVX2 or AVX-512), every extend batch goes to it whole, fresh sequences and
+    those after a prefix, over keys where they lie in the pool: no padded grid, no mask;
+    the new K/V are stored; the outputs are float32 attention's over the same inputs, to a
+    bfloat16 step or float32 rounding."""
     mode, prefix_lens, extend_lens = CASES[case]
     batch, slots_of, q, k, v = build_batch(mode, prefix_lens, extend_lens, 4, seed=9,
-                                           dtype=torch.bfloat16)
+                                           dtype=dtype)
     was_on = fused_ops.active() is not None
     fused_ops.enable()
     try:
@@ -244,7 +246,8 @@ def test_bfloat16_extends_attend_through_the_prefill_kernel(case, layout_choice)
             q[new].float(), k[new].float(), v[new].float(), before_k[slots[:prefix]].float(),
             before_v[slots[:prefix]].float(), prefix, layer.scaling,
         )
-        torch.testing.assert_close(out[new].float(), expected, atol=2e-2, rtol=1e-2)
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out[new].float(), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_forward_dispatches_by_mode_to_the_same_result():
