@@ -87,7 +87,7 @@ class ServerArgs:
     chunked_prefill_step_ms: int | None = 250
     """Chunks are also cut to take about this long, by the measured prefill speed (on a
     CPU a 1,024-token chunk can take seconds, and everyone else waits for it; short
-    prompts and decode steps run between chunks), twice as long while no other request
+    prompts and decode steps run between chunks), four times as long while no other request
     runs or waits; None: cut by ``chunked_prefill_size`` alone."""
     schedule_policy: str = "lpm"
     batching: str = "continuous"

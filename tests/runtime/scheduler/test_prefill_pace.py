@@ -56,13 +56,15 @@ def test_the_estimate_follows_recent_steps():
 def test_a_steps_fixed_cost_does_not_shrink_the_next_chunks():
     """A chunk and its short remainder (each pass pays a fixed ~100 ms) fit a fixed part
     and a time per further token: the next lone 512-token prompt goes in one pass."""
-    pace = PrefillPace(max_chunk=1024, target_s=0.25)
+    pace = PrefillPace(max_chunk=4096, target_s=0.25)
     for _ in range(3):
         pace.observe(400, 0.100 + 400 * 0.0006)
         pace.observe(112, 0.100 + 112 * 0.0006)
     assert pace.seconds_per_token == pytest.approx(0.0006, rel=0.01)
     assert pace.fixed_s == pytest.approx(0.100, rel=0.01)
-    assert pace.chunk_tokens(alone=True) == pytest.approx(666, abs=2)
+    lone = (0.25 * ALONE_TARGET_FACTOR - 0.100) / 0.0006  # 1,500 tokens at a factor of 4
+    assert lone > 512
+    assert pace.chunk_tokens(alone=True) == pytest.approx(lone, abs=2)
     assert pace.chunk_tokens() == pytest.approx(250, abs=2)
 
 
@@ -72,9 +74,10 @@ def test_the_fixed_part_is_at_most_half_a_step():
     pace.observe(420, 0.26)  # noise: a fixed 0.23 s and 0.06 ms a token fit these
     assert pace.fixed_s <= MAX_FIXED_SHARE * 0.255 + 1e-9
     assert pace.chunk_tokens() <= 2 * 338
-    # uncapped, the lone chunk would be (0.5 - 0.234) / 0.000061 = 4,354 tokens; capped, at
-    # most twice what the mean time per token (0.255 s / 338) fits in 0.5 s
-    assert pace.chunk_tokens(alone=True) <= 2 * 0.5 / (0.255 / 338)
+    # uncapped, the lone chunk would be (0.25 F - 0.234) / 0.000061 tokens (F the alone
+    # factor); capped, at most twice what the mean time per token (0.255 s / 338) fits in
+    # 0.25 F seconds
+    assert pace.chunk_tokens(alone=True) <= 2 * 0.25 * ALONE_TARGET_FACTOR / (0.255 / 338)
 
 
 def test_without_a_target_or_without_chunking_the_pace_does_nothing():
