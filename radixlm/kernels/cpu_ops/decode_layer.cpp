@@ -1,12 +1,12 @@
 // A pre-norm decoder layer's decode step (Llama's block: RMSNorm, QKV, RoPE, paged attention,
 // O, RMSNorm, gated SiLU MLP) in one call from Python. It calls the kernels of fused_ops.cpp,
-// few_rows_matmul.cpp and pair_matmul.cpp (or torch's linear) in the order and on the
-// operands the layer's modules give them, so its outputs equal theirs to the bit;
-// what it leaves out is the Python between them (module calls, views, the attention
-// backend's dispatch: about 100 us a layer, a quarter of a batch-1 step of the default
-// model). decode_layers runs a model's consecutive layers so in one call, leaving out the
-// Python between the layers too. Compiled as one translation unit with those files (see
-// fused_ops.py), after them.
+// few_rows_matmul.cpp, blocked_matmul.cpp and pair_matmul.cpp (or torch's linear) in the
+// order and on the operands the layer's modules give them, so its outputs equal theirs to
+// the bit; what it leaves out is the Python between them (module calls, views, the
+// attention backend's dispatch: about 100 us a layer, a quarter of a batch-1 step of the
+// default model). decode_layers runs a model's consecutive layers so in one call, leaving
+// out the Python between the layers too. Compiled as one translation unit with those files
+// (see fused_ops.py), after them.
 
 namespace radixlm_decode_layer {
 
@@ -16,7 +16,7 @@ struct LayerShape {
 
 // How a projection is multiplied: fused_ops.ProjectionKernel's values.
 enum ProjectionKernel : int64_t {
-  kPairs = 0, kInt8 = 1, kDense = 2, kTorchLinear = 3, kInt8Pairs = 4
+  kPairs = 0, kInt8 = 1, kDense = 2, kTorchLinear = 3, kInt8Pairs = 4, kBlocked = 5
 };
 
 // A projection's weight (and int8 scales, else an empty tensor) and the kernel that
@@ -32,6 +32,7 @@ struct Projection {
       case kDense: return dense_matmul(x, weight);
       case kTorchLinear: return at::linear(x, weight);
       case kInt8Pairs: return int8_pair_matmul(x, weight, scales);
+      case kBlocked: return blocked_matmul(x, weight);
     }
     TORCH_CHECK(false, "unknown projection kernel ", kernel);
   }

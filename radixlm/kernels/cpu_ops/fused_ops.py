@@ -32,11 +32,17 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
   ``few_rows_matmul.cpp``): the few rows of a decode step against a projection's weight
   stored as int8 or float16 (the weight-only formats, ``models/layers/weight_formats.py``),
   as bfloat16 or float16 under float32 activations (``dtype=auto`` on CPUs without native
-  bfloat16, ``models/layers/weight_storage.py``) or in x's dtype (bfloat16 rows kept beside
-  oneDNN's layout, ``models/layers/cpu_weight_layout.py``), asking for the weights ahead
-  of where they read. All the default model's weights at one row, in a loop: int8 7.4 ms
-  against 12.6 for torch's ``_weight_int8pack_mm``; float16 12.7 against 29.3 for torch's
-  half kernel; bfloat16 13.3 against 16.1 for oneDNN on its own blocked layout;
+  bfloat16, ``models/layers/weight_storage.py``, for weights whose rows are not a multiple
+  of 16) or in x's dtype (bfloat16 rows kept beside oneDNN's layout,
+  ``models/layers/cpu_weight_layout.py``), asking for the weights ahead of where they read.
+  All the default model's weights at one row, in a loop: int8 7.4 ms against 12.6 for
+  torch's ``_weight_int8pack_mm``; float16 12.7 against 29.3 for torch's half kernel;
+  bfloat16 13.3 against 16.1 for oneDNN on its own blocked layout;
+- ``blocked_matmul(x, blocks)`` (in ``blocked_matmul.cpp``): float32 rows against a 16-bit
+  weight in column blocks, ``dtype=auto``'s storage on CPUs without native bfloat16 (16
+  outputs' weights of one input widened once for up to 6 rows: the default model's layers,
+  16 rows, 2-core Zen 3, 21.8-23.1 against 27.3-29.5 ms for ``dense_matmul``);
+  ``widen_blocks(blocks, out)``, such a weight's transpose in float32 for a large pass;
 - ``pair_matmul(x, pairs)`` (in ``pair_matmul.cpp``): bfloat16 rows against a weight laid
   out by column pairs (``models/layers/cpu_weight_layout.py``) on AVX-512 BF16 dot products,
   each row's products independent of the rows beside it. All the default model's weights on
@@ -96,11 +102,12 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("fused_ops.cpp", "decode_attention.cpp", "few_rows_matmul.cpp",
-                             "prefill_attention.cpp", "prefill_attention_float32.cpp",
-                             "pair_matmul.cpp", "decode_layer.cpp",
-                             "argmax.cpp"))
+                             "blocked_matmul.cpp", "prefill_attention.cpp",
+                             "prefill_attention_float32.cpp", "pair_matmul.cpp",
+                             "decode_layer.cpp", "argmax.cpp"))
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
-             "scatter_rows", "int8_matmul", "dense_matmul",
+             "scatter_rows", "int8_matmul", "dense_matmul", "blocked_matmul",
+             "widen_blocks",
              "paged_prefill_attention", "prefill_attention_available", "pair_matmul",
              "int8_pair_matmul", "pair_matmul_silu", "int8_pair_matmul_silu",
              "pair_matmul_available", "decode_layer", "decode_layers",
@@ -117,6 +124,7 @@ class ProjectionKernel(enum.IntEnum):
     DENSE = 2  # dense_matmul(x, weight)
     TORCH_LINEAR = 3  # torch's linear(x, weight), what F.linear runs
     INT8_PAIRS = 4  # int8_pair_matmul(x, weight, scales)
+    BLOCKED = 5  # blocked_matmul(x, weight), weight in column blocks
 
 
 _module: ModuleType | None = None

@@ -4,9 +4,12 @@ On a CPU without native bfloat16 arithmetic the model computes in float32, and a
 weight takes 4 bytes. A decode step of a few rows reads every weight once and does little
 with it, so its time is the weights' bytes over the memory bandwidth. ``dtype=auto``
 therefore keeps each projection's weight (and the output head's) in 2 bytes and widens it
-to float32 where it is multiplied: in registers, by the fused CPU kernels' ``dense_matmul``,
-for passes of up to ``HALF_FUSED_MAX_ROWS_FLOAT32`` rows; into a reused float32 buffer for larger
-passes (long prompts), which then multiply as before. A weight is stored
+to float32 where it is multiplied, in registers by the fused CPU kernels. A weight whose rows
+are a multiple of 16 (every one of the default model's) is kept in column blocks
+(``BlockedWeight``), whose kernel takes passes of every length; others in rows
+(``WidenedWeight``), whose kernel takes passes of up to ``HALF_FUSED_MAX_ROWS_FLOAT32`` rows,
+larger ones (long prompts) widening the weight into a reused float32 buffer for torch's
+GEMM. A weight's values are stored
 
 - as bfloat16 where every value is a bfloat16 number (a bfloat16 checkpoint's): exact;
 - else as float16, rounded to nearest (11 significant bits, 2^-12 relative error; values
@@ -20,22 +23,32 @@ Activations, sums, norms, attention and the KV cache stay float32; ``--dtype flo
 keeps every weight in float32 (the reference the fidelity tests compare with).
 
 Measured on a 2-core AVX2 CPU (Zen 3, no AVX-512), all the default model's layers'
-weights (30 x QKV, O, gate-up and down) in a loop, 2 threads: one row 6.8 ms (bfloat16)
+weights (30 x QKV, O, gate-up and down) in rows, in a loop, 2 threads: one row 6.8 ms (bfloat16)
 and 7.6 (float16) against 13.0 for float32 weights on the same kernel and 28.8 on torch's;
 16 rows (float16) 27 (29.5 before the kernel kept x in registers) against 36.3 and 65.6.
 Widening all of them for a large pass takes about 18 ms with the weights in cache (one
 3072 x 576 weight: 0.30 ms, scaled by size) and 16-52 ms in a served prompt's pass
-(profiled; a 512-token prefill there takes about 870), which is why passes of up to
-``HALF_FUSED_MAX_ROWS_FLOAT32`` rows stay on the kernels. The default model's batch-1
-decode step there: 11.6 against 19.3 ms.
+(profiled; a 512-token prefill there took about 870), which is why passes of up to
+``HALF_FUSED_MAX_ROWS_FLOAT32`` rows stay on the rows' kernel. The default model's batch-1
+decode step there: 11.6 against 19.3 ms. Column blocks (``BlockedWeight``) are faster
+again, at every length (its figures).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from radixlm.models.layers.weight_formats import ConversionBuffer, HalfWeight
+from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
+from radixlm.models.layers.weight_formats import (
+    ConversionBuffer,
+    FusedProjection,
+    HalfWeight,
+    PackedWeight,
+)
 
 SIXTEEN_BIT_STORAGE = "16-bit"
 """The loader's name for this packing (not a ``--quantization`` choice: ``dtype=auto``
@@ -79,9 +92,84 @@ class WidenedWeight(HalfWeight):
         return self._widened_product(x) if out is None else out
 
 
+BLOCK_COLUMNS = 16
+"""Output features a column block of ``BlockedWeight`` holds (``kBlockColumns`` in
+blocked_matmul.cpp)."""
+
+
+@dataclass(eq=False)
+class BlockedWeight(PackedWeight):
+    """A float32 (out, in) weight (out a multiple of ``BLOCK_COLUMNS``) stored as bfloat16 or
+    float16 in column blocks: ``blocks`` (out / 16, in, 16), blocks[b, k, j] = weight[16 b +
+    j, k], so that the 16 outputs' weights of one input are contiguous.
+
+    Float32 passes of any number of rows run the kernels' ``blocked_matmul``, which widens
+    those 16 weights once and multiplies them by up to 6 rows' inputs (the rows' own kernel,
+    ``dense_matmul``, widens each weight once per 4 rows). The default model's layers, 2-core
+    Zen 3, 2 threads, bfloat16: 16 rows 21.8-23.1 against 27.3-29.5 ms, one row 7.4-8.9
+    against 8.7-10.5; and unlike the rows' kernel it outruns widening the weights for
+    torch's GEMM at every prompt length measured (a whole pass of the model: 128 tokens 183
+    against 242 ms, 512 tokens 741 against 817, 1024 tokens 1747 against 1825). Without the
+    kernels the blocks are widened into the buffer as an (in, out) matrix for torch's
+    GEMM."""
+
+    buffer: ConversionBuffer
+    blocks: torch.Tensor  # (out / 16, in, 16) bfloat16 or float16
+
+    @classmethod
+    def stored_as(cls, weight: torch.Tensor, dtype: torch.dtype,
+                  buffer: ConversionBuffer) -> BlockedWeight:
+        out_features, in_features = weight.shape
+        if out_features % BLOCK_COLUMNS:
+            raise ValueError(f"weight must have a multiple of {BLOCK_COLUMNS} rows, "
+                             f"not {out_features}")
+        blocks = weight.to(dtype).view(out_features // BLOCK_COLUMNS, BLOCK_COLUMNS,
+                                       in_features)
+        return cls(buffer, blocks.transpose(1, 2).contiguous())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            kernels = fused_ops.for_tensor(x)
+            if kernels is not None:
+                return kernels.blocked_matmul(x, self.blocks)
+        return self._widened_product(x)
+
+    def _widened_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T with the blocks widened into the buffer as weight.T (in, out)."""
+        count, in_features, columns = self.blocks.shape
+        wide = self.buffer.take(torch.Size((in_features, count * columns)), x.dtype, x.device)
+        kernels = fused_ops.for_tensor(x)
+        if kernels is not None and x.dtype == torch.float32:
+            kernels.widen_blocks(self.blocks, wide)  # twice torch's speed at the copy below
+        else:
+            wide.view(in_features, count, columns).copy_(self.blocks.transpose(0, 1))
+        return torch.matmul(x, wide)
+
+    def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
+        if dtype == torch.float32:
+            return FusedProjection.of(ProjectionKernel.BLOCKED, self.blocks)
+        return None
+
+    def dequantized(self) -> torch.Tensor:
+        count, in_features, columns = self.blocks.shape
+        return self.blocks.transpose(1, 2).reshape(count * columns, in_features).float()
+
+    def nbytes(self) -> int:
+        return self.blocks.numel() * 2
+
+
+def stored_in(weight: torch.Tensor, dtype: torch.dtype,
+              buffer: ConversionBuffer) -> PackedWeight:
+    """``weight`` (float32) stored as ``dtype``: in column blocks where its rows are a
+    multiple of ``BLOCK_COLUMNS``, else in rows."""
+    if weight.shape[0] % BLOCK_COLUMNS == 0:
+        return BlockedWeight.stored_as(weight, dtype, buffer)
+    return WidenedWeight.stored_as(weight, dtype, buffer)
+
+
 def store_in_16_bits(model: nn.Module) -> dict[str, int]:
     """Packs the weight of every module that offers ``pack_weight`` (the projections and
-    the output head) as a ``WidenedWeight`` of its ``storage_dtype``; returns how many
+    the output head) in its ``storage_dtype`` (``stored_in``); returns how many
     weights went to each type ("bfloat16", "float16", "float32" for those left as they
     were) and the packed bytes ("bytes"); a weight packed already is left alone. Call it
     on the float32 model, after loading and before the parameters take the serving dtype."""
@@ -98,6 +186,5 @@ def store_in_16_bits(model: nn.Module) -> dict[str, int]:
             counts["float32"] += 1
             continue
         counts[str(dtype).removeprefix("torch.")] += 1
-        counts["bytes"] += pack(
-            lambda w, dtype=dtype: WidenedWeight.stored_as(w, dtype, buffer))
+        counts["bytes"] += pack(lambda w, dtype=dtype: stored_in(w, dtype, buffer))
     return counts

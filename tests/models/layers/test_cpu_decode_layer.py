@@ -26,10 +26,11 @@ from radixlm.models.layers.weight_formats import (
     float32_fused_rows,
     fuse_float32_matrix_vector,
 )
+from radixlm.models.layers.weight_storage import BlockedWeight
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor import cpu_matmul_path
 from radixlm.runtime.model_executor.model_runner import ModelRunner
-from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.server_args import ServerArgs, cpu_has_native_bf16
 
 PROMPTS = [[3, 9, 4, 11, 7], [5, 2, 8] * 8, [12, 6] * 21]  # 5, 24 and 42 tokens
 DECODE_STEPS = 6
@@ -164,10 +165,13 @@ def test_fused_steps_by_pairs_equal_the_module_path_to_the_bit(pairs_serve, tiny
     ("float32", "int8wo", 3, ProjectionKernel.INT8),
     ("bfloat16", "int8wo", 1, ProjectionKernel.INT8_PAIRS),  # INT8 without pairs
     ("bfloat16", "fp16wo", 3, ProjectionKernel.DENSE),
+    ("auto", None, 3, ProjectionKernel.BLOCKED),  # float32 over 16-bit column blocks
 ])
 def test_fused_steps_of_other_formats_equal_the_module_path_to_the_bit(
         kernels_on, tiny_model_dir, fused_runs, monkeypatch, dtype, quantization, requests,
         kernel):
+    if dtype == "auto" and cpu_has_native_bf16():
+        pytest.skip("dtype=auto computes in bfloat16 here")
     measured = cpu_matmul_path._float32_choice
     if dtype == "float32" and requests == 1:  # as the runner's measurement would choose
         cpu_matmul_path._float32_choice = kernel is ProjectionKernel.DENSE
@@ -265,3 +269,8 @@ def test_a_projection_names_the_kernel_its_matmul_runs():
     assert half.fused_projection(HALF_FUSED_MAX_ROWS_FLOAT32 + 1, torch.float32) is None
     assert half.fused_projection(HALF_FUSED_MAX_ROWS, torch.bfloat16).weight is half.weight
     assert half.fused_projection(HALF_FUSED_MAX_ROWS + 1, torch.bfloat16) is None
+    blocked = BlockedWeight.stored_as(weight, torch.bfloat16, ConversionBuffer())
+    for rows in (1, 16, 512):  # every length (dtype=auto's float32 passes)
+        product = blocked.fused_projection(rows, torch.float32)
+        assert product.kernel is ProjectionKernel.BLOCKED and product.weight is blocked.blocks
+    assert blocked.fused_projection(1, torch.bfloat16) is None

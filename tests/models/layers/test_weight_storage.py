@@ -12,6 +12,7 @@ from radixlm.models.layers.tensor_parallel import SINGLE
 from radixlm.models.layers.weight_formats import HALF_FUSED_MAX_ROWS_FLOAT32, ConversionBuffer
 from radixlm.models.layers.weight_storage import (
     SIXTEEN_BIT_STORAGE,
+    BlockedWeight,
     WidenedWeight,
     storage_dtype,
     store_in_16_bits,
@@ -41,26 +42,41 @@ def test_a_weight_is_stored_in_the_16_bit_type_that_holds_it_best():
     assert storage_dtype(bfloat16_numbers.bfloat16()) is None  # only float32 weights
 
 
+def stored_type(packed) -> torch.dtype:
+    """The 16-bit type a packed weight keeps its values in."""
+    return (packed.blocks if isinstance(packed, BlockedWeight) else packed.weight).dtype
+
+
 @pytest.mark.parametrize("stored_as", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 33, HALF_FUSED_MAX_ROWS_FLOAT32,
                                   HALF_FUSED_MAX_ROWS_FLOAT32 + 1])
-def test_each_path_multiplies_by_the_weight_it_stores(stored_as, rows, cpu_kernels):
+@pytest.mark.parametrize("out_features, layout", [(96, BlockedWeight), (88, WidenedWeight)])
+def test_each_path_multiplies_by_the_weight_it_stores(stored_as, rows, out_features, layout,
+                                                      cpu_kernels):
     """A few rows on the kernels (widened in registers) or, like larger passes, widened into
-    the buffer: the float32 product with the stored values, to float32 rounding."""
+    the buffer: the float32 product with the stored values, to float32 rounding. Weights of
+    a multiple of 16 rows are kept in column blocks, others in rows."""
     torch.manual_seed(rows)
-    layer = Linear(64, 96, bias=True)
+    layer = Linear(64, out_features, bias=True)
     with torch.no_grad():
-        layer.weight.copy_((torch.randn(96, 64) * 0.05).to(stored_as).float())
+        layer.weight.copy_((torch.randn(out_features, 64) * 0.05).to(stored_as).float())
     expected_weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     counts = store_in_16_bits(torch.nn.Sequential(layer))
-    assert counts[str(stored_as).removeprefix("torch.")] == 1 and counts["bytes"] == 96 * 64 * 2
-    assert isinstance(layer.packed, WidenedWeight) and layer.packed.weight.dtype == stored_as
+    assert counts[str(stored_as).removeprefix("torch.")] == 1
+    assert counts["bytes"] == out_features * 64 * 2
+    assert isinstance(layer.packed, layout) and stored_type(layer.packed) == stored_as
+    assert torch.equal(layer.packed.dequantized(), expected_weight)
     x = torch.randn(rows, 64)
     got = layer(x)
-    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     torch.testing.assert_close(got, F.linear(x, expected_weight, bias), atol=1e-5, rtol=1e-5)
-    if rows > HALF_FUSED_MAX_ROWS_FLOAT32 or cpu_kernels == "torch":  # widened, F.linear
-        assert torch.equal(got, F.linear(x, expected_weight) + bias)  # (the layer's own steps)
+    # Widened (the layer's own steps, to the bit): rows above the rows kernel's limit or
+    # without the kernels; blocks only without them (the kernel takes every pass), widened
+    # to the weight's transpose.
+    if layout is WidenedWeight and (rows > HALF_FUSED_MAX_ROWS_FLOAT32 or cpu_kernels == "torch"):
+        assert torch.equal(got, F.linear(x, expected_weight) + bias)
+    if layout is BlockedWeight and cpu_kernels == "torch":
+        assert torch.equal(got, torch.matmul(x, expected_weight.T.contiguous()) + bias)
 
 
 def test_packing_one_weight_picks_its_storage_type():
@@ -85,7 +101,7 @@ def test_weights_16_bits_cannot_hold_stay_float32():
     counts = store_in_16_bits(layers)
     assert counts == {"bfloat16": 1, "float16": 0, "float32": 1, "bytes": 8 * 16 * 2}
     assert layers[0].packed is None and layers[0].weight.dtype == torch.float32
-    assert layers[1].weight is None and layers[1].packed.weight.dtype == torch.bfloat16
+    assert layers[1].weight is None and stored_type(layers[1].packed) == torch.bfloat16
 
 
 def _rounded_reference(path) -> torch.nn.Module:
@@ -108,10 +124,12 @@ def test_loading_in_16_bit_storage_packs_the_projections_and_the_head(tiny_model
     model = load_model(config, torch.float32, torch.device("cpu"), 256, SINGLE,
                        SIXTEEN_BIT_STORAGE)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(isinstance(m.packed, WidenedWeight) for m in linears)
+    for module in [*linears, model.embed_tokens]:  # (the head is tied to the lookup)
+        layout = BlockedWeight if module.packed.dequantized().shape[0] % 16 == 0 else WidenedWeight
+        assert isinstance(module.packed, layout)
     head = model.embed_tokens  # tied: the lookup keeps its float32 rows
-    assert isinstance(head.packed, WidenedWeight) and head.weight.dtype == torch.float32
-    assert head.packed.weight.dtype == torch.float16  # random float32 weights: rounded
+    assert head.weight.dtype == torch.float32
+    assert stored_type(head.packed) == torch.float16  # random float32 weights: rounded
     stored = store_in_16_bits(model)  # (nothing left to pack)
     assert stored["bytes"] == 0
 
@@ -119,14 +137,15 @@ def test_loading_in_16_bit_storage_packs_the_projections_and_the_head(tiny_model
 @pytest.mark.skipif(cpu_has_native_bf16(), reason="dtype=auto computes in bfloat16 here")
 def test_auto_dtype_serves_what_transformers_computes_with_the_stored_weights(tiny_model_dir):
     """The engine with dtype=auto on a CPU without native bfloat16: float32 activations over
-    16-bit weights, prompt (widened weights) and decode (the kernels) alike."""
+    16-bit weights, prompt and decode alike (the tiny model's weights with rows not a
+    multiple of 16 in rows, widened for the prompt; the others in blocks)."""
     import radixlm
 
     path = tiny_model_dir("LlamaForCausalLM", "gqa", True)
     engine = radixlm.Engine(str(path), dtype="auto", max_total_tokens=4096)
     try:
         ids = engine.tokenizer.encode(PROMPT)
-        assert len(ids) > HALF_FUSED_MAX_ROWS_FLOAT32  # the prompt's pass widens the weights
+        assert len(ids) > HALF_FUSED_MAX_ROWS_FLOAT32  # rows: widened; blocks: the kernel
         out = engine.generate(input_ids=ids, return_logprob=True, logprob_start_len=0,
                               sampling_params={"max_new_tokens": 12, "temperature": 0.0,
                                                "ignore_eos": True})
