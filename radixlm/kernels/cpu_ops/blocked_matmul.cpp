@@ -153,26 +153,6 @@ void blocked_matmul(const float* x, int64_t M, int64_t K, const W* blocks, float
   }
 }
 
-// out (K, N) = the weight's transpose in float32, a block's row at a time (16 contiguous
-// weights to 16 contiguous floats).
-template <typename W>
-void widen_blocks(const W* blocks, int64_t block_count, int64_t K, float* out) {
-  const int64_t N = block_count * kBlockColumns;
-  const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(N, 1));
-  at::parallel_for(0, K, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      float* row = out + k * N;
-      for (int64_t b = 0; b < block_count; ++b) {
-        const W* source = blocks + (b * K + k) * kBlockColumns;
-        for (int v = 0; v < kBlockVectors; ++v) {
-          *reinterpret_cast<UnalignedLanes*>(row + b * kBlockColumns + v * kWidth) =
-              load_weights(source + v * kWidth);
-        }
-      }
-    }
-  });
-}
-
 }  // namespace radixlm_matmul
 
 at::Tensor blocked_matmul(const at::Tensor& x, const at::Tensor& blocks) {
@@ -199,23 +179,4 @@ at::Tensor blocked_matmul(const at::Tensor& x, const at::Tensor& blocks) {
                                    out.data_ptr<float>(), N);
   }
   return out;
-}
-
-void widen_blocks(const at::Tensor& blocks, at::Tensor& out) {
-  TORCH_CHECK(blocks.device().is_cpu() && out.device().is_cpu(), "CPU tensors expected");
-  TORCH_CHECK(blocks.dim() == 3 && blocks.is_contiguous() &&
-                  blocks.size(2) == radixlm_matmul::kBlockColumns,
-              "blocks must be a contiguous (N / 16, K, 16)");
-  const int64_t block_count = blocks.size(0), K = blocks.size(1);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
-                  out.size(0) == K && out.size(1) == block_count * radixlm_matmul::kBlockColumns,
-              "out must be a contiguous float32 (K, N) for blocks (N / 16, K, 16)");
-  if (blocks.scalar_type() == at::kHalf) {
-    radixlm_matmul::widen_blocks(blocks.data_ptr<at::Half>(), block_count, K,
-                                 out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(blocks.scalar_type() == at::kBFloat16, "blocks must be bfloat16 or float16");
-    radixlm_matmul::widen_blocks(blocks.data_ptr<at::BFloat16>(), block_count, K,
-                                 out.data_ptr<float>());
-  }
 }

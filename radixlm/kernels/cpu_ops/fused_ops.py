@@ -41,8 +41,8 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
 - ``blocked_matmul(x, blocks)`` (in ``blocked_matmul.cpp``): float32 rows against a 16-bit
   weight in column blocks, ``dtype=auto``'s storage on CPUs without native bfloat16 (16
   outputs' weights of one input widened once for up to 6 rows: the default model's layers,
-  16 rows, 2-core Zen 3, 21.8-23.1 against 27.3-29.5 ms for ``dense_matmul``);
-  ``widen_blocks(blocks, out)``, such a weight's transpose in float32 for a large pass;
+  16 rows, 2-core Zen 3, 21.8-23.1 against 27.3-29.5 ms for ``dense_matmul``; 512 rows
+  641-658 ms, where torch's GEMM takes about 660 on the weights widened to float32);
 - ``pair_matmul(x, pairs)`` (in ``pair_matmul.cpp``): bfloat16 rows against a weight laid
   out by column pairs (``models/layers/cpu_weight_layout.py``) on AVX-512 BF16 dot products,
   each row's products independent of the rows beside it. All the default model's weights on
@@ -107,7 +107,6 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "decode_layer.cpp", "argmax.cpp"))
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
              "scatter_rows", "int8_matmul", "dense_matmul", "blocked_matmul",
-             "widen_blocks",
              "paged_prefill_attention", "prefill_attention_available", "pair_matmul",
              "int8_pair_matmul", "pair_matmul_silu", "int8_pair_matmul_silu",
              "pair_matmul_available", "decode_layer", "decode_layers",

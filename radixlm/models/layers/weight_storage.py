@@ -138,11 +138,7 @@ class BlockedWeight(PackedWeight):
         """x @ weight.T with the blocks widened into the buffer as weight.T (in, out)."""
         count, in_features, columns = self.blocks.shape
         wide = self.buffer.take(torch.Size((in_features, count * columns)), x.dtype, x.device)
-        kernels = fused_ops.for_tensor(x)
-        if kernels is not None and x.dtype == torch.float32:
-            kernels.widen_blocks(self.blocks, wide)  # twice torch's speed at the copy below
-        else:
-            wide.view(in_features, count, columns).copy_(self.blocks.transpose(0, 1))
+        wide.view(in_features, count, columns).copy_(self.blocks.transpose(0, 1))
         return torch.matmul(x, wide)
 
     def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:

@@ -1,4 +1,4 @@
-"""blocked_matmul and widen_blocks: float32 rows against 16-bit weights in column blocks."""
+"""blocked_matmul: float32 rows against 16-bit weights in column blocks."""
 
 from __future__ import annotations
 
@@ -61,16 +61,7 @@ def test_a_row_gets_the_same_products_in_any_pass(kernels, stored_as):
         assert torch.equal(part, whole[first:first + count])
 
 
-@pytest.mark.parametrize("stored_as", [torch.bfloat16, torch.float16])
-def test_widen_blocks_writes_the_weights_transpose(kernels, stored_as):
-    torch.manual_seed(5)
-    weight = torch.randn(96, 70).to(stored_as)
-    out = torch.full((70, 96), float("nan"))
-    kernels.widen_blocks(column_blocks(weight), out)
-    assert torch.equal(out, weight.float().T)
-
-
-def test_blocked_kernels_reject_arguments_that_do_not_fit(kernels):
+def test_blocked_matmul_rejects_arguments_that_do_not_fit(kernels):
     blocks = column_blocks(torch.randn(32, 8).bfloat16())
     x = torch.randn(3, 8)
     assert kernels.blocked_matmul(x[:0], blocks).shape == (0, 32)
@@ -84,7 +75,3 @@ def test_blocked_kernels_reject_arguments_that_do_not_fit(kernels):
         kernels.blocked_matmul(x, torch.zeros(2, 8, 8, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="bfloat16 or float16"):
         kernels.blocked_matmul(x, blocks.float())
-    with pytest.raises(RuntimeError, match="out must be"):
-        kernels.widen_blocks(blocks, torch.empty(32, 8))
-    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
-        kernels.widen_blocks(blocks.float(), torch.empty(8, 32))
