@@ -38,6 +38,48 @@ constexpr int kTileBlocks = 1;
 constexpr int64_t kSumSpan = 64;
 
 typedef float UnalignedLanes __attribute__((vector_size(sizeof(float) * kWidth), aligned(4)));
+typedef uint32_t UnalignedPairs
+    __attribute__((vector_size(sizeof(float) * kWidth), aligned(2)));
+
+// Whether a block's bfloat16 row is widened as pairs: a row of 16 bfloat16 is one vector of
+// 8 32-bit lanes on AVX2, lane i holding columns 2i (low half) and 2i + 1 (high half).
+// Shifted left by 16 a lane is column 2i as a float32; with its low half masked off, column
+// 2i + 1: 2 instructions for the row's 2 vectors, neither a shuffle, where widening each
+// half takes 2 (zero-extend, shift) and the zero-extends compete with the multiply-adds for
+// a port. The sums then hold the even columns (vector 0) and the odd ones (vector 1), put
+// back in order when stored. Bfloat16 weights of the default model's layer shapes, 30
+// layers, 2 threads, 2-core Zen 3, best of 7 with the widening of each half alternated in
+// one process: 16 rows 20.0 against 20.8 ms, 512 rows 601 against 625; in cache, one
+// thread, 16 rows: 89.6 against 86.0 GFLOP/s. (float16 widens with one conversion a vector.)
+template <typename W>
+constexpr bool kPairedRows = std::is_same_v<W, at::BFloat16> && kBlockVectors == 2;
+
+// A block's row at k (kBlockColumns weights from p), widened into kBlockVectors vectors.
+template <typename W>
+inline void load_block_row(const W* p, Lanes* wide) {
+  if constexpr (kPairedRows<W>) {
+    const UnalignedPairs pairs = *reinterpret_cast<const UnalignedPairs*>(p);
+    wide[0] = (Lanes)(pairs << 16);
+    wide[1] = (Lanes)(pairs & 0xFFFF0000u);
+  } else {
+    for (int v = 0; v < kBlockVectors; ++v) wide[v] = load_weights(p + v * kWidth);
+  }
+}
+
+// A block's kBlockColumns sums (as load_block_row orders them) into out, in column order.
+template <typename W>
+inline void store_block_row(const Lanes* sums, float* out) {
+  if constexpr (kPairedRows<W>) {
+    for (int i = 0; i < kWidth; ++i) {
+      out[2 * i] = sums[0][i];
+      out[2 * i + 1] = sums[1][i];
+    }
+  } else {
+    for (int v = 0; v < kBlockVectors; ++v) {
+      *reinterpret_cast<UnalignedLanes*>(out + v * kWidth) = sums[v];
+    }
+  }
+}
 
 // Rows [0, MB) of x against blocks [0, NB) (each K x kBlockColumns, block_stride apart)
 // into out[m * out_stride + column]. With `prefetch`, each block's weights kPrefetchBytes
@@ -61,10 +103,7 @@ inline void block_tile(const float* x, int64_t x_stride, const W* blocks, int64_
       }
       Lanes wide[V];
       for (int b = 0; b < NB; ++b) {
-        for (int v = 0; v < kBlockVectors; ++v) {
-          wide[b * kBlockVectors + v] =
-              load_weights(blocks + b * block_stride + k * kBlockColumns + v * kWidth);
-        }
+        load_block_row<W>(blocks + b * block_stride + k * kBlockColumns, wide + b * kBlockVectors);
       }
       for (int m = 0; m < MB; ++m) {
         const float xs = x[m * x_stride + k];
@@ -76,8 +115,8 @@ inline void block_tile(const float* x, int64_t x_stride, const W* blocks, int64_
     }
   }
   for (int m = 0; m < MB; ++m) {
-    for (int v = 0; v < V; ++v) {
-      *reinterpret_cast<UnalignedLanes*>(out + m * out_stride + v * kWidth) = total[m][v];
+    for (int b = 0; b < NB; ++b) {
+      store_block_row<W>(total[m] + b * kBlockVectors, out + m * out_stride + b * kBlockColumns);
     }
   }
 }
