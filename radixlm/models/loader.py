@@ -33,7 +33,9 @@ def load_model(
     output head are packed into, from the checkpoint's float32 weights (int8 by column pairs
     for a bfloat16 model on a CPU where ``keep_weight_rows`` and the kernels'
     ``pair_matmul_serves``); ``SIXTEEN_BIT_STORAGE``: they are kept in 16 bits and
-    computed in float32 (``weight_storage.py``; for a float32 ``dtype``). Without one, a
+    computed in float32 (``weight_storage.py``; for a float32 ``dtype``), as are ``fp16wo``'s
+    on a CPU in a float32 ``dtype``, all in float16 (``dtype=auto``'s storage, which is
+    faster than ``HalfWeight``'s rows: column blocks where they fit). Without one, a
     bfloat16 model on a CPU gets them in its kernel's layout (``cpu_weight_layout.py``),
     keeping their plain rows too with ``keep_weight_rows`` (for the fused CPU kernels'
     few-row matmul).
@@ -43,8 +45,10 @@ def load_model(
     with torch.device(device), building(tp):
         model = cls(config.hf_config, max_position=max_position)
     model.load_weights(iterate_safetensors(files))
-    if weight_format == SIXTEEN_BIT_STORAGE:
-        counts = store_in_16_bits(model)
+    half_in_float32 = (weight_format == "fp16wo" and dtype == torch.float32
+                       and torch.device(device).type == "cpu")
+    if weight_format == SIXTEEN_BIT_STORAGE or half_in_float32:
+        counts = store_in_16_bits(model, half_only=half_in_float32)
         logger.info("weights stored in 16 bits, computed in float32: %.1f MiB (%d bfloat16, "
                     "exact; %d float16, rounded; %d left float32)", counts["bytes"] / 2**20,
                     counts["bfloat16"], counts["float16"], counts["float32"])

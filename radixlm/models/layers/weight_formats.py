@@ -14,6 +14,9 @@ the weight of each projection (``linear.Linear``) and of the output head
   row by row: the row is rounded to half, the products summed in float32 (what llama.cpp's
   F16 path does; an activation beyond half's range, 65504, would overflow there). Larger
   passes convert the weight into a reused buffer in the serving dtype and multiply there.
+  That is ``HalfWeight``, for 16-bit serving dtypes: served in float32 on a CPU, the loader
+  stores ``fp16wo`` as ``dtype=auto`` stores weights (``weight_storage.py``), all in float16,
+  column blocks where they fit (faster at every pass length).
 - ``int8wo``: symmetric int8 with one float scale per output row (1 byte a weight). In
   bfloat16 on CPUs where the kernels' ``pair_matmul`` serves, the integers are laid out by
   column pairs and every pass runs ``int8_pair_matmul`` (``Int8Weight``). Elsewhere, passes

@@ -55,12 +55,13 @@ SIXTEEN_BIT_STORAGE = "16-bit"
 picks it, ``model_executor.model_runner``)."""
 
 
-def storage_dtype(weight: torch.Tensor) -> torch.dtype | None:
+def storage_dtype(weight: torch.Tensor, half_only: bool = False) -> torch.dtype | None:
     """The 16-bit type a float32 ``weight`` is stored in (bfloat16 where that is exact,
-    else float16), or None where it stays float32 (a value beyond float16's range, NaN)."""
+    else float16; ``half_only``: float16), or None where it stays float32 (a value beyond
+    float16's range, NaN)."""
     if weight.dtype != torch.float32:
         return None
-    if torch.equal(weight.to(torch.bfloat16).float(), weight):
+    if not half_only and torch.equal(weight.to(torch.bfloat16).float(), weight):
         return torch.bfloat16
     if bool(torch.isfinite(weight.to(torch.float16)).all()):
         return torch.float16
@@ -163,12 +164,13 @@ def stored_in(weight: torch.Tensor, dtype: torch.dtype,
     return WidenedWeight.stored_as(weight, dtype, buffer)
 
 
-def store_in_16_bits(model: nn.Module) -> dict[str, int]:
+def store_in_16_bits(model: nn.Module, half_only: bool = False) -> dict[str, int]:
     """Packs the weight of every module that offers ``pack_weight`` (the projections and
-    the output head) in its ``storage_dtype`` (``stored_in``); returns how many
-    weights went to each type ("bfloat16", "float16", "float32" for those left as they
-    were) and the packed bytes ("bytes"); a weight packed already is left alone. Call it
-    on the float32 model, after loading and before the parameters take the serving dtype."""
+    the output head) in its ``storage_dtype`` (``stored_in``; ``half_only``: float16, the
+    ``fp16wo`` format served in float32); returns how many weights went to each type
+    ("bfloat16", "float16", "float32" for those left as they were) and the packed bytes
+    ("bytes"); a weight packed already is left alone. Call it on the float32 model, after
+    loading and before the parameters take the serving dtype."""
     buffer = ConversionBuffer()
     counts = {"bfloat16": 0, "float16": 0, "float32": 0, "bytes": 0}
     for module in model.modules():
@@ -177,7 +179,7 @@ def store_in_16_bits(model: nn.Module) -> dict[str, int]:
         if (pack is None or not isinstance(weight, torch.Tensor)
                 or getattr(module, "packed", None) is not None):  # (packed already)
             continue
-        dtype = storage_dtype(weight.detach())
+        dtype = storage_dtype(weight.detach(), half_only)
         if dtype is None:
             counts["float32"] += 1
             continue

@@ -165,6 +165,7 @@ def test_fused_steps_by_pairs_equal_the_module_path_to_the_bit(pairs_serve, tiny
     ("float32", "int8wo", 3, ProjectionKernel.INT8),
     ("bfloat16", "int8wo", 1, ProjectionKernel.INT8_PAIRS),  # INT8 without pairs
     ("bfloat16", "fp16wo", 3, ProjectionKernel.DENSE),
+    ("float32", "fp16wo", 3, ProjectionKernel.BLOCKED),  # stored as dtype=auto stores it
     ("auto", None, 3, ProjectionKernel.BLOCKED),  # float32 over 16-bit column blocks
 ])
 def test_fused_steps_of_other_formats_equal_the_module_path_to_the_bit(

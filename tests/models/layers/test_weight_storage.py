@@ -40,6 +40,8 @@ def test_a_weight_is_stored_in_the_16_bit_type_that_holds_it_best():
     with_nan[0, 0] = float("nan")
     assert storage_dtype(with_nan) is None
     assert storage_dtype(bfloat16_numbers.bfloat16()) is None  # only float32 weights
+    assert storage_dtype(bfloat16_numbers, half_only=True) == torch.float16  # fp16wo's
+    assert storage_dtype(beyond, half_only=True) is None
 
 
 def stored_type(packed) -> torch.dtype:
@@ -132,6 +134,24 @@ def test_loading_in_16_bit_storage_packs_the_projections_and_the_head(tiny_model
     assert stored_type(head.packed) == torch.float16  # random float32 weights: rounded
     stored = store_in_16_bits(model)  # (nothing left to pack)
     assert stored["bytes"] == 0
+
+
+def test_fp16wo_served_in_float32_is_the_16_bit_storage_all_in_float16(tiny_model_dir):
+    """The loader stores fp16wo's weights as dtype=auto stores them (column blocks where
+    they fit), float16 even where bfloat16 would hold them exactly."""
+    path = tiny_model_dir("LlamaForCausalLM", "gqa", True)
+    config = ModelConfig.from_path(str(path))
+    model = load_model(config, torch.float32, torch.device("cpu"), 256, SINGLE, "fp16wo")
+    packed = [m.packed for m in model.modules() if isinstance(m, Linear)]
+    packed.append(model.embed_tokens.packed)
+    assert any(isinstance(p, BlockedWeight) for p in packed)
+    assert all(isinstance(p, (BlockedWeight, WidenedWeight)) for p in packed)
+    assert {stored_type(p) for p in packed} == {torch.float16}
+    layer = torch.nn.Sequential(Linear(16, 32, bias=False))
+    with torch.no_grad():
+        layer[0].weight.copy_(torch.randn(32, 16).bfloat16().float())
+    assert store_in_16_bits(layer, half_only=True)["float16"] == 1
+    assert stored_type(layer[0].packed) == torch.float16
 
 
 @pytest.mark.skipif(cpu_has_native_bf16(), reason="dtype=auto computes in bfloat16 here")
