@@ -33,20 +33,21 @@ def load_model(
     output head are packed into, from the checkpoint's float32 weights (int8 by column pairs
     for a bfloat16 model on a CPU where ``keep_weight_rows`` and the kernels'
     ``pair_matmul_serves``); ``SIXTEEN_BIT_STORAGE``: they are kept in 16 bits and
-    computed in float32 (``weight_storage.py``; for a float32 ``dtype``), as are ``fp16wo``'s
-    on a CPU in a float32 ``dtype``, all in float16 (``dtype=auto``'s storage, which is
-    faster than ``HalfWeight``'s rows: column blocks where they fit). Without one, a
-    bfloat16 model on a CPU gets them in its kernel's layout (``cpu_weight_layout.py``),
-    keeping their plain rows too with ``keep_weight_rows`` (for the fused CPU kernels'
-    few-row matmul).
+    computed in float32 (``weight_storage.py``; for a float32 ``dtype``). In a float32
+    ``dtype`` on a CPU with the fused kernels on, ``fp16wo``'s weights are stored so too,
+    all in float16, and ``int8wo``'s in column blocks where they fit (both faster than
+    rows at every pass length). Without one, a bfloat16 model on a CPU gets them in its
+    kernel's layout (``cpu_weight_layout.py``), keeping their plain rows too with
+    ``keep_weight_rows`` (for the fused CPU kernels' few-row matmul).
     """
     cls = model_class(config.architecture)
     files = safetensors_files(config.path)
     with torch.device(device), building(tp):
         model = cls(config.hf_config, max_position=max_position)
     model.load_weights(iterate_safetensors(files))
-    half_in_float32 = (weight_format == "fp16wo" and dtype == torch.float32
-                       and torch.device(device).type == "cpu")
+    float32_kernels = (dtype == torch.float32 and torch.device(device).type == "cpu"
+                       and fused_ops.active() is not None)
+    half_in_float32 = weight_format == "fp16wo" and float32_kernels
     if weight_format == SIXTEEN_BIT_STORAGE or half_in_float32:
         counts = store_in_16_bits(model, half_only=half_in_float32)
         logger.info("weights stored in 16 bits, computed in float32: %.1f MiB (%d bfloat16, "
@@ -55,7 +56,7 @@ def load_model(
     elif weight_format is not None:
         by_pairs = (keep_weight_rows and dtype == torch.bfloat16
                     and torch.device(device).type == "cpu" and fused_ops.pair_matmul_serves())
-        packed = pack_weights(model, weight_format, by_pairs)
+        packed = pack_weights(model, weight_format, by_pairs, by_blocks=float32_kernels)
         logger.info("weights packed as %s: %.1f MiB", weight_format, packed / 2**20)
     # RoPE tables stay float32; parameters take the serving dtype, except those marked
     # ``keep_float32`` (e.g. an MoE router's score correction bias).

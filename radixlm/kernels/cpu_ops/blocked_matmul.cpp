@@ -1,6 +1,7 @@
-// Matmuls of float32 rows against a 16-bit weight laid out in column blocks (see
-// weight_storage.py): blocks (N / 16, K, 16), blocks[b][k][j] = w[16 b + j][k], bfloat16 or
-// float16. out = x @ w.T, float32.
+// Matmuls of float32 rows against a weight laid out in column blocks (see weight_storage.py):
+// blocks (N / 16, K, 16), blocks[b][k][j] = w[16 b + j][k], bfloat16 or float16
+// (blocked_matmul: out = x @ w.T), or int8 with scales (N,) float32 (blocked_int8_matmul:
+// out = x @ (w * scales[:, None]).T, each sum scaled once, at the end). float32 out.
 //
 // few_rows_matmul.cpp's tiles take dot products along a weight's rows: each step widens a
 // vector of every weight row of the tile and multiplies it by a vector of each x row, and
@@ -66,27 +67,34 @@ inline void load_block_row(const W* p, Lanes* wide) {
   }
 }
 
-// A block's kBlockColumns sums (as load_block_row orders them) into out, in column order.
+// A block's kBlockColumns sums (as load_block_row orders them) into out, in column order,
+// each times its column's scale unless scales is null.
 template <typename W>
-inline void store_block_row(const Lanes* sums, float* out) {
-  if constexpr (kPairedRows<W>) {
+inline void store_block_row(const Lanes* sums, const float* scales, float* out) {
+  if constexpr (kPairedRows<W>) {  // (bfloat16, never scaled)
     for (int i = 0; i < kWidth; ++i) {
       out[2 * i] = sums[0][i];
       out[2 * i + 1] = sums[1][i];
     }
   } else {
     for (int v = 0; v < kBlockVectors; ++v) {
-      *reinterpret_cast<UnalignedLanes*>(out + v * kWidth) = sums[v];
+      Lanes column_sums = sums[v];
+      if (scales != nullptr) {
+        column_sums *= *reinterpret_cast<const UnalignedLanes*>(scales + v * kWidth);
+      }
+      *reinterpret_cast<UnalignedLanes*>(out + v * kWidth) = column_sums;
     }
   }
 }
 
 // Rows [0, MB) of x against blocks [0, NB) (each K x kBlockColumns, block_stride apart)
-// into out[m * out_stride + column]. With `prefetch`, each block's weights kPrefetchBytes
-// ahead are requested as it reads (the first tile of a block reads it from memory).
+// into out[m * out_stride + column], column c scaled by scales[c] unless scales is null.
+// With `prefetch`, each block's weights kPrefetchBytes ahead are requested as it reads (the
+// first tile of a block reads it from memory).
 template <int MB, int NB, typename W>
 inline void block_tile(const float* x, int64_t x_stride, const W* blocks, int64_t block_stride,
-                       int64_t K, float* out, int64_t out_stride, bool prefetch) {
+                       const float* scales, int64_t K, float* out, int64_t out_stride,
+                       bool prefetch) {
   constexpr int V = NB * kBlockVectors;
   constexpr int64_t line =  // k a cache line of a block holds
       std::max<int64_t>(1, 64 / static_cast<int64_t>(sizeof(W) * kBlockColumns));
@@ -116,7 +124,8 @@ inline void block_tile(const float* x, int64_t x_stride, const W* blocks, int64_
   }
   for (int m = 0; m < MB; ++m) {
     for (int b = 0; b < NB; ++b) {
-      store_block_row<W>(total[m] + b * kBlockVectors, out + m * out_stride + b * kBlockColumns);
+      store_block_row<W>(total[m] + b * kBlockVectors, scaled(scales, b * kBlockColumns),
+                         out + m * out_stride + b * kBlockColumns);
     }
   }
 }
@@ -124,12 +133,13 @@ inline void block_tile(const float* x, int64_t x_stride, const W* blocks, int64_
 // The last `rows` (< MB) rows of x against blocks [0, NB), as one tile.
 template <int MB, int NB, typename W>
 inline void block_tile_rest(int64_t rows, const float* x, int64_t K, const W* blocks,
-                            int64_t block_stride, float* out, int64_t N, bool prefetch) {
+                            int64_t block_stride, const float* scales, float* out, int64_t N,
+                            bool prefetch) {
   if constexpr (MB > 1) {
     if (rows == MB - 1) {
-      block_tile<MB - 1, NB>(x, K, blocks, block_stride, K, out, N, prefetch);
+      block_tile<MB - 1, NB>(x, K, blocks, block_stride, scales, K, out, N, prefetch);
     } else {
-      block_tile_rest<MB - 1, NB>(rows, x, K, blocks, block_stride, out, N, prefetch);
+      block_tile_rest<MB - 1, NB>(rows, x, K, blocks, block_stride, scales, out, N, prefetch);
     }
   }
 }
@@ -137,21 +147,22 @@ inline void block_tile_rest(int64_t rows, const float* x, int64_t K, const W* bl
 // Rows [0, M) of x against blocks [0, NB): tiles of kTileRows rows, the blocks' weights
 // staying in cache between them.
 template <int NB, typename W>
-inline void block_rows(const float* x, int64_t M, int64_t K, const W* blocks, float* out,
-                       int64_t N) {
+inline void block_rows(const float* x, int64_t M, int64_t K, const W* blocks,
+                       const float* scales, float* out, int64_t N) {
   const int64_t block_stride = K * kBlockColumns;
   int64_t m = 0;
   for (; m + kTileRows <= M; m += kTileRows) {
-    block_tile<kTileRows, NB>(x + m * K, K, blocks, block_stride, K, out + m * N, N, m == 0);
+    block_tile<kTileRows, NB>(x + m * K, K, blocks, block_stride, scales, K, out + m * N, N,
+                              m == 0);
   }
-  block_tile_rest<kTileRows, NB>(M - m, x + m * K, K, blocks, block_stride, out + m * N, N,
-                                 m == 0);
+  block_tile_rest<kTileRows, NB>(M - m, x + m * K, K, blocks, block_stride, scales,
+                                 out + m * N, N, m == 0);
 }
 
 // Rows [0, M) of x against every block, the blocks split between the threads.
 template <typename W>
-void blocked_matmul_rows(const float* x, int64_t M, int64_t K, const W* blocks, float* out,
-                         int64_t N) {
+void blocked_matmul_rows(const float* x, int64_t M, int64_t K, const W* blocks,
+                         const float* scales, float* out, int64_t N) {
   const int64_t block_count = N / kBlockColumns;
   constexpr int wide_blocks = 2 * kTileBlocks;
   const int NB = M < 3 ? wide_blocks : kTileBlocks;
@@ -162,16 +173,18 @@ void blocked_matmul_rows(const float* x, int64_t M, int64_t K, const W* blocks, 
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const W* group = blocks + g * NB * block_stride;
+      const float* group_scales = scaled(scales, g * NB * kBlockColumns);
       float* group_out = out + g * NB * kBlockColumns;
       if (NB == wide_blocks) {
-        block_rows<wide_blocks>(x, M, K, group, group_out, N);
+        block_rows<wide_blocks>(x, M, K, group, group_scales, group_out, N);
       } else {
-        block_rows<kTileBlocks>(x, M, K, group, group_out, N);
+        block_rows<kTileBlocks>(x, M, K, group, group_scales, group_out, N);
       }
     }
   });
   for (int64_t b = groups * NB; b < block_count; ++b) {  // blocks past the last whole group
-    block_rows<1>(x, M, K, blocks + b * block_stride, out + b * kBlockColumns, N);
+    block_rows<1>(x, M, K, blocks + b * block_stride, scaled(scales, b * kBlockColumns),
+                  out + b * kBlockColumns, N);
   }
 }
 
@@ -183,39 +196,66 @@ void blocked_matmul_rows(const float* x, int64_t M, int64_t K, const W* blocks, 
 constexpr int64_t kChunkBytes = 128 * 1024;
 
 template <typename W>
-void blocked_matmul(const float* x, int64_t M, int64_t K, const W* blocks, float* out,
-                    int64_t N) {
+void blocked_matmul(const float* x, int64_t M, int64_t K, const W* blocks, const float* scales,
+                    float* out, int64_t N) {
   const int64_t fit = kChunkBytes / (K * static_cast<int64_t>(sizeof(float)));
   const int64_t chunk = std::max<int64_t>(kTileRows, fit / kTileRows * kTileRows);
   for (int64_t m = 0; m < M; m += chunk) {
-    blocked_matmul_rows(x + m * K, std::min(chunk, M - m), K, blocks, out + m * N, N);
+    blocked_matmul_rows(x + m * K, std::min(chunk, M - m), K, blocks, scales, out + m * N, N);
   }
 }
 
 }  // namespace radixlm_matmul
 
-at::Tensor blocked_matmul(const at::Tensor& x, const at::Tensor& blocks) {
+namespace radixlm_matmul {
+
+// The operands' checks both bindings share; returns the output's column count.
+inline int64_t check_blocked_args(const at::Tensor& x, const at::Tensor& blocks) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (M, K) float32");
   TORCH_CHECK(blocks.dim() == 3 && blocks.is_contiguous() &&
-                  blocks.size(2) == radixlm_matmul::kBlockColumns && blocks.size(1) == x.size(1),
+                  blocks.size(2) == kBlockColumns && blocks.size(1) == x.size(1),
               "blocks must be a contiguous (N / 16, K, 16) for x (M, K)");
+  return blocks.size(0) * kBlockColumns;
+}
+
+}  // namespace radixlm_matmul
+
+at::Tensor blocked_matmul(const at::Tensor& x, const at::Tensor& blocks) {
+  const int64_t N = radixlm_matmul::check_blocked_args(x, blocks);
   const at::ScalarType weight_type = blocks.scalar_type();
   TORCH_CHECK(weight_type == at::kBFloat16 || weight_type == at::kHalf,
-              "blocks must be bfloat16 or float16");
+              "blocks must be bfloat16 or float16 (int8 ones: blocked_int8_matmul)");
   const at::Tensor a = x.contiguous();
   const int64_t M = a.size(0), K = a.size(1);
-  const int64_t N = blocks.size(0) * radixlm_matmul::kBlockColumns;
   at::Tensor out = at::empty({M, N}, a.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
   const float* rows = a.data_ptr<float>();
   if (weight_type == at::kHalf) {
-    radixlm_matmul::blocked_matmul(rows, M, K, blocks.data_ptr<at::Half>(), out.data_ptr<float>(),
-                                   N);
+    radixlm_matmul::blocked_matmul(rows, M, K, blocks.data_ptr<at::Half>(), nullptr,
+                                   out.data_ptr<float>(), N);
   } else {
-    radixlm_matmul::blocked_matmul(rows, M, K, blocks.data_ptr<at::BFloat16>(),
+    radixlm_matmul::blocked_matmul(rows, M, K, blocks.data_ptr<at::BFloat16>(), nullptr,
                                    out.data_ptr<float>(), N);
   }
+  return out;
+}
+
+at::Tensor blocked_int8_matmul(const at::Tensor& x, const at::Tensor& blocks,
+                               const at::Tensor& scales) {
+  const int64_t N = radixlm_matmul::check_blocked_args(x, blocks);
+  TORCH_CHECK(blocks.scalar_type() == at::kChar, "blocks must be int8");
+  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat &&
+                  scales.dim() == 1 && scales.size(0) == N,
+              "scales must be (N,) float32");
+  const at::Tensor a = x.contiguous();
+  const at::Tensor s = scales.contiguous();
+  const int64_t M = a.size(0), K = a.size(1);
+  at::Tensor out = at::empty({M, N}, a.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  radixlm_matmul::blocked_matmul(a.data_ptr<float>(), M, K, blocks.data_ptr<int8_t>(),
+                                 s.data_ptr<float>(), out.data_ptr<float>(), N);
   return out;
 }

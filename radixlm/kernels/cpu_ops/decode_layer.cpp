@@ -16,7 +16,8 @@ struct LayerShape {
 
 // How a projection is multiplied: fused_ops.ProjectionKernel's values.
 enum ProjectionKernel : int64_t {
-  kPairs = 0, kInt8 = 1, kDense = 2, kTorchLinear = 3, kInt8Pairs = 4, kBlocked = 5
+  kPairs = 0, kInt8 = 1, kDense = 2, kTorchLinear = 3, kInt8Pairs = 4, kBlocked = 5,
+  kInt8Blocked = 6
 };
 
 // A projection's weight (and int8 scales, else an empty tensor) and the kernel that
@@ -33,6 +34,7 @@ struct Projection {
       case kTorchLinear: return at::linear(x, weight);
       case kInt8Pairs: return int8_pair_matmul(x, weight, scales);
       case kBlocked: return blocked_matmul(x, weight);
+      case kInt8Blocked: return blocked_int8_matmul(x, weight, scales);
     }
     TORCH_CHECK(false, "unknown projection kernel ", kernel);
   }

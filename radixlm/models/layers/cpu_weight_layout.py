@@ -51,14 +51,16 @@ from torch import nn
 
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
-from radixlm.models.layers.moe_experts import StackedExperts
-from radixlm.models.layers.weight_formats import (
-    FusedProjection,
-    PackedWeight,
+from radixlm.models.layers.column_layouts import (
     by_column_pairs,
     fits_column_pairs,
     from_column_pairs,
     gates_by_pairs,
+)
+from radixlm.models.layers.moe_experts import StackedExperts
+from radixlm.models.layers.weight_formats import (
+    FusedProjection,
+    PackedWeight,
     pack_each_weight,
 )
 

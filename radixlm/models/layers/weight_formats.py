@@ -49,6 +49,15 @@ from torch import nn
 
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
+from radixlm.models.layers.column_layouts import (
+    by_column_blocks,
+    by_column_pairs,
+    fits_column_blocks,
+    fits_column_pairs,
+    from_column_blocks,
+    from_column_pairs,
+    gates_by_pairs,
+)
 
 HALF_GEMV_MAX_ROWS = 4
 HALF_FUSED_MAX_ROWS = 32
@@ -82,41 +91,12 @@ passes (caches evicted between them) of 96 tokens 172 against 202 widened, 128 t
 against 243, 160 tokens 314 against 310, 192 tokens 365 against 382 (best 360 against
 342), 256 tokens 509 against 437."""
 WEIGHT_FORMATS = ("fp16wo", "int8wo")
-PAIR_COLUMNS = 16  # out features of one group of a weight laid out by column pairs
 
 
 def half_fused_max_rows(dtype: torch.dtype) -> int:
     """The most rows of ``dtype`` activations a pass over half weights runs on the fused
     kernels' ``dense_matmul`` (larger ones widen the weight for torch's GEMM)."""
     return HALF_FUSED_MAX_ROWS_FLOAT32 if dtype == torch.float32 else HALF_FUSED_MAX_ROWS
-
-
-def fits_column_pairs(weight: torch.Tensor) -> bool:
-    """Whether a (out, in) weight can be laid out by column pairs: out a multiple of 16, in
-    even."""
-    out_features, in_features = weight.shape
-    return out_features % PAIR_COLUMNS == 0 and in_features % 2 == 0
-
-
-def by_column_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """(out, in) -> (out / 16, in / 2, 16, 2), contiguous: for each group of 16 out features
-    and each pair of in features, the 16 features' two weights side by side (the layout the
-    fused CPU kernels' ``pair_matmul`` and ``int8_pair_matmul`` read)."""
-    out_features, in_features = weight.shape
-    pairs = weight.view(out_features // PAIR_COLUMNS, PAIR_COLUMNS, in_features // 2, 2)
-    return pairs.permute(0, 2, 1, 3).contiguous()
-
-
-def gates_by_pairs(pairs: torch.Tensor) -> bool:
-    """Whether weight pairs (``by_column_pairs``) can stand for a gate stacked over an up
-    for the kernels' gated products: the two halves' boundary falls between groups of 16."""
-    return pairs.dim() == 4 and pairs.shape[0] % 2 == 0
-
-
-def from_column_pairs(pairs: torch.Tensor) -> torch.Tensor:
-    """The (out, in) weight of ``by_column_pairs``' layout (a copy)."""
-    groups, in_pairs = pairs.shape[:2]
-    return pairs.permute(0, 2, 1, 3).reshape(groups * PAIR_COLUMNS, in_pairs * 2)
 
 
 def plain_matmul(x: torch.Tensor, weight: torch.Tensor,
@@ -261,9 +241,10 @@ class HalfWeight(PackedWeight):
     weight: torch.Tensor  # (out, in) float16
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer,
-             by_pairs: bool = False) -> HalfWeight:
-        """(``by_pairs`` is ignored: half weights stay in rows.)"""
+    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer, by_pairs: bool = False,
+             by_blocks: bool = False) -> HalfWeight:
+        """(``by_pairs`` and ``by_blocks`` are ignored: half weights stay in rows; in float32
+        the loader stores them as ``weight_storage.py`` does, in blocks.)"""
         return cls(buffer, weight.to(torch.float16).contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -311,32 +292,44 @@ class Int8Weight(PackedWeight):
     model's weights on a 2-core Zen 4, 2 threads, one row 5.3-5.6 ms against 7.8-9.7 for its
     bfloat16 pairs and 5.3-8.8 (across runs) for ``int8_matmul``; 16 rows 15.6 against 14.3
     and 39-43; 512 rows 374-376 against 354-390 and, widened for oneDNN, 420-495). Its
-    products of a row do not depend on the pass's other rows."""
+    products of a row do not depend on the pass's other rows.
+
+    ``by_blocks``: the integers in column blocks (``by_column_blocks``), for float32 passes
+    of any number of rows on the kernels' ``blocked_int8_matmul`` (16 outputs' integers of
+    one input widened once for up to 6 rows; each output's sum scaled at the end): the
+    default model's layers' shapes, 2 threads, 2-core Zen 3, one row 4.5 ms against 4.9 for
+    ``int8_matmul``, 16 rows 20.2 against 25.1, 128 rows 158 against 206; larger passes stay
+    on it where the rows widen the integers for torch's GEMM."""
 
     buffer: ConversionBuffer
-    weight: torch.Tensor | None  # (out, in) int8, unless by pairs
+    weight: torch.Tensor | None  # (out, in) int8, unless by pairs or blocks
     scales: torch.Tensor  # (out,) float32: weight ~= int8 * scale, row by row
     kernel_scales: torch.Tensor  # (out,) bfloat16, as torch's int8 kernel takes them
     pairs: torch.Tensor | None = None  # (out / 16, in / 2, 16, 2) int8, if by pairs
+    blocks: torch.Tensor | None = None  # (out / 16, in, 16) int8, if by blocks
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer,
-             by_pairs: bool = False) -> Int8Weight:
+    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer, by_pairs: bool = False,
+             by_blocks: bool = False) -> Int8Weight:
+        """(A weight that does not fit the layout asked for stays in rows.)"""
         weight = weight.float()
         scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
         quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        kernel_scales = scales.to(torch.bfloat16)
         if by_pairs and fits_column_pairs(quantized):
-            return cls(buffer, None, scales, scales.to(torch.bfloat16),
-                       by_column_pairs(quantized))
-        return cls(buffer, quantized.contiguous(), scales, scales.to(torch.bfloat16))
+            return cls(buffer, None, scales, kernel_scales, pairs=by_column_pairs(quantized))
+        if by_blocks and fits_column_blocks(quantized):
+            return cls(buffer, None, scales, kernel_scales, blocks=by_column_blocks(quantized))
+        return cls(buffer, quantized.contiguous(), scales, kernel_scales)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pairs is not None:
-            kernels = fused_ops.for_tensor(x)
-            if kernels is not None and x.dtype == torch.bfloat16:
-                return kernels.int8_pair_matmul(x, self.pairs, self.scales)
-        weight = self._rows()
         kernels = fused_ops.for_tensor(x)
+        if kernels is not None:
+            if self.pairs is not None and x.dtype == torch.bfloat16:
+                return kernels.int8_pair_matmul(x, self.pairs, self.scales)
+            if self.blocks is not None and x.dtype == torch.float32:
+                return kernels.blocked_int8_matmul(x, self.blocks, self.scales)
+        weight = self._rows()
         if x.shape[0] <= int8_kernel_max_rows(x.dtype, fused=kernels is not None):
             if kernels is not None:  # x as stored, float32 scales and sums
                 return kernels.int8_matmul(x, weight, self.scales)
@@ -358,15 +351,23 @@ class Int8Weight(PackedWeight):
                                                                           self.scales)
 
     def _rows(self) -> torch.Tensor:
-        """The (out, in) integers (unpaired anew where they are by pairs: only should the
-        kernels be off, or the rows not bfloat16)."""
-        return self.weight if self.pairs is None else from_column_pairs(self.pairs)
+        """The (out, in) integers (anew where they are by pairs or blocks: only should the
+        kernels be off, or the rows not of the layout's dtype)."""
+        if self.pairs is not None:
+            return from_column_pairs(self.pairs)
+        if self.blocks is not None:
+            return from_column_blocks(self.blocks)
+        return self.weight
 
     def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
         if self.pairs is not None:
             if dtype != torch.bfloat16:
                 return None
             return FusedProjection.of(ProjectionKernel.INT8_PAIRS, self.pairs, self.scales)
+        if self.blocks is not None:
+            if dtype != torch.float32:
+                return None
+            return FusedProjection.of(ProjectionKernel.INT8_BLOCKED, self.blocks, self.scales)
         if rows <= int8_kernel_max_rows(dtype, fused=True):
             return FusedProjection.of(ProjectionKernel.INT8, self.weight, self.scales)
         return None
@@ -375,23 +376,25 @@ class Int8Weight(PackedWeight):
         return self._rows().float() * self.scales[:, None]
 
     def nbytes(self) -> int:
-        integers = self.weight if self.pairs is None else self.pairs
+        integers = next(t for t in (self.weight, self.pairs, self.blocks) if t is not None)
         return integers.numel() + self.scales.numel() * 4
 
 
 _PACKERS = {"fp16wo": HalfWeight.pack, "int8wo": Int8Weight.pack}
 
 
-def pack_weights(model: nn.Module, weight_format: str, by_pairs: bool = False) -> int:
+def pack_weights(model: nn.Module, weight_format: str, by_pairs: bool = False,
+                 by_blocks: bool = False) -> int:
     """Packs every module that offers ``pack_weight`` (the projections and the output head)
     into ``weight_format``; returns the packed weights' bytes. ``by_pairs``: int8 weights by
     column pairs (``Int8Weight``), where the model serves in bfloat16 and the kernels'
-    ``int8_pair_matmul`` serves. Raises ValueError for an unknown format."""
+    ``int8_pair_matmul`` serves; ``by_blocks``: in column blocks, where it serves in
+    float32 on the kernels. Raises ValueError for an unknown format."""
     if weight_format not in _PACKERS:
         raise ValueError(f"unknown weight format {weight_format!r}; "
                          f"expected one of {', '.join(WEIGHT_FORMATS)}")
     packer, buffer = _PACKERS[weight_format], ConversionBuffer()
-    return pack_each_weight(model, lambda weight: packer(weight, buffer, by_pairs))
+    return pack_each_weight(model, lambda weight: packer(weight, buffer, by_pairs, by_blocks))
 
 
 def pack_each_weight(model: nn.Module, packer: Callable[[torch.Tensor], PackedWeight]) -> int:

@@ -43,6 +43,11 @@ from torch import nn
 
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
+from radixlm.models.layers.column_layouts import (
+    by_column_blocks,
+    fits_column_blocks,
+    from_column_blocks,
+)
 from radixlm.models.layers.weight_formats import (
     ConversionBuffer,
     FusedProjection,
@@ -93,11 +98,6 @@ class WidenedWeight(HalfWeight):
         return self._widened_product(x) if out is None else out
 
 
-BLOCK_COLUMNS = 16
-"""Output features a column block of ``BlockedWeight`` holds (``kBlockColumns`` in
-blocked_matmul.cpp)."""
-
-
 @dataclass(eq=False)
 class BlockedWeight(PackedWeight):
     """A float32 (out, in) weight (out a multiple of ``BLOCK_COLUMNS``) stored as bfloat16 or
@@ -120,13 +120,7 @@ class BlockedWeight(PackedWeight):
     @classmethod
     def stored_as(cls, weight: torch.Tensor, dtype: torch.dtype,
                   buffer: ConversionBuffer) -> BlockedWeight:
-        out_features, in_features = weight.shape
-        if out_features % BLOCK_COLUMNS:
-            raise ValueError(f"weight must have a multiple of {BLOCK_COLUMNS} rows, "
-                             f"not {out_features}")
-        blocks = weight.to(dtype).view(out_features // BLOCK_COLUMNS, BLOCK_COLUMNS,
-                                       in_features)
-        return cls(buffer, blocks.transpose(1, 2).contiguous())
+        return cls(buffer, by_column_blocks(weight.to(dtype)))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -148,8 +142,7 @@ class BlockedWeight(PackedWeight):
         return None
 
     def dequantized(self) -> torch.Tensor:
-        count, in_features, columns = self.blocks.shape
-        return self.blocks.transpose(1, 2).reshape(count * columns, in_features).float()
+        return from_column_blocks(self.blocks).float()
 
     def nbytes(self) -> int:
         return self.blocks.numel() * 2
@@ -159,7 +152,7 @@ def stored_in(weight: torch.Tensor, dtype: torch.dtype,
               buffer: ConversionBuffer) -> PackedWeight:
     """``weight`` (float32) stored as ``dtype``: in column blocks where its rows are a
     multiple of ``BLOCK_COLUMNS``, else in rows."""
-    if weight.shape[0] % BLOCK_COLUMNS == 0:
+    if fits_column_blocks(weight):
         return BlockedWeight.stored_as(weight, dtype, buffer)
     return WidenedWeight.stored_as(weight, dtype, buffer)
 

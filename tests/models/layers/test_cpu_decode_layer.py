@@ -162,7 +162,7 @@ def test_fused_steps_by_pairs_equal_the_module_path_to_the_bit(pairs_serve, tiny
     ("float32", None, 1, ProjectionKernel.TORCH_LINEAR),  # where measured the faster
     ("float32", None, 1, ProjectionKernel.DENSE),  # where measured the faster
     ("float32", None, 3, ProjectionKernel.DENSE),
-    ("float32", "int8wo", 3, ProjectionKernel.INT8),
+    ("float32", "int8wo", 3, ProjectionKernel.INT8_BLOCKED),
     ("bfloat16", "int8wo", 1, ProjectionKernel.INT8_PAIRS),  # INT8 without pairs
     ("bfloat16", "fp16wo", 3, ProjectionKernel.DENSE),
     ("float32", "fp16wo", 3, ProjectionKernel.BLOCKED),  # stored as dtype=auto stores it

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tiny_models import reference_model
 
 from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.tensor_parallel import SINGLE
 from radixlm.models.layers.weight_formats import (
@@ -129,6 +130,39 @@ def test_the_packed_weights_are_within_half_a_step_of_the_original():
     assert paired.nbytes() == int8.nbytes()
     unfit = Int8Weight.pack(weight[:40], ConversionBuffer(), by_pairs=True)  # 40 rows
     assert unfit.pairs is None and unfit.weight.shape == (40, 40)
+    blocked = Int8Weight.pack(weight, ConversionBuffer(), by_blocks=True)
+    assert blocked.weight is None and blocked.blocks.shape == (3, 40, 16)
+    assert torch.equal(blocked.dequantized(), int8.dequantized())
+    assert blocked.nbytes() == int8.nbytes()
+    unfit = Int8Weight.pack(weight[:40], ConversionBuffer(), by_blocks=True)
+    assert unfit.blocks is None and unfit.weight.shape == (40, 40)
+
+
+@pytest.mark.parametrize("rows", [1, 16, INT8_FUSED_MAX_ROWS_FLOAT32 + 1])
+def test_int8_blocks_multiply_as_the_rows_do_with_the_kernels_on_or_off(rows):
+    """In column blocks, float32 rows of any count run the kernels' blocked_int8_matmul:
+    float64's product to one float32 step. With the kernels off (or bfloat16 rows) the
+    integers are taken back to rows and multiplied as rows are, to the bit."""
+    if not fused_ops.enable():
+        pytest.skip("no fused CPU kernels here")
+    torch.manual_seed(rows)
+    weight = torch.randn(64, 96) * 0.05
+    by_rows, blocked = (Int8Weight.pack(weight, ConversionBuffer(), by_blocks=by_blocks)
+                        for by_blocks in (False, True))
+    assert blocked.fused_projection(rows, torch.float32).kernel == ProjectionKernel.INT8_BLOCKED
+    assert blocked.fused_projection(rows, torch.bfloat16) is None
+    x = torch.randn(rows, 96)
+    expected = x.double() @ by_rows.dequantized().double().T
+    magnitude = x.double().abs() @ by_rows.dequantized().double().abs().T
+    got = blocked.matmul(x)
+    assert got.dtype == torch.float32
+    assert ((got.double() - expected).abs() <= 1e-6 * magnitude + 1e-30).all()
+    assert torch.equal(blocked.matmul(x.bfloat16()), by_rows.matmul(x.bfloat16()))
+    fused_ops.disable()
+    try:
+        assert torch.equal(blocked.matmul(x), by_rows.matmul(x))
+    finally:
+        fused_ops.enable()
 
 
 def test_int8_pairs_multiply_as_the_rows_do_with_the_kernels_on_or_off():
