@@ -1,4 +1,4 @@
-// Matmuls of float32 rows against a weight laid out in column blocks (see weight_storage.py):
+// Matmuls of float32 rows against a weight laid out in column blocks (column_layouts.py):
 // blocks (N / 16, K, 16), blocks[b][k][j] = w[16 b + j][k], bfloat16 or float16
 // (blocked_matmul: out = x @ w.T), or int8 with scales (N,) float32 (blocked_int8_matmul:
 // out = x @ (w * scales[:, None]).T, each sum scaled once, at the end). float32 out.
@@ -14,7 +14,7 @@
 // 70 for the row tiles (the vector units' peak is about 102). Each output is summed in the
 // order of k (in spans, kSumSpan) whatever the number of rows: a row's products do not
 // depend on the rows beside it. Compiled after few_rows_matmul.cpp (Lanes, load_weights,
-// kWidth).
+// kWidth, scaled).
 
 namespace radixlm_matmul {
 

@@ -60,7 +60,7 @@ def by_column_blocks(weight: torch.Tensor) -> torch.Tensor:
     if not fits_column_blocks(weight):
         raise ValueError(f"weight must have a multiple of {BLOCK_COLUMNS} rows, "
                          f"not {out_features}")
-    blocks = weight.view(out_features // BLOCK_COLUMNS, BLOCK_COLUMNS, in_features)
+    blocks = weight.reshape(out_features // BLOCK_COLUMNS, BLOCK_COLUMNS, in_features)
     return blocks.transpose(1, 2).contiguous()
 
 

@@ -20,22 +20,34 @@ trial that leaves the choice as it was doubles the wait before the next (up to
 passes (the running count's own passes slow down, see ``RUNNING_WEIGHT``); one who stops,
 at the next trial.
 
+A large pass on fewer threads costs its whole length, and everyone who arrives meanwhile
+waits for it: with the cores free, a 1 s chunk of a long prompt (the prefill pace's chunks
+take that long while nobody waits) ran for 1.8-2.6 s on one thread, and a one-token request
+sent meanwhile waited that long instead of about 1.1 s. So a large bucket (``trial_tokens``
+new tokens or more) tries fewer threads only while its all-thread passes show a neighbour:
+``run`` measures the process's CPU time beside the wall time, and a pass whose threads were
+on a core for less than ``CONTENDED_SHARE`` of it had the cores shared (2-core Zen 3, the
+default model's prompt passes of 64-512 tokens on two threads: 0.87-1.0 of it with the
+cores free, 0.49-0.75 with a spinning neighbour). Without CPU times (``record`` called
+without them) large buckets try every count as small ones do.
+
 A bucket first seen starts from what is known: where a smaller bucket measured both counts
 and runs all threads, more tokens a pass only make the second thread pay more, so the new
 bucket runs all threads at once, with the smaller one's estimates until its own replace
-them (and tries one thread at its first exploring trial). Else it tries each count, large
-passes all threads first. (A server's first 256-token prompt chunk ran on one thread, 325
+them (and tries one thread at its first exploring trial; a large bucket, only with a
+neighbour). Else it tries each count, large passes all threads first. (A server's first 256-token prompt chunk ran on one thread, 325
 ms against 185 on two, and so did each later size's first pass.)
 
 Invariants: ``choose`` returns one of ``candidates``; a bucket tries each candidate before
 it settles, unless it inherits a smaller bucket's estimates (then its first own measurement
-of a count replaces the inherited one); a candidate's estimate otherwise only moves by
-``record``. ``last_was_trial`` says whether the last pass ``run`` ran was on a count other
-than the bucket's choice once that pass was measured, so that callers who time passes can
-leave it out. A fresh bucket's first pass makes its count the choice, so it counts: the
-scheduler's prefill pace is measured from a server's first long prompt, not its third
-(before, a 512-token prompt on a fresh 2-core server went as two chunks of 256, the second
-on one thread, 564 ms against 320 for one pass on two).
+of a count replaces the inherited one) or it is large and its last all-thread pass had the
+cores to itself (then it tries no fewer threads until one does not); a candidate's estimate
+otherwise only moves by ``record``. ``last_was_trial`` says whether the last pass ``run``
+ran was on a count other than the bucket's choice once that pass was measured, so that
+callers who time passes can leave it out. A fresh bucket's first pass makes its count the
+choice, so it counts: the scheduler's prefill pace is measured from a server's first long
+prompt, not its third (before, a 512-token prompt on a fresh 2-core server went as two
+chunks of 256, the second on one thread, 564 ms against 320 for one pass on two).
 """
 
 from __future__ import annotations
@@ -51,6 +63,10 @@ ABANDON_FACTOR = 1.5
 (2.0 let a batch-16 decode try one thread for four passes, each ~1.8 times slower: in
 short runs of 32 tokens, two engines side by side, 615 against 679 tok/s for two threads
 fixed.)"""
+
+CONTENDED_SHARE = 0.8
+"""A pass whose threads were on a core for less than this share of its wall time (process
+CPU time over threads x wall time) had the cores shared with another process."""
 
 RUNNING_WEIGHT = 0.25
 """How far a pass on the running count moves that count's estimate towards its own time (a
@@ -81,6 +97,8 @@ class _Bucket:
     """The choice when the last trial began (None before the first)."""
     inherited: set[int] = field(default_factory=set)
     """Thread counts whose estimate is a smaller bucket's, not yet measured here."""
+    cores_free: bool = False
+    """Its last all-thread pass whose CPU time was measured had the cores to itself."""
 
 
 class ThreadPolicy:
@@ -107,16 +125,21 @@ class ThreadPolicy:
         bucket = self._bucket(size)
         if bucket.trial is None:
             passes = max(1, min(self.trial_passes, self.trial_tokens // size))
+            large = size >= self.trial_tokens  # the slow count's trial costs most
             untried = [n for n in self.candidates if n not in bucket.seconds_per_token]
-            if size >= self.trial_tokens:  # a large pass: the slow count's trial costs most
+            if large:
                 untried.reverse()
             bucket.since_trial += 1
+            other = next((n for n in self.candidates if n != bucket.current), None)
             if untried:
-                self._start_trial(bucket, untried[0], passes)
-            elif bucket.since_trial >= bucket.explore_after and len(self.candidates) > 1:
-                self._back_off(bucket)
-                other = next(n for n in self.candidates if n != bucket.current)
-                self._start_trial(bucket, other, passes)
+                if not (large and bucket.cores_free and untried[0] < self.candidates[-1]):
+                    self._start_trial(bucket, untried[0], passes)
+            elif bucket.since_trial >= bucket.explore_after and other is not None:
+                if large and bucket.cores_free and other < self.candidates[-1]:
+                    bucket.since_trial = 0  # no neighbour to escape: look again later
+                else:
+                    self._back_off(bucket)
+                    self._start_trial(bucket, other, passes)
         if bucket.trial is not None:
             threads = bucket.trial
             bucket.trial_left -= 1
@@ -125,12 +148,16 @@ class ThreadPolicy:
             return threads
         return bucket.current
 
-    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+    def record(self, num_tokens: int, threads: int, seconds: float,
+               cpu_seconds: float | None = None) -> None:
         """Folds a pass's measured duration into its bucket's estimate for ``threads``, and
-        switches the bucket to the other thread count if that is now clearly faster."""
+        switches the bucket to the other thread count if that is now clearly faster.
+        ``cpu_seconds``: the process's CPU time over the pass, where measured."""
         if num_tokens <= 0:
             return
         bucket = self._bucket(_bucket_of(num_tokens))
+        if cpu_seconds is not None and threads == self.candidates[-1] and seconds > 0:
+            bucket.cores_free = cpu_seconds >= CONTENDED_SHARE * threads * seconds
         estimates = bucket.seconds_per_token
         per_token = seconds / num_tokens
         if (threads not in estimates or threads in bucket.inherited
@@ -154,9 +181,10 @@ class ThreadPolicy:
         """Runs ``work()`` on the chosen thread count (set through ``set_threads``), timed."""
         threads = self.choose(num_tokens)
         set_threads(threads)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         result = work()
-        self.record(num_tokens, threads, time.perf_counter() - start)
+        self.record(num_tokens, threads, time.perf_counter() - start,
+                    time.process_time() - cpu_start)
         self.last_was_trial = threads != self._buckets[_bucket_of(num_tokens)].current
         return result
 

@@ -9,14 +9,17 @@ from radixlm.runtime.model_executor.thread_policy import MAX_BACKOFF, ThreadPoli
 
 
 def _serve(policy: ThreadPolicy, num_tokens: int, seconds_per_token: dict[int, float],
-           passes: int) -> list[int]:
-    """Runs ``passes`` passes whose duration is ``seconds_per_token[threads] * num_tokens``;
-    returns the thread counts chosen."""
+           passes: int, cpu_share: float | None = None) -> list[int]:
+    """Runs ``passes`` passes whose duration is ``seconds_per_token[threads] * num_tokens``
+    (their threads on a core ``cpu_share`` of it, where given); returns the thread counts
+    chosen."""
     chosen = []
     for _ in range(passes):
         threads = policy.choose(num_tokens)
         chosen.append(threads)
-        policy.record(num_tokens, threads, seconds_per_token[threads] * num_tokens)
+        seconds = seconds_per_token[threads] * num_tokens
+        cpu = None if cpu_share is None else cpu_share * threads * seconds
+        policy.record(num_tokens, threads, seconds, cpu)
     return chosen
 
 
@@ -160,3 +163,28 @@ def test_a_batch_decode_tries_one_thread_for_one_pass():
     assert chosen[:8] == [1] * 4 + [2] * 4
     trials = [i for i in range(8, 200) if chosen[i] == 1]
     assert trials and all(chosen[i + 1] == 2 for i in trials if i + 1 < 200), chosen
+
+
+def test_large_passes_with_the_cores_free_never_try_fewer_threads():
+    """A 1 s prompt chunk on one thread takes 2 s, and whoever arrives meanwhile waits: with
+    the all-thread passes' threads on a core all along, a large bucket never tries one
+    thread, first pass or exploring; small buckets still do."""
+    policy = ThreadPolicy(max_threads=2, explore_every=20, trial_passes=4, trial_tokens=64)
+    large = _serve(policy, 512, {1: 2e-3, 2: 1e-3}, passes=200, cpu_share=0.97)
+    assert large == [2] * 200
+    small = _serve(policy, 16, {1: 2e-3, 2: 1e-3}, passes=8, cpu_share=0.97)
+    assert small[:4] == [1] * 4
+
+
+def test_a_neighbour_seen_in_large_passes_lets_them_try_one_thread_at_once():
+    """All-thread passes whose threads were off a core 40% of the time (a neighbour took
+    it): the next large pass tries one thread, which becomes the choice as the all-thread
+    passes go on slower; when the neighbour leaves, an exploring trial of all threads brings
+    them back."""
+    policy = ThreadPolicy(max_threads=2, explore_every=20, trial_passes=4, trial_tokens=64)
+    assert _serve(policy, 512, {1: 2e-3, 2: 1e-3}, passes=5, cpu_share=0.97) == [2] * 5
+    busy = _serve(policy, 512, {1: 2e-3, 2: 4e-3}, passes=6, cpu_share=0.6)
+    assert busy[1] == 1 and busy[-3:] == [1] * 3 and policy.chosen()[512] == 1
+    quiet = _serve(policy, 512, {1: 2e-3, 2: 1e-3}, passes=20 * MAX_BACKOFF + 4,
+                   cpu_share=0.97)
+    assert quiet[-4:] == [2] * 4 and policy.chosen()[512] == 2
