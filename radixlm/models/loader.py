@@ -32,13 +32,13 @@ def load_model(
     ``weight_format``: a weight-only format (``weight_formats.py``) the projections and the
     output head are packed into, from the checkpoint's float32 weights (int8 by column pairs
     for a bfloat16 model on a CPU where ``keep_weight_rows`` and the kernels'
-    ``pair_matmul_serves``); ``SIXTEEN_BIT_STORAGE``: they are kept in 16 bits and
-    computed in float32 (``weight_storage.py``; for a float32 ``dtype``). In a float32
-    ``dtype`` on a CPU with the fused kernels on, ``fp16wo``'s weights are stored so too,
-    all in float16, and ``int8wo``'s in column blocks where they fit (both faster than
-    rows at every pass length). Without one, a bfloat16 model on a CPU gets them in its
-    kernel's layout (``cpu_weight_layout.py``), keeping their plain rows too with
-    ``keep_weight_rows`` (for the fused CPU kernels' few-row matmul).
+    ``pair_matmul_serves``); ``SIXTEEN_BIT_STORAGE``: they are kept in 16 bits and computed
+    in float32 (``weight_storage.py``; for a float32 ``dtype``). In a float32 ``dtype`` on a
+    CPU with the fused kernels on, ``fp16wo``'s weights are stored so too, all in float16,
+    and ``int8wo``'s in column blocks where they fit (their figures against rows:
+    ``weight_storage.py``, ``weight_formats.py``). Without one, a bfloat16 model on a CPU
+    gets them in its kernel's layout (``cpu_weight_layout.py``), keeping their plain rows
+    too with ``keep_weight_rows`` (for the fused CPU kernels' few-row matmul).
     """
     cls = model_class(config.architecture)
     files = safetensors_files(config.path)

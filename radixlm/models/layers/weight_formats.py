@@ -19,7 +19,9 @@ the weight of each projection (``linear.Linear``) and of the output head
   column blocks where they fit (faster at every pass length).
 - ``int8wo``: symmetric int8 with one float scale per output row (1 byte a weight). In
   bfloat16 on CPUs where the kernels' ``pair_matmul`` serves, the integers are laid out by
-  column pairs and every pass runs ``int8_pair_matmul`` (``Int8Weight``). Elsewhere, passes
+  column pairs and every pass runs ``int8_pair_matmul`` (``Int8Weight``); in float32 on
+  the fused kernels, in column blocks where they fit, every pass on ``blocked_int8_matmul``
+  (the loader asks for either layout). Elsewhere, passes
   of up to ``int8_kernel_max_rows`` rows run the fused CPU kernels' ``int8_matmul`` where
   they are on (activations as stored, float32 sums; the default model's weights at one row:
   7.4 ms against 12.6 for torch's kernel, at 16 rows 30.5 against 47.6), else torch's int8
@@ -298,8 +300,8 @@ class Int8Weight(PackedWeight):
     of any number of rows on the kernels' ``blocked_int8_matmul`` (16 outputs' integers of
     one input widened once for up to 6 rows; each output's sum scaled at the end): the
     default model's layers' shapes, 2 threads, 2-core Zen 3, one row 4.5 ms against 4.9 for
-    ``int8_matmul``, 16 rows 20.2 against 25.1, 128 rows 158 against 206; larger passes stay
-    on it where the rows widen the integers for torch's GEMM."""
+    ``int8_matmul``, 16 rows 20.2 against 25.1, 128 rows 158 against 206 (beyond 128 rows
+    the rows are widened for torch's GEMM; blocks stay on the kernel)."""
 
     buffer: ConversionBuffer
     weight: torch.Tensor | None  # (out, in) int8, unless by pairs or blocks

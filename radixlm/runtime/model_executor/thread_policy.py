@@ -35,8 +35,9 @@ A bucket first seen starts from what is known: where a smaller bucket measured b
 and runs all threads, more tokens a pass only make the second thread pay more, so the new
 bucket runs all threads at once, with the smaller one's estimates until its own replace
 them (and tries one thread at its first exploring trial; a large bucket, only with a
-neighbour). Else it tries each count, large passes all threads first. (A server's first 256-token prompt chunk ran on one thread, 325
-ms against 185 on two, and so did each later size's first pass.)
+neighbour). Else it tries each count, large passes all threads first. (A server's first
+256-token prompt chunk ran on one thread, 325 ms against 185 on two, and so did each later
+size's first pass.)
 
 Invariants: ``choose`` returns one of ``candidates``; a bucket tries each candidate before
 it settles, unless it inherits a smaller bucket's estimates (then its first own measurement
