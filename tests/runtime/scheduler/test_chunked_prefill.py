@@ -301,7 +301,9 @@ def test_a_pass_on_a_thread_count_under_trial_does_not_set_the_pace(scheduler_fo
     (the first one too: it made its count the choice)."""
 
     class OneThreadSlower(ThreadPolicy):  # the tiny model's own times would decide nothing
-        def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        def record(self, num_tokens: int, threads: int, seconds: float,
+                   cpu_seconds: float | None = None) -> None:
+            # Without CPU times large passes try every count too (as with a neighbour).
             super().record(num_tokens, threads, 2.0 if threads == 1 else 1.0)
 
     scheduler = scheduler_for(chunked_prefill_size=LONG, chunked_prefill_step_ms=250)
