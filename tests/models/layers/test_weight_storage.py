@@ -9,7 +9,11 @@ from tiny_models import reference_model
 
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.tensor_parallel import SINGLE
-from radixlm.models.layers.weight_formats import HALF_FUSED_MAX_ROWS_FLOAT32, ConversionBuffer
+from radixlm.models.layers.weight_formats import (
+    HALF_FUSED_MAX_ROWS_FLOAT32,
+    ConversionBuffer,
+    HalfWeight,
+)
 from radixlm.models.layers.weight_storage import (
     SIXTEEN_BIT_STORAGE,
     BlockedWeight,
@@ -136,14 +140,19 @@ def test_loading_in_16_bit_storage_packs_the_projections_and_the_head(tiny_model
     assert stored["bytes"] == 0
 
 
-def test_fp16wo_served_in_float32_is_the_16_bit_storage_all_in_float16(tiny_model_dir):
-    """The loader stores fp16wo's weights as dtype=auto stores them (column blocks where
-    they fit), float16 even where bfloat16 would hold them exactly."""
+def test_fp16wo_served_in_float32_is_the_16_bit_storage_all_in_float16(tiny_model_dir,
+                                                                       cpu_kernels):
+    """With the fused kernels on, the loader stores fp16wo's weights as dtype=auto stores
+    them (column blocks where they fit), float16 even where bfloat16 would hold them
+    exactly; with them off, in HalfWeight's rows (torch's half kernels for a few rows)."""
     path = tiny_model_dir("LlamaForCausalLM", "gqa", True)
     config = ModelConfig.from_path(str(path))
     model = load_model(config, torch.float32, torch.device("cpu"), 256, SINGLE, "fp16wo")
     packed = [m.packed for m in model.modules() if isinstance(m, Linear)]
     packed.append(model.embed_tokens.packed)
+    if cpu_kernels == "torch":
+        assert all(type(p) is HalfWeight for p in packed)
+        return
     assert any(isinstance(p, BlockedWeight) for p in packed)
     assert all(isinstance(p, (BlockedWeight, WidenedWeight)) for p in packed)
     assert {stored_type(p) for p in packed} == {torch.float16}
