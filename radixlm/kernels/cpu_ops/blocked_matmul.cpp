@@ -192,7 +192,7 @@ void blocked_matmul_rows(const float* x, int64_t M, int64_t K, const W* blocks,
 // tiles read the chunk's rows again, and a chunk stays in the core's L2 where all of x
 // (a prompt's) would be read from L3 once per block. 512 rows against all the default
 // model's layers, 2 threads, 2-core Zen 3 (512 KiB L2 a core): 641-658 ms in chunks of 128
-// or 256 KiB, 775 in one (torch's GEMM on the weights widened to float32: about 660).
+// or 256 KiB, 775 in one.
 constexpr int64_t kChunkBytes = 128 * 1024;
 
 template <typename W>
@@ -205,10 +205,6 @@ void blocked_matmul(const float* x, int64_t M, int64_t K, const W* blocks, const
   }
 }
 
-}  // namespace radixlm_matmul
-
-namespace radixlm_matmul {
-
 // The operands' checks both bindings share; returns the output's column count.
 inline int64_t check_blocked_args(const at::Tensor& x, const at::Tensor& blocks) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "CPU tensors expected");
@@ -219,6 +215,19 @@ inline int64_t check_blocked_args(const at::Tensor& x, const at::Tensor& blocks)
   return blocks.size(0) * kBlockColumns;
 }
 
+// out (M, N) float32 for x (M, K): multiply(rows, M, K, out) fills it unless it is empty
+// (K = 0: zeros).
+template <typename Multiply>
+at::Tensor blocked_product(const at::Tensor& x, int64_t N, Multiply&& multiply) {
+  const at::Tensor a = x.contiguous();
+  const int64_t M = a.size(0), K = a.size(1);
+  at::Tensor out = at::empty({M, N}, a.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  multiply(a.data_ptr<float>(), M, K, out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace radixlm_matmul
 
 at::Tensor blocked_matmul(const at::Tensor& x, const at::Tensor& blocks) {
@@ -226,20 +235,15 @@ at::Tensor blocked_matmul(const at::Tensor& x, const at::Tensor& blocks) {
   const at::ScalarType weight_type = blocks.scalar_type();
   TORCH_CHECK(weight_type == at::kBFloat16 || weight_type == at::kHalf,
               "blocks must be bfloat16 or float16 (int8 ones: blocked_int8_matmul)");
-  const at::Tensor a = x.contiguous();
-  const int64_t M = a.size(0), K = a.size(1);
-  at::Tensor out = at::empty({M, N}, a.options());
-  if (M == 0 || N == 0) return out;
-  if (K == 0) return out.zero_();
-  const float* rows = a.data_ptr<float>();
-  if (weight_type == at::kHalf) {
-    radixlm_matmul::blocked_matmul(rows, M, K, blocks.data_ptr<at::Half>(), nullptr,
-                                   out.data_ptr<float>(), N);
-  } else {
-    radixlm_matmul::blocked_matmul(rows, M, K, blocks.data_ptr<at::BFloat16>(), nullptr,
-                                   out.data_ptr<float>(), N);
-  }
-  return out;
+  return radixlm_matmul::blocked_product(x, N, [&](const float* rows, int64_t M, int64_t K,
+                                                   float* out) {
+    if (weight_type == at::kHalf) {
+      radixlm_matmul::blocked_matmul(rows, M, K, blocks.data_ptr<at::Half>(), nullptr, out, N);
+    } else {
+      radixlm_matmul::blocked_matmul(rows, M, K, blocks.data_ptr<at::BFloat16>(), nullptr, out,
+                                     N);
+    }
+  });
 }
 
 at::Tensor blocked_int8_matmul(const at::Tensor& x, const at::Tensor& blocks,
@@ -249,13 +253,10 @@ at::Tensor blocked_int8_matmul(const at::Tensor& x, const at::Tensor& blocks,
   TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat &&
                   scales.dim() == 1 && scales.size(0) == N,
               "scales must be (N,) float32");
-  const at::Tensor a = x.contiguous();
   const at::Tensor s = scales.contiguous();
-  const int64_t M = a.size(0), K = a.size(1);
-  at::Tensor out = at::empty({M, N}, a.options());
-  if (M == 0 || N == 0) return out;
-  if (K == 0) return out.zero_();
-  radixlm_matmul::blocked_matmul(a.data_ptr<float>(), M, K, blocks.data_ptr<int8_t>(),
-                                 s.data_ptr<float>(), out.data_ptr<float>(), N);
-  return out;
+  return radixlm_matmul::blocked_product(x, N, [&](const float* rows, int64_t M, int64_t K,
+                                                   float* out) {
+    radixlm_matmul::blocked_matmul(rows, M, K, blocks.data_ptr<int8_t>(), s.data_ptr<float>(),
+                                   out, N);
+  });
 }

@@ -41,8 +41,8 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
 - ``blocked_matmul(x, blocks)`` (in ``blocked_matmul.cpp``): float32 rows against a 16-bit
   weight in column blocks, ``dtype=auto``'s storage on CPUs without native bfloat16 (16
   outputs' weights of one input widened once for up to 6 rows: the default model's layers,
-  16 rows, 2-core Zen 3, 21.8-23.1 against 27.3-29.5 ms for ``dense_matmul``; 512 rows
-  641-658 ms, where torch's GEMM takes about 660 on the weights widened to float32);
+  16 rows, 2-core Zen 3, 21.8-23.1 against 27.3-29.5 ms for ``dense_matmul``; a whole
+  512-token prompt's pass 741 against 817 ms with the weights widened for torch's GEMM);
   ``blocked_int8_matmul(x, blocks, scales)``: the same against int8 blocks, each output's
   sum times its scale (``int8wo`` served in float32; all the layers, one row 4.5 ms against
   4.9 for ``int8_matmul``, 16 rows 20.2 against 25.1, 128 rows 158 against 206);

@@ -126,17 +126,16 @@ class ThreadPolicy:
         bucket = self._bucket(size)
         if bucket.trial is None:
             passes = max(1, min(self.trial_passes, self.trial_tokens // size))
-            large = size >= self.trial_tokens  # the slow count's trial costs most
             untried = [n for n in self.candidates if n not in bucket.seconds_per_token]
-            if large:
+            if size >= self.trial_tokens:  # a large pass: the slow count's trial costs most
                 untried.reverse()
             bucket.since_trial += 1
-            other = next((n for n in self.candidates if n != bucket.current), None)
             if untried:
-                if not (large and bucket.cores_free and untried[0] < self.candidates[-1]):
+                if not self._needless_trial(bucket, size, untried[0]):
                     self._start_trial(bucket, untried[0], passes)
-            elif bucket.since_trial >= bucket.explore_after and other is not None:
-                if large and bucket.cores_free and other < self.candidates[-1]:
+            elif bucket.since_trial >= bucket.explore_after and len(self.candidates) > 1:
+                other = next(n for n in self.candidates if n != bucket.current)
+                if self._needless_trial(bucket, size, other):
                     bucket.since_trial = 0  # no neighbour to escape: look again later
                 else:
                     self._back_off(bucket)
@@ -213,6 +212,13 @@ class ThreadPolicy:
         bucket.seconds_per_token = dict(nearest.seconds_per_token)
         bucket.inherited = set(self.candidates)
         bucket.current = nearest.current
+
+    def _needless_trial(self, bucket: _Bucket, size: int, threads: int) -> bool:
+        """Whether a trial of ``threads`` would be fewer threads on a large pass whose
+        bucket's all-thread passes have had the cores to themselves (see the module's
+        docstring)."""
+        return (size >= self.trial_tokens and bucket.cores_free
+                and threads < self.candidates[-1])
 
     def _back_off(self, bucket: _Bucket) -> None:
         """Before an exploring trial: waits longer after a trial that kept the choice."""

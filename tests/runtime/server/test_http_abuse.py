@@ -21,7 +21,7 @@ ONE_TOKEN = {"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperat
 EXTRA_WAIT_S = 3.0
 """How much longer than on an idle server a one-token request may wait while an abusive one
 runs. Served in chunks (of about 1 s while nobody waits), a 3,000-token prompt with prompt
-logprobs keeps such waits at about 1.0-1.35 s on a 2-core Zen 3 (at most 1.54 in 6 runs);
+logprobs keeps such waits at about 1.0-1.35 s on a 2-core Zen 3 (at most 1.54 in 3 runs);
 unchunked, it would block them for its whole pass, several seconds. Waits of 1.8-2.6 s came
 from the thread policy's trials of one thread on such a chunk (2.0 failed one CI run), which
 large passes now make only while a neighbour shares the cores (thread_policy.py); this
