@@ -227,8 +227,9 @@ struct RowGroup {
 };
 
 // A task's groups of rows (one head's), block of keys by block: each block's keys and values
-// are read by every group that sees them while they are in L1, where walking one group over
-// all its keys at a time read them from L2 once per group. Key j's values at value_of(j).
+// are read by every group that sees them while they are near the core, where walking one
+// group over all its keys in turn read them from L2 once per group. Key j's values at
+// value_of(j).
 template <class ValueRow>
 void attend_groups(const RowGroup* groups, int64_t count, const float* keys,
                    const ValueRow& value_of, const Shape& s, float scale) {
