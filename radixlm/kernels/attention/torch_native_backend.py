@@ -26,10 +26,9 @@ computes only the blocks its causal mask keeps (default model, 2-core Zen 4: one
 prompt 1.7 against 5.7 ms a layer for SDPA; sixteen prompts of about 12 tokens, 0.24
 against 0.79 ms a layer for the padded SDPA call and its gather, the whole pass 110 against
 129 ms; four 20-token questions after a cached 128-token system prompt, 60 against 68 ms;
-float32 on a 2-core Zen 3: one 512-token prompt 2.9 against 5.2 ms a layer for SDPA alone
-(profiled in a pass; 6.0 in a loop with the gather a prefix needs), the whole pass 816
-against 881 ms; sixteen 13-token prompts 0.18 against 0.94 ms a layer, the pass 369
-against 401).
+float32 on a 2-core Zen 3: one 512-token prompt 2.9 against 5.7 ms a layer for SDPA and
+the gather a prefix needs, sixteen 13-token prompts 0.14-0.15 against 0.87-1.04 ms; whole
+passes, before the kernel's key blocks, 816 against 881 ms and 369 against 401).
 
 Values may have a head dim D_v other than the keys' D (multi-head latent attention: keys
 are latent + RoPE rows, values the latent alone, read as a view of the gathered keys);

@@ -25,8 +25,8 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
   keys where they lie in the KV pool, computing only the key blocks the mask keeps
   (torch's CPU flash kernel computes all of a block of up to 512): 1.7 against 5.7 ms a
   layer for a 512-token prompt of the default model, on a 2-core Zen 4 without AMX; in
-  float32 (``prefill_attention_float32.cpp``) on float32 multiply-adds, 2.9 against 5.2 ms
-  for SDPA alone (6.0 with a gather) on a 2-core Zen 3; ``causal_prefill_attention`` says
+  float32 (``prefill_attention_float32.cpp``) on float32 multiply-adds, 2.9 against 5.7 ms
+  for torch's gather and SDPA on a 2-core Zen 3; ``causal_prefill_attention`` says
   where it serves;
 - ``int8_matmul(x, weight, scales)`` and ``dense_matmul(x, weight)`` (in
   ``few_rows_matmul.cpp``): the few rows of a decode step against a projection's weight
