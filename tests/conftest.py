@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny model directories, engines built once per model, and a leak check."""
+"""Shared fixtures: tiny model directories, engines built once per model, a leak check, and
+the same process-wide kernel switches for every test whatever ran before it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).parent))
 
+from process_settings import ProcessSettings  # noqa: E402
 from runtime_checks import assert_engine_idle, assert_pool_idle  # noqa: E402
 from tiny_models import write_tiny_model  # noqa: E402
 
@@ -53,6 +55,24 @@ def _shut_down(engines: list[radixlm.Engine]) -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _module_settings_restored():
+    """A module leaves the process-wide kernel switches as it found them (after its own
+    module-scoped fixtures are gone: this one is set up before them)."""
+    before = ProcessSettings.now()
+    yield
+    before.apply()
+
+
+@pytest.fixture(autouse=True)
+def _test_settings_restored(_module_settings_restored):
+    """A test leaves the process-wide kernel switches as it found them: the next test
+    computes what it would compute alone."""
+    before = ProcessSettings.now()
+    yield
+    before.apply()
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _shut_down_engines():
     """An engine lives at most for its module: the cached engines (and in-process
     schedulers) stop when it ends."""
@@ -60,7 +80,7 @@ def _shut_down_engines():
     engines = list(_ENGINES.values())
     _ENGINES.clear()
     _shut_down(engines)
-    for scheduler in _SCHEDULERS.values():
+    for scheduler, _ in _SCHEDULERS.values():
         scheduler.shutdown()
     _SCHEDULERS.clear()
 
@@ -92,7 +112,9 @@ def engine_for(tiny_model_dir):
         assert_engine_idle(engine)
 
 
-_SCHEDULERS: dict[tuple, Scheduler] = {}
+_SCHEDULERS: dict[tuple, tuple[Scheduler, ProcessSettings]] = {}
+"""In-process schedulers, each with the process-wide switches its runner set when built
+(set again when a later test of the module takes it)."""
 
 
 @pytest.fixture
@@ -107,9 +129,12 @@ def scheduler_for(tiny_model_dir):
         key = (str(path), tuple(sorted(options.items())))
         if key not in _SCHEDULERS:
             options = {"dtype": "float32", "max_total_tokens": 8192, **options}
-            _SCHEDULERS[key] = build_scheduler(ServerArgs(str(path), **options), str(path))
-        used.append(_SCHEDULERS[key])
-        return _SCHEDULERS[key]
+            scheduler = build_scheduler(ServerArgs(str(path), **options), str(path))
+            _SCHEDULERS[key] = scheduler, ProcessSettings.now()
+        scheduler, settings = _SCHEDULERS[key]
+        settings.apply()
+        used.append(scheduler)
+        return scheduler
 
     yield build
     for scheduler in used:

@@ -4,11 +4,15 @@
 // either int8 with scales (N,) float32 (int8_matmul) or of x's own type, float16 or bfloat16
 // (dense_matmul, no scales). Weights are widened to float32 in registers and the sums kept in
 // float32; x is read as it is stored (no rounding of float32 activations), and each output is
-// rounded once to x's type. For a few rows the product reads each weight once and does little
-// with it, so its time is the weights' bytes over the memory bandwidth: the loops ask for the
-// weights a fixed distance ahead of where they read (the CPU's own prefetcher, on the short
-// rows of a projection, keeps too little in flight: on a 2-core AMX CPU, 12 GB/s over 108 MB
-// of weights of the 24-29 two threads read in a plain loop, 17-21 with these requests).
+// rounded once to x's type. A row's products do not depend on the rows beside it: each
+// output's terms are summed in the same order by the same operations in every tile shape
+// (test_few_rows_matmul.py checks it on builds for other CPUs too).
+//
+// For a few rows the product reads each weight once and does little with it, so its time is
+// the weights' bytes over the memory bandwidth: the loops ask for the weights a fixed distance
+// ahead of where they read (the CPU's own prefetcher, on the short rows of a projection, keeps
+// too little in flight: on a 2-core AMX CPU, 12 GB/s over 108 MB of weights of the 24-29 two
+// threads read in a plain loop, 17-21 with these requests).
 
 #include <torch/extension.h>
 
@@ -17,6 +21,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -65,6 +70,24 @@ inline Lanes to_lanes(const Vec& v) {
   return out;
 }
 
+// a * b + c lane by lane, rounded once. Written `c + a * b`, GCC fused it in some tile shapes
+// and not in others (builds tuned for Zen), and a row's products must not depend on the tile
+// it falls in.
+inline Lanes multiply_add(Lanes a, Lanes b, Lanes c) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return reinterpret_cast<Lanes>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                                 reinterpret_cast<__m512>(b),
+                                                 reinterpret_cast<__m512>(c)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return reinterpret_cast<Lanes>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
+                                                 reinterpret_cast<__m256>(b),
+                                                 reinterpret_cast<__m256>(c)));
+#else
+  for (int64_t i = 0; i < kWidth; ++i) c[i] = std::fma(a[i], b[i], c[i]);
+  return c;
+#endif
+}
+
 // kWidth int8 weights from p, widened to float32.
 inline Lanes load_int8(const int8_t* p) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -102,6 +125,16 @@ inline Lanes load_weights(const W* p) {
   }
 }
 
+// The first `count` (< kWidth) values from p, widened to float32, and zeros after them: the
+// columns past the last whole vector go through the same multiply-adds as the others. (A
+// scalar loop for them rounded by the tile's shape in GCC 12's builds tuned for Zen.)
+template <typename T>
+inline Lanes padded(const T* p, int64_t count) {
+  Lanes out = {};
+  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(p[i]);
+  return out;
+}
+
 // Makes the compiler keep v in a register from here on. In a whole tile GCC would rather
 // fold the x loads into the multiply-adds, loading each x vector once per weight row: 15
 // loads for a step's 12 multiply-adds on AVX2, where a core loads 2 vectors a cycle. With x
@@ -134,17 +167,21 @@ inline void tile(const T* x, int64_t x_stride, const W* w, const float* scales, 
     for (int m = 0; m < MB; ++m) {
       Lanes xv = load_activations(x + m * x_stride + k);
       if constexpr (MB == kRowsPerTile) in_register(xv);
-      for (int r = 0; r < R; ++r) acc[m][r] += xv * wide[r];
+      for (int r = 0; r < R; ++r) acc[m][r] = multiply_add(xv, wide[r], acc[m][r]);
+    }
+  }
+  if (k < K) {  // the last K % kWidth columns, padded with zeros to a whole vector
+    Lanes wide[R];
+    for (int r = 0; r < R; ++r) wide[r] = padded(w + r * K + k, K - k);
+    for (int m = 0; m < MB; ++m) {
+      const Lanes xv = padded(x + m * x_stride + k, K - k);
+      for (int r = 0; r < R; ++r) acc[m][r] = multiply_add(xv, wide[r], acc[m][r]);
     }
   }
   for (int m = 0; m < MB; ++m) {
-    const T* row = x + m * x_stride;
     for (int r = 0; r < R; ++r) {
       float sum = 0.f;
       for (int64_t i = 0; i < kWidth; ++i) sum += acc[m][r][i];
-      for (int64_t j = k; j < K; ++j) {
-        sum += static_cast<float>(row[j]) * static_cast<float>(w[r * K + j]);
-      }
       out[m * out_stride + r] = static_cast<T>(scales == nullptr ? sum : sum * scales[r]);
     }
   }

@@ -1,7 +1,7 @@
 """The fused CPU kernels compute what the torch operations they replace compute: float32 to
-float32 rounding, bfloat16 to one rounding step (the int8 matmul: float64's product to the
-same precision); an engine serves the same tokens and
-logprobs with them as without; where they cannot be built, torch's operations stay."""
+float32 rounding, bfloat16 to one rounding step (the few-rows matmuls have their own module);
+an engine serves the same tokens and logprobs with them as without; where they cannot be
+built, torch's operations stay."""
 
 from __future__ import annotations
 
@@ -183,104 +183,6 @@ def test_scatter_rows_rejects_slots_and_rows_that_do_not_fit(kernels):
         kernels.scatter_rows(buffer, torch.tensor([0, 1, 2]), rows.double())
     with pytest.raises(RuntimeError, match="int64"):
         kernels.scatter_rows(buffer, torch.tensor([0, 1, 2], dtype=torch.int32), rows)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 5, 16])  # one tile of x's rows; several, and a rest
-@pytest.mark.parametrize("out_features, in_features", [
-    (96, 64),  # whole tiles of weight rows and whole vectors
-    (13, 70),  # rows past the last whole tile; a scalar tail after the vectors
-    (3, 5),  # fewer inputs than one vector
-    (1024, 576),  # enough work to split between the threads
-])
-def test_int8_matmul_multiplies_by_the_scaled_integers(kernels, dtype, rows, out_features,
-                                                       in_features):
-    """float64's product of x as stored and the dequantized weight; the error is the output's
-    rounding to x's type plus float32 sums: within one step of the dtype of the sum of
-    |x| |w| (float32: K steps of 2^-24 at worst; seen ~1e-7)."""
-    torch.manual_seed(rows * out_features + in_features)
-    weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
-    scales = torch.rand(out_features) / 100
-    x = torch.randn(rows, in_features).to(dtype)
-    got = kernels.int8_matmul(x, weight, scales)
-    assert got.dtype == dtype and got.shape == (rows, out_features)
-    dequantized = weight.double() * scales.double()[:, None]
-    expected = x.double() @ dequantized.T
-    magnitude = x.double().abs() @ dequantized.abs().T
-    step = {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
-    assert ((got.double() - expected).abs() <= step * magnitude + 1e-30).all()
-    strided = torch.randn(rows, 2 * in_features).to(dtype)[:, ::2]  # not contiguous
-    assert torch.equal(kernels.int8_matmul(strided, weight, scales),
-                       kernels.int8_matmul(strided.contiguous(), weight, scales))
-    assert kernels.int8_matmul(x[:0], weight, scales).shape == (0, out_features)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 5, 7])  # 7: a whole tile of 4 rows and one of 3
-@pytest.mark.parametrize("out_features, in_features", [(96, 64), (13, 70), (1024, 576)])
-def test_dense_matmul_computes_what_f_linear_computes(kernels, dtype, rows, out_features,
-                                                      in_features):
-    """Weights of x's own type, float32 sums: float64's product to one step of the dtype
-    (of the sum of |x| |w|), and F.linear's to one rounding step of the output."""
-    torch.manual_seed(rows + out_features)
-    weight = (torch.randn(out_features, in_features) * 0.05).to(dtype)
-    x = torch.randn(rows, 2 * in_features).to(dtype)[:, ::2]  # a strided view
-    got = kernels.dense_matmul(x, weight)
-    assert got.dtype == dtype and got.shape == (rows, out_features)
-    expected = x.double() @ weight.double().T
-    magnitude = x.double().abs() @ weight.double().abs().T
-    step = {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
-    assert ((got.double() - expected).abs() <= step * magnitude + 1e-30).all()
-    torch.testing.assert_close(got, F.linear(x, weight), **TOLERANCE.get(
-        dtype, dict(atol=1e-3, rtol=1e-3)))
-    for narrow in (torch.float16, torch.bfloat16):  # 16-bit weights beside any activations
-        stored = weight.to(narrow)  # (fp16wo; dtype=auto's storage on float32 CPUs)
-        got = kernels.dense_matmul(x, stored)
-        assert got.dtype == dtype
-        expected = x.double() @ stored.double().T
-        magnitude = x.double().abs() @ stored.double().abs().T
-        assert ((got.double() - expected).abs() <= step * magnitude + 1e-30).all()
-    wrong = torch.float64 if dtype == torch.float32 else torch.float32
-    with pytest.raises(RuntimeError, match="of x's dtype, float16 or bfloat16"):
-        kernels.dense_matmul(x, weight.to(wrong))
-
-
-@pytest.mark.parametrize("weight_type", [torch.float32, torch.float16, torch.int8])
-def test_few_rows_matmul_gives_a_row_the_same_products_in_any_pass(kernels, weight_type):
-    """A row's products over 16-bit or int8 weights (dtype=auto's storage, the weight-only
-    formats) do not depend on the rows beside it: alone (the one-row tiles), in a whole tile
-    of 4 or in the rest after the tiles, bit for bit. (float32 weights, dtype=float32:
-    equal across passes of several rows; a lone row was seen to round differently, by up
-    to 2e-6, and is left out.)"""
-    torch.manual_seed(3)
-    x = torch.randn(39, 72)
-    if weight_type == torch.int8:
-        weight, scales = torch.randint(-127, 128, (52, 72), dtype=torch.int8), torch.rand(52)
-        product = lambda rows: kernels.int8_matmul(rows, weight, scales)  # noqa: E731
-    else:
-        weight = torch.randn(52, 72).to(weight_type)
-        product = lambda rows: kernels.dense_matmul(rows, weight)  # noqa: E731
-    whole = product(x)
-    for first, count in [(0, 1), (38, 1), (5, 3), (8, 4), (2, 7), (0, 39)]:
-        if count == 1 and weight_type == torch.float32:
-            continue
-        assert torch.equal(product(x[first:first + count]), whole[first:first + count])
-
-
-def test_int8_matmul_rejects_arguments_that_do_not_fit(kernels):
-    weight, scales, x = torch.ones(8, 16, dtype=torch.int8), torch.ones(8), torch.randn(2, 16)
-    with pytest.raises(RuntimeError, match=r"x must be \(M, K\)"):
-        kernels.int8_matmul(torch.randn(2, 15), weight, scales)
-    with pytest.raises(RuntimeError, match=r"scales must be \(N,\) float32"):
-        kernels.int8_matmul(x, weight, torch.ones(7))
-    with pytest.raises(RuntimeError, match=r"scales must be \(N,\) float32"):
-        kernels.int8_matmul(x, weight, scales.double())
-    with pytest.raises(RuntimeError, match="weight must be int8"):
-        kernels.int8_matmul(x, weight.float(), scales)
-    with pytest.raises(RuntimeError, match=r"contiguous \(N, K\)"):
-        kernels.int8_matmul(x, torch.ones(16, 8, dtype=torch.int8).T, scales)
-    with pytest.raises(RuntimeError, match="int8_matmul"):  # no double activations
-        kernels.int8_matmul(x.double(), weight, scales)
 
 
 @torch.inference_mode()
