@@ -253,8 +253,9 @@ class Engine:
             raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
         try:
             text = self.apply_chat_template(messages, **template_kwargs)
-        except TemplateError as err:
-            raise ValueError(f"the chat template failed: {err}") from None
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError,
+                AttributeError) as err:  # a template given values of types it cannot take
+            raise ValueError(f"the chat template failed: {type(err).__name__}: {err}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     @contextlib.asynccontextmanager

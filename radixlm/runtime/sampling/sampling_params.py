@@ -18,6 +18,14 @@ from radixlm.runtime.grammar.constraints import CONSTRAINT_KINDS, GrammarKey
 GREEDY_TEMPERATURE = 1e-6
 """A temperature below this means greedy decoding."""
 
+INT64_MAX = 2**63 - 1
+"""The largest integer any count or id may take (what crosses to the scheduler and into its
+tensors is a 64-bit integer)."""
+SEED_MAX = 2**64 - 1
+"""The largest ``sampling_seed`` (a torch generator takes 64-bit unsigned seeds)."""
+TOP_K_MAX = 2**31 - 1
+"""The largest ``top_k``: any value at or above the vocabulary's size keeps all of it."""
+
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick the next tokens and when to stop.
@@ -82,9 +90,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     def _validate(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=0)
-        _check_int("min_new_tokens", self.min_new_tokens, minimum=0)
+        _check_int("min_new_tokens", self.min_new_tokens, minimum=0,
+                   maximum=self.max_new_tokens)
         _check_int("n", self.n, minimum=1)
-        _check_int("top_k", self.top_k, minimum=-1)
+        _check_int("top_k", self.top_k, minimum=-1, maximum=TOP_K_MAX)
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (disabled) or a positive integer, got 0")
         _check_number("temperature", self.temperature, low=0.0)
@@ -101,12 +110,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         self.stop_regex = _string_list("stop_regex", self.stop_regex)
         if self.stop_token_ids is not None and not (
             isinstance(self.stop_token_ids, list)
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX
                     for t in self.stop_token_ids)
         ):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+            raise ValueError("stop_token_ids must be a list of token ids (non-negative "
+                             "integers)")
         if self.sampling_seed is not None:
-            _check_int("sampling_seed", self.sampling_seed, minimum=0)
+            _check_int("sampling_seed", self.sampling_seed, minimum=0, maximum=SEED_MAX)
         if self.logit_bias is not None:
             self._check_logit_bias()
         self._check_constraint()
@@ -226,9 +236,12 @@ def _string_list(name: str, value: Any) -> list[str] | None:
     return value
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _check_int(name: str, value: Any, minimum: int, maximum: int = INT64_MAX) -> None:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if not is_int or not minimum <= value <= maximum:
+        wide = maximum == INT64_MAX and not (is_int and value > maximum)
+        bounds = f">= {minimum}" if wide else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an integer {bounds}, got {value!r}")
 
 
 def _check_number(name: str, value: Any, low: float, high: float = math.inf) -> None:

@@ -56,10 +56,11 @@ from radixlm.runtime.server.openai_protocol import (
     TopLogprob,
     Usage,
 )
-from radixlm.runtime.server.server_sent_events import server_sent_events
+from radixlm.runtime.server.server_sent_events import StreamFailed, server_sent_events
 from radixlm.runtime.server.sglang_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_neutral
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 503: "server_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "server_error",
+                503: "server_error"}
 _ERRORS = {status: {"model": ErrorResponse} for status in _ERROR_TYPES}
 
 
@@ -89,6 +90,8 @@ def _as_openai_error(err: Exception) -> OpenAIError:
         return OpenAIError(503, str(err), code="queue_full")
     if isinstance(err, RuntimeUnavailable):
         return OpenAIError(503, str(err))
+    if isinstance(err, StreamFailed):
+        return OpenAIError(500, str(err))
     return OpenAIError(400, str(err))
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from radixlm.runtime.sampling.sampling_params import INT64_MAX, SEED_MAX, TOP_K_MAX
 from radixlm.runtime.server.sglang_fields import CHAT_FIELDS, COMPLETION_FIELDS, fields_model
 
 
@@ -46,7 +47,7 @@ class SamplingExtras(_Request):
     model: str
     n: int = Field(default=1, ge=1, le=128)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     temperature: float | None = None
     top_p: float | None = None
     frequency_penalty: float | None = None
@@ -56,9 +57,9 @@ class SamplingExtras(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # SGLang's extras.
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=TOP_K_MAX)
     min_p: float | None = None
-    min_tokens: int | None = None
+    min_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
     regex: str | None = None
     ebnf: str | None = None
     json_schema: str | None = None

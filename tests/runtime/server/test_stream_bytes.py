@@ -10,7 +10,6 @@ timing); neither says anything about the cost of the framing."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import pytest
@@ -27,19 +26,11 @@ from the short stream to the long one (a cumulative field in each message would 
 about LONG / SHORT = 8 times)."""
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    """A server over the tiny model, given a chat template for /v1/chat/completions, and the
-    most bytes one of its tokens decodes to."""
-    model = tmp_path_factory.mktemp("chat") / "model"
-    shutil.copytree(tiny_model_dir(), model)
-    config_path = model / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+def server(chat_model_dir):
+    """A server over the tiny model with a chat template, and the most bytes one of its
+    tokens decodes to."""
+    model = chat_model_dir
     engine = radixlm.Engine(str(model), dtype="float32", context_length=LONG + 64,
                             max_total_tokens=LONG + 128)
     live = LiveServer(create_app(engine))
