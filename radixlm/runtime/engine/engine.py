@@ -94,6 +94,7 @@ class Engine:
             self.server_args.disaggregation_mode, self.server_args.disaggregation_bootstrap_port,
             request_rows=self.server_args.max_running_requests,
             tp_size=self.server_args.tp_size,
+            eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
         self._metrics = None
         self._own_loop = asyncio.new_event_loop()

@@ -75,6 +75,8 @@ class RequestLimits:
     request_rows: int = 2**31
     """Requests the scheduler runs at once (a beam search needs a row per beam)."""
     tp_size: int = 1
+    eos_token_ids: frozenset[int] = frozenset()
+    """The model's end-of-sequence tokens (they stop an output unless ``ignore_eos``)."""
 
 
 def build_generate_reqs(
@@ -248,7 +250,7 @@ def _sampling_params(given: dict[str, Any], prompt_len: int,
     params = SamplingParams.from_dict({**limits.generation_defaults, **given},
                                       compile_regexes=False)  # after the caps on their number
     limits.caps.check_params(params)
-    params.check_vocab(limits.vocab_size)
+    params.check_vocab(limits.vocab_size, limits.eos_token_ids)
     constraint = params.constraint()
     if constraint is not None:
         limits.check_constraint(constraint.kind, constraint.text)

@@ -21,6 +21,7 @@ that equal logits give equal tokens and scores.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,14 @@ import torch
 EARLY_STOPPING_VALUES = (True, False, "never")
 DEAD = -1.0e9
 """transformers' score of a slot that holds nothing, or of a candidate that must not win."""
+
+
+def length_normaliser(length: int, length_penalty: float) -> float:
+    """``length ** length_penalty``, inf where that overflows a float (Python raises)."""
+    try:
+        return float(length) ** length_penalty
+    except OverflowError:
+        return math.inf
 
 
 @dataclass
@@ -135,7 +144,9 @@ class BeamSearch:
         if not self.improvable or (len(self.kept) == k and self.early_stopping is True):
             return  # transformers adds -1e9 to them: nothing is added
         generated = self.length + 1
-        normalised = top_scores / (generated ** self.length_penalty)
+        normalised = torch.nan_to_num(top_scores / length_normaliser(generated,
+                                                                      self.length_penalty),
+                                      nan=-torch.inf)
         new = []
         for i in range(min(k, len(tokens))):
             if ends[i]:
@@ -144,13 +155,12 @@ class BeamSearch:
                 new.append((hypothesis, parents[i]))
         if not new:
             return
-        # transformers' merge: top-k over the kept scores followed by the new ones.
+        # transformers' merge: top-k over the kept scores followed by the new ones (its
+        # fillers for empty slots, scored DEAD, never win where scores are above DEAD; a
+        # score may be below it or -inf here, at extreme length penalties, so none are added).
         merged = self.kept + [h for h, _ in new]
-        scores = torch.tensor([h.score for h in merged] + [DEAD] * (k - len(self.kept)),
-                              dtype=torch.float32)
-        order = [i for i in torch.topk(scores, k)[1].tolist() if i < len(merged)]
-        # (a DEAD filler never outranks a real score: scores are finite and far above it)
-        kept = [merged[i] for i in order]
+        scores = torch.tensor([h.score for h in merged], dtype=torch.float32)
+        kept = [merged[i] for i in torch.topk(scores, min(k, len(merged)))[1].tolist()]
         for hypothesis, parent in new:
             if any(h is hypothesis for h in kept):
                 hypothesis.payload = payload_of(parent)
@@ -165,6 +175,7 @@ class BeamSearch:
             best_length = self.max_new_tokens
         else:
             best_length = self.length
-        best_running = self.running_scores[:1] / (best_length ** self.length_penalty)
+        best_running = self.running_scores[:1] / length_normaliser(best_length,
+                                                                   self.length_penalty)
         worst_kept = min(h.score for h in self.kept)
         self.improvable = bool(best_running[0] > worst_kept)

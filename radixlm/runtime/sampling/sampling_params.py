@@ -25,6 +25,9 @@ SEED_MAX = 2**64 - 1
 """The largest ``sampling_seed`` (a torch generator takes 64-bit unsigned seeds)."""
 TOP_K_MAX = 2**31 - 1
 """The largest ``top_k``: any value at or above the vocabulary's size keeps all of it."""
+LENGTH_PENALTY_LIMIT = 10.0
+"""Beam search's ``length_penalty`` lies within this of 0 (typical values are 0.5 to 2; at
+10 a 10-token hypothesis's score is already scaled 1e10 times)."""
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -151,14 +154,21 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 return GrammarKey(kind, text)
         return None
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Token ids named in the parameters must exist in the vocabulary."""
+    def check_vocab(self, vocab_size: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+        """Token ids named in the parameters must exist in the vocabulary, and before
+        ``min_new_tokens`` some token must be allowed: not all of them may stop the output
+        (``stop_token_ids`` and, unless ``ignore_eos``, the model's ``eos_token_ids``)."""
         ids = list(self.stop_token_ids or [])
         ids += [int(t) for t in (self.logit_bias or {})]
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"token ids {bad} in stop_token_ids/logit_bias are outside the "
-                             f"vocabulary (size {vocab_size})")
+            raise ValueError(f"token ids {bad[:5]} in stop_token_ids/logit_bias are outside "
+                             f"the vocabulary (size {vocab_size})")
+        stopping = set(self.stop_token_ids or ()) | (set() if self.ignore_eos
+                                                     else set(eos_token_ids))
+        if self.min_new_tokens and len(stopping & set(range(vocab_size))) == vocab_size:
+            raise ValueError("stop_token_ids (with the model's EOS tokens) cover the whole "
+                             "vocabulary: no token could be generated before min_new_tokens")
 
     def _check_constraint(self) -> None:
         """At most one of regex, json_schema and ebnf, given as a non-empty string."""
@@ -179,9 +189,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         (a request that sets them and forgets ``use_beam_search`` is told so)."""
         if not isinstance(self.use_beam_search, bool):
             raise ValueError(f"use_beam_search must be true or false, got {self.use_beam_search!r}")
-        _check_number("length_penalty", self.length_penalty, low=-math.inf)
-        if not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        _check_number("length_penalty", self.length_penalty, low=-LENGTH_PENALTY_LIMIT,
+                      high=LENGTH_PENALTY_LIMIT)
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError("early_stopping must be true, false or \"never\", got "
                              f"{self.early_stopping!r}")

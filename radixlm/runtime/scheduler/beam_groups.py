@@ -32,7 +32,7 @@ import torch
 
 from radixlm.host_to_device import to_device
 from radixlm.kv_cache.memory_pool import copy_slots
-from radixlm.runtime.request import Req, finish_abort, finish_length, finish_stop
+from radixlm.runtime.request import Req, finish_length, finish_stop
 from radixlm.runtime.sampling.beam_search import BeamSearch
 from radixlm.runtime.scheduler.request_memory import RequestMemory
 
@@ -59,6 +59,7 @@ class BeamGroup:
                                  params.length_penalty, params.early_stopping,
                                  params.min_new_tokens)
         self.expanded = False
+        self._step_pages: list[torch.Tensor] | None = None  # see ``step``
         leader.beam = self
 
     @property
@@ -90,12 +91,17 @@ class BeamGroup:
         assert all(b.kv_len == end for b in beams), "every beam has KV up to its last token"
         rows = _rows_of(beams, table)
         before = self._held_pages(table, rows, end)
+        # Until the step ends, the group owns exactly these pages and those the step
+        # allocates (appended here), whatever state the rows are left in: ``release`` frees
+        # them if the step fails half-way.
+        self._step_pages = [before]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         choice = self.search.step(
             logprobs, lambda parent: table[beams[parent].req_pool_idx, self.base:end].clone())
         if not choice.done:
             rows = self._fork(choice.parents, rows, end, memory, kv_pool)
         self._free_pages(memory, before, self._held_pages(table, rows, end))
+        self._step_pages = None
         return choice.done
 
     def finish(self, memory: RequestMemory) -> None:
@@ -106,6 +112,9 @@ class BeamGroup:
         end = beams[0].kv_len
         rows = _rows_of(beams, table)
         results = self.search.results()
+        if len(results) < len(self.members) or any(h.payload is None for h in results):
+            raise RuntimeError(f"beam search kept {len(results)} of {len(self.members)} "
+                               "hypotheses")  # (a search that ran to its end keeps them all)
         best = results[0].payload
         held = self._held_pages(table, rows, end)
         self._free_pages(memory, held, torch.unique(best // self.page_size))
@@ -125,15 +134,17 @@ class BeamGroup:
             last = hypothesis.tokens[-1]
             member.finish_reason = (finish_stop(last) if last in eos
                                     else finish_length(len(hypothesis.tokens)))
-        for member in self.members[len(results):]:  # not expected: a full search keeps k
-            member.finish_reason = finish_abort("beam search kept fewer hypotheses than n")
 
     def release(self, memory: RequestMemory) -> None:
         """Frees everything the group holds (a retraction or an abort): the beams' KV, the
         rows; the prompt's KV goes to the cache. The search starts over if run again."""
         leader = self.leader
         if leader.req_pool_idx is not None:
-            if self.expanded:
+            if self._step_pages is not None:  # a step failed half-way: what it owned
+                held = torch.unique(torch.cat(self._step_pages))
+                self._free_pages(memory, held, held[:0])
+                leader.kv_len = self.base
+            elif self.expanded:
                 table = memory.req_to_token
                 beams = self.running()
                 rows = _rows_of(beams, table)
@@ -147,6 +158,7 @@ class BeamGroup:
             member.output_ids = []
         self.search.reset()
         self.expanded = False
+        self._step_pages = None
 
     # Rows and pages -----------------------------------------------------------------------
 
@@ -189,7 +201,10 @@ class BeamGroup:
         start, used = end - end % page, end % page
         table = memory.req_to_token
         copy_rows = new_rows[to_device(copies, torch.int64, table.device)]
-        fresh = memory.alloc_pages(len(copies) * page).view(len(copies), page)[:, :used]
+        pages = memory.alloc_pages(len(copies) * page)
+        if self._step_pages is not None:
+            self._step_pages.append(torch.unique(pages // page))
+        fresh = pages.view(len(copies), page)[:, :used]
         copy_slots(kv_pool, table[copy_rows, start:end].reshape(-1), fresh.reshape(-1))
         table[copy_rows, start:end] = fresh
 

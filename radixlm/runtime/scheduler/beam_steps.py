@@ -3,6 +3,7 @@ own part, its rows and KV, is ``beam_groups.py``)."""
 
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
@@ -10,6 +11,8 @@ import torch
 from radixlm.host_to_device import to_device
 from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.scheduler.beam_groups import BeamGroup
+
+logger = logging.getLogger(__name__)
 
 
 class BeamSteps:
@@ -55,21 +58,36 @@ class BeamSteps:
         searches that ended, beyond the batch's requests (those that never ran)."""
         ended: list[Req] = []
         for group, rows in beam_rows:
-            index = to_device(rows, torch.int64, hidden.device)
-            logits = self.output_processor.compute_logits(hidden.index_select(0, index))
             was_running = group.expanded
-            if group.step(logits, self.memory, self.runner.kv_pool):
-                self._remove_beams(group)
-                group.finish(self.memory)
+            try:
+                self._step_beam_search(group, rows, hidden)
+            except Exception as err:  # one search's failure ends it alone, freeing it all
+                logger.exception("a beam search step failed")
+                self._abort_beam_search(group, f"beam search failed: {type(err).__name__}: "
+                                               f"{err}")
                 if not was_running:
                     ended += group.members[1:]
-            elif not was_running:  # the members run next to each other
-                after = self.running.index(group.leader) + 1
-                self.running[after:after] = group.members[1:]
-                self.beam_groups.append(group)
+                continue
+            if group.search.done and not was_running:
+                ended += group.members[1:]
         if beam_rows:
             self._note_kv_peak()
         return ended
+
+    def _step_beam_search(self, group: BeamGroup, rows: list[int],
+                          hidden: torch.Tensor) -> None:
+        """One step of ``group`` from its rows of ``hidden``: it ends (finished, out of
+        ``running``) or runs on (its members in ``running``, next to each other)."""
+        index = to_device(rows, torch.int64, hidden.device)
+        logits = self.output_processor.compute_logits(hidden.index_select(0, index))
+        was_running = group.expanded
+        if group.step(logits, self.memory, self.runner.kv_pool):
+            self._remove_beams(group)
+            group.finish(self.memory)
+        elif not was_running:  # the members run next to each other
+            after = self.running.index(group.leader) + 1
+            self.running[after:after] = group.members[1:]
+            self.beam_groups.append(group)
 
     def _shared_prefixes(self, reqs: list[Req]) -> list[tuple[int, int, int]]:
         """The runs of ``reqs`` (a decode batch) that are one beam search's members, in

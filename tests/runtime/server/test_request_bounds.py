@@ -177,3 +177,18 @@ def test_a_native_stream_that_fails_inside_ends_with_an_error_and_done(server, m
     assert "RuntimeError" in json.loads(sent[-2])["error"]["message"]
     monkeypatch.undo()
     wait_idle(engine)
+
+
+@pytest.mark.parametrize("sampling", [
+    {"n": 2, "use_beam_search": True, "length_penalty": -100},
+    {"n": 2, "use_beam_search": True, "length_penalty": 1000},
+    {"min_new_tokens": 4, "stop_token_ids": list(range(384))},
+    {"n": 2, "use_beam_search": True, "min_new_tokens": 4, "stop_token_ids": list(range(1, 384))},
+])
+def test_parameters_that_once_failed_a_step_are_refused(server, sampling):
+    """(The tiny model's vocabulary is 384 tokens; its EOS stops too, unless ignored.)"""
+    engine, url = server
+    status, text = answer(url, "/generate", {"text": "hi", "sampling_params": {
+        "max_new_tokens": 8, **sampling}})
+    assert status == 400 and ("length_penalty" in text or "whole vocabulary" in text), text
+    assert_engine_idle(engine)
