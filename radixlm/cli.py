@@ -46,6 +46,8 @@ SERVER_OPTION_HELP = {
     "random_seed": "seed for requests without sampling_seed",
     "num_threads": "CPU threads (default: adaptive)",
     "trust_remote_code": "allow model code from the checkpoint",
+    "trust_request_chat_template": "let a chat request bring its own Jinja chat template "
+                                   "(chat_template_kwargs.chat_template)",
     "host": "address to listen on",
     "port": "port to listen on",
     "api_key": "require 'Authorization: Bearer <key>' on every route but /health (visible in "

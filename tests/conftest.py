@@ -3,7 +3,9 @@ the same process-wide kernel switches for every test whatever ran before it."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +41,21 @@ def tiny_model_dir(tmp_path_factory):
         return made[key]
 
     return make
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A copy of the tiny model given a chat template (for /v1/chat/completions)."""
+    model = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(tiny_model_dir(), model)
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return model
 
 
 MAX_LIVE_ENGINES = 3

@@ -102,6 +102,10 @@ class ServerArgs:
     """CPU threads for every forward pass; None: one thread or all of torch's, chosen per
     size of pass by measuring both as the server runs (``thread_policy.py``)."""
     trust_remote_code: bool = False
+    trust_request_chat_template: bool = False
+    """Let a chat request bring its own Jinja template (``chat_template_kwargs``'s
+    ``chat_template``). Off: such a request is refused, since a template is code the server
+    runs (rendered off the event loop, with a time and size bound, where allowed)."""
     host: str = "127.0.0.1"
     """Where ``radixlm serve`` listens (loopback only, unless told otherwise)."""
     port: int = 30000

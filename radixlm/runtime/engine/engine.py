@@ -33,6 +33,7 @@ from radixlm.models.default_model import resolve_model_path
 from radixlm.models.model_config import ModelConfig
 from radixlm.models.registry import model_class
 from radixlm.runtime import messages as io
+from radixlm.runtime.engine.chat_template_kwargs import RENDER_TIMEOUT_S, check_template_kwargs
 from radixlm.runtime.engine.errors import RuntimeUnavailable
 from radixlm.runtime.engine.loop_bridge import (
     iterate_on_loop,
@@ -243,20 +244,31 @@ class Engine:
             raise ValueError(f"the messages have {chars} characters; no prompt of more than "
                              f"{self._limits.max_prompt_chars} fits the context of "
                              f"{self.context_length} tokens")
-        if chars < TOKENIZE_ON_LOOP_CHARS:
-            return self._chat_prompt_ids(messages, template_kwargs or {})
-        return await asyncio.to_thread(self._chat_prompt_ids, messages, template_kwargs or {})
+        template_kwargs = template_kwargs or {}
+        clients_template = check_template_kwargs(
+            template_kwargs, self.server_args.trust_request_chat_template)
+        if chars < TOKENIZE_ON_LOOP_CHARS and not clients_template:
+            return self._chat_prompt_ids(messages, template_kwargs)
+        render = asyncio.to_thread(self._chat_prompt_ids, messages, template_kwargs)
+        if not clients_template:
+            return await render
+        try:
+            return await asyncio.wait_for(render, RENDER_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ValueError(f"the request's chat template took over {RENDER_TIMEOUT_S} s to "
+                             "render") from None
 
     def _chat_prompt_ids(self, messages: list[dict[str, Any]],
                          template_kwargs: dict[str, Any]) -> list[int]:
-        reserved = {"messages", "tokenize", "add_generation_prompt", "conversation"}
-        if reserved & set(template_kwargs):
-            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
         try:
             text = self.apply_chat_template(messages, **template_kwargs)
         except (TemplateError, TypeError, ValueError, KeyError, IndexError,
                 AttributeError) as err:  # a template given values of types it cannot take
             raise ValueError(f"the chat template failed: {type(err).__name__}: {err}") from None
+        if len(text) > self._limits.max_prompt_chars:
+            raise ValueError(f"the chat template made a prompt of {len(text)} characters; no "
+                             f"prompt of more than {self._limits.max_prompt_chars} fits the "
+                             f"context of {self.context_length} tokens")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     @contextlib.asynccontextmanager
