@@ -68,6 +68,7 @@ SERVER_OPTION_HELP = {
     "max_prompt_logprob_entries": "most prompt positions with logprobs x (1 + top logprobs)",
     "max_stop_strings": "most stop strings plus stop regexes per prompt",
     "max_stop_chars": "most characters of a prompt's stop strings and regexes together",
+    "max_stop_token_ids": "most stop_token_ids per prompt",
     "max_logit_bias": "most logit_bias entries",
     "max_constraint_chars": "longest regex / JSON schema / EBNF constraint, in characters",
 }

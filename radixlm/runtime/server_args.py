@@ -18,7 +18,8 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "mooncake", "fake")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 REQUEST_CAPS = ("max_logprobs", "max_n", "max_samples_per_request", "max_prompt_logprob_entries",
-                "max_stop_strings", "max_stop_chars", "max_logit_bias", "max_constraint_chars")
+                "max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_logit_bias",
+                "max_constraint_chars")
 """The fields that bound what one request may ask for (``engine/request_caps.py``)."""
 
 
@@ -141,6 +142,8 @@ class ServerArgs:
     """Most stop strings plus stop regexes per prompt."""
     max_stop_chars: int = 4096
     """Most characters of a prompt's stop strings and regexes together."""
+    max_stop_token_ids: int = 1024
+    """Most ``stop_token_ids`` per prompt (each of a call's samples carries them)."""
     max_logit_bias: int = 1024
     """Most ``logit_bias`` entries."""
     max_constraint_chars: int = 131072

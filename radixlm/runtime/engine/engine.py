@@ -42,6 +42,7 @@ from radixlm.runtime.engine.loop_bridge import (
 )
 from radixlm.runtime.engine.request_caps import (
     RequestCaps,
+    chat_chars,
     longest_token_chars,
     max_prompt_chars,
 )
@@ -239,12 +240,12 @@ class Engine:
         ``chat_template_kwargs``, e.g. ``enable_thinking``). Long chats are rendered and
         tokenized off the event loop; raises ``ValueError`` if the template refuses the
         messages or they are longer than any prompt that fits the context."""
-        chars = sum(len(str(message.get("content") or "")) for message in messages)
-        if chars > self._limits.max_prompt_chars:
-            raise ValueError(f"the messages have {chars} characters; no prompt of more than "
-                             f"{self._limits.max_prompt_chars} fits the context of "
-                             f"{self.context_length} tokens")
         template_kwargs = template_kwargs or {}
+        chars = chat_chars(messages, template_kwargs)
+        if chars > self._limits.max_prompt_chars:
+            raise ValueError(f"the messages and template variables have {chars} characters "
+                             f"(as JSON); no prompt of more than {self._limits.max_prompt_chars}"
+                             f" fits the context of {self.context_length} tokens")
         clients_template = check_template_kwargs(
             template_kwargs, self.server_args.trust_request_chat_template)
         if chars < TOKENIZE_ON_LOOP_CHARS and not clients_template:

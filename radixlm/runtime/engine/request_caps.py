@@ -2,15 +2,17 @@
 
 Every size a request chooses is bounded before anything is queued: the samples it fans out
 to (``n`` x prompts), the logprobs it asks for per position and over its prompt, its stop
-strings and regexes (and the automaton states those regexes compile to), its
-``logit_bias`` and its constraint, and the characters of its
-prompts (a prompt longer than the context could ever hold is refused before it is
-tokenized). A request over a limit gets a ``ValueError`` (HTTP 400) naming the limit and
-the server option that sets it. The limits are ``ServerArgs`` fields; see docs/server.md.
+strings, regexes (and the automaton states those regexes compile to) and stop token ids,
+its ``logit_bias`` and its constraint, and the characters of its prompts (a prompt longer
+than the context could ever hold is refused before it is tokenized; a chat counts every
+part of its messages and template variables). A request over a limit gets a ``ValueError``
+(HTTP 400) naming the limit and the server option that sets it. The limits are
+``ServerArgs`` fields; see docs/server.md.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,8 @@ class RequestCaps:
     """Stop strings plus stop regexes of one prompt."""
     max_stop_chars: int
     """Total characters of a prompt's stop strings and stop regexes."""
+    max_stop_token_ids: int
+    """Entries of ``stop_token_ids``."""
     max_logit_bias: int
     """Entries of ``logit_bias``."""
     max_constraint_chars: int
@@ -77,12 +81,20 @@ class RequestCaps:
         if states > MAX_PROGRAM_SIZE:  # matching costs up to this much per character
             raise ValueError(f"the stop regexes compile to {states} NFA states together, "
                              f"over the limit of {MAX_PROGRAM_SIZE} for one prompt")
+        _at_most("the number of stop_token_ids", len(params.stop_token_ids or ()),
+                 self.max_stop_token_ids, "max_stop_token_ids")
         _at_most("the number of logit_bias entries", len(params.logit_bias or {}),
                  self.max_logit_bias, "max_logit_bias")
         constraint = params.constraint()
         if constraint is not None:
             _at_most(f"the length of the {constraint.kind} constraint", len(constraint.text),
                      self.max_constraint_chars, "max_constraint_chars")
+
+
+def chat_chars(messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> int:
+    """What a chat brings to its template, in characters: the JSON of its messages (every
+    part of each, so a message without content counts too) and of its template variables."""
+    return len(json.dumps(messages, default=str)) + len(json.dumps(template_kwargs, default=str))
 
 
 def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:

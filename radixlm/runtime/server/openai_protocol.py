@@ -19,6 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from radixlm.runtime.sampling.sampling_params import INT64_MAX, SEED_MAX, TOP_K_MAX
 from radixlm.runtime.server.sglang_fields import CHAT_FIELDS, COMPLETION_FIELDS, fields_model
 
+MAX_CHAT_MESSAGES = 16_384
+"""The most messages one chat may have. Checked while the body is validated, so a list of
+a million empty messages costs a fraction of a second, not the validation of each (the
+characters of all of them together are then bounded by the context: ``chat_chars``)."""
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -110,7 +114,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(fields_model("_ChatFields", CHAT_FIELDS, SamplingExtras)):
     """The body of ``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -10,6 +10,7 @@ from tiny_models import tiny_tokenizer
 
 from radixlm.runtime.engine.request_caps import (
     RequestCaps,
+    chat_chars,
     longest_token_chars,
     max_prompt_chars,
 )
@@ -48,6 +49,10 @@ OVER_THE_CAPS = [
     ("stop_chars", dict(sampling_params={"stop": ["x" * 3000, "y" * 1097]}), "max_stop_chars"),
     ("logit_bias", dict(sampling_params={"logit_bias": {str(t): 1.0 for t in range(1025)}}),
      "max_logit_bias"),
+    ("stop_token_ids", dict(sampling_params={"stop_token_ids": [5] * 1025}),
+     "max_stop_token_ids"),
+    ("stop_token_ids_times_n", dict(sampling_params={"stop_token_ids": list(range(2000)),
+                                                     "n": 16}), "max_stop_token_ids"),
     ("constraint", dict(sampling_params={"regex": "a" * 131073}), "max_constraint_chars"),
     ("stop_regex_states", dict(sampling_params={"stop_regex": ["a{1500}", "b{1500}"]}),
      "NFA states"),
@@ -69,6 +74,7 @@ AT_THE_CAPS = [
     dict(sampling_params={"stop": ["x"] * 40, "stop_regex": ["y"] * 24}),
     dict(sampling_params={"stop": ["x" * 3000, "y" * 1096]}),
     dict(sampling_params={"logit_bias": {str(t): 1.0 for t in range(1000)}}),
+    dict(sampling_params={"stop_token_ids": [7] * 1024, "n": 4}),
 ]
 
 
@@ -107,3 +113,16 @@ def test_the_prompt_bound_never_refuses_a_prompt_that_fits():
     text = tokenizer.convert_tokens_to_string([token]) * 100
     assert len(tokenizer.encode(text)) <= 100 * 2  # the bound's premise, on this vocabulary
     assert len(text) <= max_prompt_chars(200, longest)
+
+
+@pytest.mark.parametrize("messages, template_kwargs", [
+    ([{"role": "user"}] * 4, {}),  # no content, still counted
+    ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], {}),
+    ([{"role": "user", "content": "hi"}], {"documents": [{"text": "x" * 50}]}),
+])
+def test_a_chat_counts_every_part_of_its_messages_and_template_variables(messages,
+                                                                         template_kwargs):
+    counted = chat_chars(messages, template_kwargs)
+    contents = sum(len(str(m.get("content") or "")) for m in messages)
+    assert counted > contents and counted >= 16 * len(messages)
+    assert chat_chars(messages * 3, template_kwargs) > chat_chars(messages, template_kwargs)

@@ -192,3 +192,26 @@ def test_parameters_that_once_failed_a_step_are_refused(server, sampling):
         "max_new_tokens": 8, **sampling}})
     assert status == 400 and ("length_penalty" in text or "whole vocabulary" in text), text
     assert_engine_idle(engine)
+
+
+@pytest.mark.parametrize("messages, refusal", [
+    ([{"role": "user"}] * 20_000, "messages"),  # over the count: refused while validated
+    ([{"role": "user"}] * 10_000, "characters"),  # no content, still counted
+    ([{"role": "user", "content": [{"type": "text", "text": ""}]}] * 5_000, "characters"),
+])
+def test_chats_are_counted_whole_before_any_rendering(server, messages, refusal):
+    engine, url = server
+    started = time.monotonic()
+    status, text = answer(url, "/v1/chat/completions", {
+        "model": "model", "max_tokens": 4, "messages": messages})
+    assert status == 400 and refusal in json.loads(text)["error"]["message"], text
+    assert time.monotonic() - started < 5
+    assert_engine_idle(engine)
+
+
+def test_stop_token_ids_are_capped_before_they_fan_out_to_samples(server):
+    engine, url = server
+    status, text = answer(url, "/generate", {"text": "hi", "sampling_params": {
+        "max_new_tokens": 4, "n": 16, "stop_token_ids": [5] * 100_000}})
+    assert status == 400 and "max_stop_token_ids" in text, text
+    assert_engine_idle(engine)
