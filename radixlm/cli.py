@@ -46,6 +46,8 @@ SERVER_OPTION_HELP = {
     "random_seed": "seed for requests without sampling_seed",
     "num_threads": "CPU threads (default: adaptive)",
     "trust_remote_code": "allow model code from the checkpoint",
+    "disaggregation_bootstrap_host": "where a prefill server's bootstrap service listens "
+                                     "(default: --host)",
     "trust_request_chat_template": "let a chat request bring its own Jinja chat template "
                                    "(chat_template_kwargs.chat_template)",
     "host": "address to listen on",

@@ -152,6 +152,9 @@ class ServerArgs:
     """Prefill/decode disaggregation (``runtime/disaggregation``): ``prefill`` servers
     compute prompts and send their KV to ``decode`` servers, which generate the rest;
     ``null``: both in one server. SGLang's router pairs them (``docs/scale_out.md``)."""
+    disaggregation_bootstrap_host: str | None = None
+    """Where a prefill server's bootstrap service listens; None: ``host``. Registering a
+    rank there needs the server's ``api_key`` (``bootstrap.py``)."""
     disaggregation_bootstrap_port: int = 8998
     """Where a prefill server's bootstrap service listens (on ``host``): decode servers
     ask it where to fetch KV from."""

@@ -16,12 +16,23 @@ A prefill server listens on ``disaggregation_bootstrap_port`` with SGLang's rout
 SGLang's router never calls it: it only tells the decode server (``bootstrap_host``,
 ``bootstrap_port``) where to look. A decode scheduler looks up each prefill server once,
 off its loop (``BootstrapDirectory``).
+
+Trust: a registration decides where decode servers send for KV (and so who reads prompts'
+KV), so ``PUT /route`` needs ``Authorization: Bearer <secret>``: the server's API key where
+it has one, else a secret of the process's own (only the scheduler registers then). The
+lookups stay open, as SGLang's decode servers send no key. A registration is checked (an
+address, a port, ranks below ``MAX_RANK``) and the registry holds at most ``MAX_RANKS``
+ranks; a connection idle for ``IDLE_TIMEOUT_S`` is closed, and past ``MAX_CONNECTIONS`` at
+once new ones are closed unanswered.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -38,32 +49,83 @@ logger = logging.getLogger(__name__)
 
 LOOKUP_TIMEOUT_S = 5.0
 MAX_BODY_BYTES = 1 << 16
-RANK_FIELDS = {"rank_ip": str, "rank_port": int}
+MAX_RANK = 1024
+"""Ranks (data-parallel group, tensor-parallel rank, pipeline stage) are below this."""
+MAX_RANKS = 256
+"""The most ranks the registry holds."""
+IDLE_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 32
+RANK_KEYS = ("system_dp_rank", "attn_tp_rank", "pp_rank")
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``MAX_CONNECTIONS`` at once (more are closed)."""
+
+    daemon_threads = True
+    request_queue_size = 2 * MAX_CONNECTIONS  # (the listen backlog)
+
+    def __init__(self, address, handler):
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class BootstrapServer:
-    """The registry of a prefill server's ranks, served over HTTP from a daemon thread.
-    Binding fails (``OSError``) when the port is taken."""
+    """The registry of a prefill server's ranks, served over HTTP from a daemon thread;
+    registrations must carry ``secret``. Binding fails (``OSError``) when the port is
+    taken."""
 
-    def __init__(self, host: str, port: int, layout: KVLayout):
+    def __init__(self, host: str, port: int, layout: KVLayout, secret: str):
+        if not secret:
+            raise ValueError("the bootstrap service needs a secret for registrations")
         self.layout = layout
+        self.secret = secret
         self.ranks: dict[tuple[int, int, int], dict] = {}  # (dp, tp, pp) -> rank_ip/port
         self.lock = threading.Lock()
         handler = type("Handler", (_BootstrapHandler,), {"registry": self})
-        self.http = ThreadingHTTPServer((host.strip("[]"), port), handler)
-        self.http.daemon_threads = True
+        self.http = _BoundedHTTPServer((host.strip("[]"), port), handler)
         self.thread = threading.Thread(target=self.http.serve_forever, name="bootstrap",
                                        daemon=True)
         self.thread.start()
 
+    def authorized(self, header: str | None) -> bool:
+        """Whether an ``Authorization`` header carries the secret."""
+        given = (header or "").removeprefix("Bearer ").encode()
+        return hmac.compare_digest(given, self.secret.encode())
+
     def register(self, info: dict) -> None:
         """Records a rank (``PUT /route``'s body). Raises ``ValueError`` for a bad one."""
-        for name, kind in RANK_FIELDS.items():
-            if not isinstance(info.get(name), kind) or isinstance(info.get(name), bool):
-                raise ValueError(f"{name} must be a {kind.__name__}")
-        key = tuple(int(info.get(k, 0)) for k in ("system_dp_rank", "attn_tp_rank", "pp_rank"))
+        if not isinstance(info, dict):
+            raise ValueError("the body must be a JSON object")
+        address, port = info.get("rank_ip"), info.get("rank_port")
+        if not isinstance(address, str) or not _is_host(address):
+            raise ValueError("rank_ip must be an IP address or a host name")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError("rank_port must be an integer in 1..65535")
+        key = tuple(info.get(name, 0) for name in RANK_KEYS)
+        if not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < MAX_RANK
+                   for k in key):
+            raise ValueError(f"{', '.join(RANK_KEYS)} must be integers in 0..{MAX_RANK - 1}")
         with self.lock:
-            self.ranks[key] = {"rank_ip": info["rank_ip"], "rank_port": info["rank_port"]}
+            if key not in self.ranks and len(self.ranks) >= MAX_RANKS:
+                raise ValueError(f"the registry holds {MAX_RANKS} ranks already")
+            self.ranks[key] = {"rank_ip": address, "rank_port": port}
 
     def lookup(self, query: dict[str, list[str]]) -> tuple[int, dict | str]:
         try:
@@ -85,8 +147,17 @@ class BootstrapServer:
         self.http.server_close()
 
 
+def _is_host(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+        return True
+    except ValueError:
+        return _HOST_NAME.fullmatch(text) is not None
+
+
 class _BootstrapHandler(BaseHTTPRequestHandler):
     registry: BootstrapServer
+    timeout = IDLE_TIMEOUT_S  # (the socket's: a client that sends nothing is let go)
 
     def do_GET(self) -> None:
         url = urlsplit(self.path)
@@ -99,7 +170,13 @@ class _BootstrapHandler(BaseHTTPRequestHandler):
     def do_PUT(self) -> None:
         if urlsplit(self.path).path != "/route":
             return self._answer(404, "not found")
-        length = int(self.headers.get("Content-Length") or 0)
+        if not self.registry.authorized(self.headers.get("Authorization")):
+            return self._answer(401, "registering a rank needs the bootstrap secret "
+                                     "(Authorization: Bearer <the server's API key>)")
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = 0
         if not 0 < length <= MAX_BODY_BYTES:
             return self._answer(400, "a JSON body of at most 64 KiB is required")
         try:
@@ -174,9 +251,10 @@ def _get_json(url: str) -> dict:
         return json.loads(response.read(MAX_BODY_BYTES))
 
 
-def register(address: str, info: dict) -> None:
+def register(address: str, info: dict, secret: str) -> None:
     """``PUT /route`` of a rank's ``info`` at the bootstrap service at ``address``."""
     request = urllib.request.Request(f"http://{address}/route", data=json.dumps(info).encode(),
-                                     method="PUT", headers={"Content-Type": "application/json"})
+                                     method="PUT", headers={"Content-Type": "application/json",
+                                                            "Authorization": f"Bearer {secret}"})
     with urllib.request.urlopen(request, timeout=LOOKUP_TIMEOUT_S) as response:
         response.read()

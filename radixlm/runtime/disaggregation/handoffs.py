@@ -6,6 +6,7 @@ link and the ``DecodeHandoff``."""
 from __future__ import annotations
 
 import logging
+import secrets
 
 import torch
 
@@ -43,18 +44,20 @@ def build_handoffs(args: ServerArgs, memory: RequestMemory, buffers: list[torch.
     link = (MooncakePrefillLink(args.host, buffers, args.disaggregation_ib_device)
             if mooncake else TcpPrefillLink(args.host, buffers))
     port = args.disaggregation_bootstrap_port
+    host = args.disaggregation_bootstrap_host or args.host
+    secret = args.api_key or secrets.token_urlsafe(32)  # (without a key: the process's own)
     try:
-        bootstrap = BootstrapServer(args.host, port, layout)
+        bootstrap = BootstrapServer(host, port, layout, secret)
     except OSError as err:
         link.close()
-        raise ValueError(f"the bootstrap service cannot listen on {args.host}:{port} "
-                         f"(--disaggregation-bootstrap-port): {err}") from None
+        raise ValueError(f"the bootstrap service cannot listen on {host}:{port} "
+                         f"(--disaggregation-bootstrap-host, -port): {err}") from None
     ip, rank_port = link.endpoint.removeprefix("tcp://").rsplit(":", 1)
-    register(f"{args.host}:{port}", {
+    register(f"{host}:{port}", {
         "role": "Prefill", "attn_tp_size": 1, "attn_tp_rank": 0, "attn_dp_size": 1,
         "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
         "system_dp_rank": 0, "rank_ip": ip, "rank_port": int(rank_port),
-    })
-    logger.info("bootstrap service on %s:%d; KV requests at %s", args.host, port,
+    }, secret)
+    logger.info("bootstrap service on %s:%d; KV requests at %s", host, port,
                 link.endpoint)
     return PrefillHandoff(link, memory, layout, timeout, bootstrap=bootstrap), None
