@@ -12,6 +12,7 @@ told (``KVCancel``) once it has been asked.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from radixlm.runtime.disaggregation.kv_rows import KVLayout
 from radixlm.runtime.disaggregation.transfer_backend import DecodeLink
 from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.scheduler.request_memory import RequestMemory
+
+logger = logging.getLogger(__name__)
 
 LOOKING_UP, NEEDS_MEMORY, ASKED = "looking up", "needs memory", "asked"
 
@@ -190,6 +193,8 @@ class DecodeHandoff:
         self.directory.forget(address)  # the prefill server may have moved
         req.finish_reason = finish_abort(f"KV transfer failed: {message}")
         self.stats.kv_transfer_failures += 1
+        logger.warning("KV transfer failed: request %s, bootstrap_room %d, prefill server %s: "
+                       "%s", req.rid, room, address, message)
         return req
 
     def _drop(self, room: int) -> Req:

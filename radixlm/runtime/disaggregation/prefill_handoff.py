@@ -10,6 +10,7 @@ kept until it is held here. Whatever waits longer than ``timeout`` fails and fre
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from radixlm.runtime.disaggregation.kv_rows import KVLayout
 from radixlm.runtime.disaggregation.transfer_backend import PrefillLink
 from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.scheduler.request_memory import RequestMemory
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -194,6 +197,8 @@ class PrefillHandoff:
         self._release(held)
         held.req.finish_reason = finish_abort(f"KV transfer failed: {message}")
         self.stats.kv_transfer_failures += 1
+        logger.warning("KV transfer failed: request %s, bootstrap_room %d (to its decode "
+                       "server): %s", held.req.rid, room, message)
         return held.req
 
     def _release(self, held: HeldPrefill) -> None:

@@ -160,6 +160,18 @@ class ModelRunner:
         """Why the model's other ranks cannot serve (one exited), or None."""
         return None if self.local_ranks is None else self.local_ranks.failure()
 
+    def lost_ranks(self, err: BaseException) -> str | None:
+        """Why ``err``, raised by a step, means ranks on other nodes are gone (a collective
+        failed: torch's distributed errors, or gloo's, which reach Python as a plain
+        RuntimeError naming gloo), or None where it does not."""
+        if self.cpu_group is None or self.args.nnodes < 2:
+            return None
+        if not (isinstance(err, dist.DistError) or "gloo" in str(err).lower()):
+            return None
+        per_node = self.args.tp_size // self.args.nnodes
+        return (f"a collective with the tensor-parallel ranks of other nodes failed (ranks "
+                f"{per_node}-{self.args.tp_size - 1}, nodes 1-{self.args.nnodes - 1}): {err}")
+
     def keep_ranks_alive(self) -> None:
         """Keeps the other ranks' wait for the next step from timing out; call it while
         no step is in flight (a dead rank raises ``RuntimeError`` here)."""

@@ -168,6 +168,9 @@ class SchedulerLoop:
                 stepped = self.scheduler.step()
             except Exception as err:  # a failed step must not take the server down
                 self._check_ranks()
+                lost = self.scheduler.runner.lost_ranks(err)
+                if lost is not None:  # ... unless the model's ranks are gone: it cannot serve
+                    raise RuntimeError(lost) from err
                 logger.exception("scheduler step failed")
                 stepped = self.scheduler.requests()
                 for req in stepped:

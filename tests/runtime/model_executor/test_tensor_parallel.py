@@ -245,6 +245,34 @@ def test_a_rank_killed_mid_stream_fails_its_callers_and_leaves_nothing_behind(ti
     assert not descendants(server.pid)
 
 
+@SLOW
+def test_a_lost_node_fails_requests_naming_it_and_the_server_turns_unhealthy(tiny_model_dir):
+    """Node 1 of two killed whole: node 0's next requests fail (503 naming the lost rank, not
+    200 with an empty abort) and /health turns unhealthy within seconds, not at the next
+    keep-alive."""
+    path = tiny_model_dir("LlamaForCausalLM", "gqa")
+    address, port = f"127.0.0.1:{free_port()}", free_port()
+    nodes = [subprocess.Popen(serve_command(
+        path, port, "--tp-size", "2", "--nnodes", "2", "--node-rank", str(rank),
+        "--dist-init-addr", address), start_new_session=True) for rank in (1, 0)]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout=120)
+        body = {"input_ids": random_ids(71, 20), "sampling_params": GREEDY}
+        assert httpx.post(f"{url}/generate", json=body, timeout=60).status_code == 200
+        os.killpg(nodes[0].pid, signal.SIGKILL)  # node 1 and its ranks
+        nodes[0].wait(30)
+        killed = time.monotonic()
+        replies = [httpx.post(f"{url}/generate", json=body, timeout=60) for _ in range(2)]
+        assert all(r.status_code == 503 and "tensor-parallel rank" in r.text
+                   for r in replies), [(r.status_code, r.text[:200]) for r in replies]
+        assert httpx.get(f"{url}/health", timeout=10).status_code != 200
+        assert time.monotonic() - killed < 30
+    finally:
+        stop_process(nodes[1])
+        stop_process(nodes[0])
+
+
 def descendants(pid: int) -> list[int]:
     """Processes whose parent chain reaches ``pid``."""
     found, frontier = [], [pid]
