@@ -61,7 +61,9 @@ class GrammarMatcher(ABC):
     @abstractmethod
     def jump_forward_string(self) -> str:
         """The longest text every continuation must start with ("" when there is a
-        choice); whole characters only. State unchanged."""
+        choice); whole characters only. State unchanged. Bounded work: a matcher that cannot
+        bound the text's length cheaply returns "" (the caller then decodes token by
+        token)."""
 
 
 class GrammarBackend(ABC):

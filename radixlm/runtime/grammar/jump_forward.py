@@ -18,6 +18,11 @@ The matcher is the judge: every token appended has been accepted by it, so the t
 always what the grammar accepts; if the tokens do not fit (a tokenizer that does not
 round-trip, text that spells a special token), nothing is jumped and the matcher is left as
 it was.
+
+The work is bounded: the forced text is at most what the matcher bounds it to (xgrammar's
+walk has no limit of its own; ``grammar_bounds.py`` bounds it from the grammar, and the
+matcher returns "" past ``MAX_FORCED_BYTES``), and only the part that ``limit`` tokens can
+cover (``limit + 1`` times the longest token's characters) is tokenized.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ class JumpForward:
         self.tokenizer = tokenizer
         self._extendable: frozenset[int] | None = None
         self.extendable()  # now (tens of ms for a large vocabulary), not mid-step later
+        self.longest_token = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+        """Characters of the longest token as the vocabulary spells it (no fewer than the
+        characters of text it decodes to)."""
 
     def extendable(self) -> frozenset[int]:
         """Token ids whose text is a strict prefix of another token's text (computed once,
@@ -58,14 +66,17 @@ class JumpForward:
         forced = matcher.jump_forward_string()
         if not forced:
             return None
+        covered = (limit + 1) * self.longest_token  # more than ``limit`` tokens can cover
+        cut = len(forced) > covered
+        forced = forced[:covered]
         last_text = self._decode(last_token)
         tokens = []
         if last_text and REPLACEMENT_CHAR not in last_text:  # else part of a character
             tokens = self._encode(last_text + forced)
         if not tokens or tokens[0] != last_token:
             tokens = [last_token] + self._encode(forced)
-        if len(tokens) > 2 and tokens[-1] in self.extendable():
-            tokens.pop()
+        if cut or (len(tokens) > 2 and tokens[-1] in self.extendable()):
+            tokens.pop()  # cut: the last token may be part of a longer one
         tokens = tokens[:limit]
         if len(tokens) < 2:
             return None

@@ -12,7 +12,6 @@ from tiny_models import tiny_tokenizer
 
 from radixlm.runtime.grammar.constraints import GrammarKey
 from radixlm.runtime.grammar.jump_forward import JumpForward
-from radixlm.runtime.grammar.xgrammar_backend import XGrammarBackend
 
 EOS = 0
 SCHEMA = json.dumps({
@@ -20,14 +19,6 @@ SCHEMA = json.dumps({
     "properties": {"name": {"type": "string"}, "capital": {"type": "string"}},
     "required": ["name", "capital"],
 })
-
-
-@pytest.fixture(scope="module")
-def backend():
-    tokenizer = tiny_tokenizer()
-    backend = XGrammarBackend(tokenizer, len(tokenizer), {EOS})
-    yield backend
-    backend.shutdown()
 
 
 @pytest.fixture(scope="module")
