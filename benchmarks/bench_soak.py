@@ -64,6 +64,21 @@ EXPECTED = {
     "long_prefill": {"200"},
     "huge_chat": {"400"},
     "n_over_cap": {"400"},
+    # Issue 54's classes, two or more members each.
+    "beam_negative_length_penalty": {"400"},
+    "beam_huge_length_penalty": {"400"},
+    "beam_min_tokens_all_stop": {"400"},
+    "client_chat_template": {"400"},
+    "render_option_in_template_kwargs": {"400"},
+    "template_variable_of_wrong_type": {"400"},
+    "empty_messages": {"400"},
+    "stop_token_ids_times_n": {"400"},
+    "seed_over_64_bits": {"400"},
+    "min_new_tokens_over_64_bits": {"400"},
+    "top_k_over_64_bits_streamed": {"400"},
+    "recursive_ebnf": {"400"},
+    "self_referencing_schema": {"400"},
+    "exponential_ebnf": {"400"},
 }
 ABUSIVE_KINDS = tuple(EXPECTED)  # before the normal kinds join
 NORMAL_KINDS = tuple(f"normal_{route}" for route in NORMAL_ROUTES)
@@ -168,6 +183,48 @@ def abusive_request(kind: str, target: Target, rng: random.Random) -> tuple[str,
                                                  "max_tokens": 1}}
     if kind == "n_over_cap":
         return generate(greedy(1, n=10_000))
+    return issue_54_request(kind, target, generate)
+
+
+def issue_54_request(kind: str, target: Target, generate) -> tuple[str, dict]:
+    """The abusive kinds of issue 54's second round (``abusive_request``'s)."""
+    beam = {"use_beam_search": True, "n": 2}
+    if kind == "beam_negative_length_penalty":
+        return generate(greedy(8, **beam, length_penalty=-100))
+    if kind == "beam_huge_length_penalty":
+        return generate(greedy(8, **beam, length_penalty=1000))
+    if kind == "beam_min_tokens_all_stop":
+        return generate(greedy(8, **beam, min_new_tokens=4,
+                               stop_token_ids=list(range(target.vocab_size))))
+    chat = {"model": target.model, "max_tokens": 1,
+            "messages": [{"role": "user", "content": "hi"}]}
+    if kind == "client_chat_template":
+        template = "{% for i in range(2000) %}{{ 'x' * 100000 }}{% endfor %}"  # 200 MB
+        return "/v1/chat/completions", {"json": {
+            **chat, "chat_template_kwargs": {"chat_template": template}}}
+    if kind == "render_option_in_template_kwargs":
+        return "/v1/chat/completions", {"json": {
+            **chat, "chat_template_kwargs": {"tokenizer_kwargs": {"max_length": 1}}}}
+    if kind == "template_variable_of_wrong_type":
+        return "/v1/chat/completions", {"json": {**chat, "chat_template_kwargs": {"documents": 5}}}
+    if kind == "empty_messages":
+        return "/v1/chat/completions", {"json": {**chat, "messages": [{"role": "user"}] * 600_000}}
+    if kind == "stop_token_ids_times_n":
+        return generate(greedy(1, n=16, stop_token_ids=[7] * 500_000))
+    if kind == "seed_over_64_bits":
+        return generate(greedy(1, sampling_seed=2**64))
+    if kind == "min_new_tokens_over_64_bits":
+        return generate(greedy(1, min_new_tokens=2**70))
+    if kind == "top_k_over_64_bits_streamed":
+        return generate(greedy(1, top_k=2**64), stream=True)
+    if kind == "recursive_ebnf":
+        return generate(greedy(8, ebnf='root ::= "a" root'))
+    if kind == "self_referencing_schema":
+        schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+        return generate(greedy(8, json_schema=json.dumps(schema)))
+    if kind == "exponential_ebnf":  # finite, but 2^40 bytes long
+        rules = [f"a{i} ::= a{i + 1} a{i + 1}" for i in range(40)] + ['a40 ::= "x"']
+        return generate(greedy(8, ebnf="\n".join(["root ::= a0", *rules])))
     raise ValueError(f"unknown abusive kind {kind!r}")
 
 
