@@ -2,9 +2,9 @@
 so that no request's constraint can exhaust the scheduler's time or memory (issue 54).
 
 The danger is jump-forward: xgrammar's ``find_jump_forward_string`` takes one forced byte at
-a time, with no length limit, keeping parser state for each (about 100 bytes and 0.3 us a
-byte on xgrammar 0.2.9), until the text is complete or the next byte is not unique. Under
-``root ::= "a" root`` it never stops (the scheduler grew ~400 MB/s until it was killed).
+a time, with no length limit, keeping parser state for each (its cost per byte: see
+benchmarks/RESULTS.md), until the text is complete or the next byte is not unique. Under
+``root ::= "a" root`` it never stops (the scheduler grew until it was killed).
 A forced text is never longer than the shortest completion of the text so far (after that
 many forced bytes the text would be that completion, so complete, and the walk stops), so
 bounding shortest completions bounds the walk:
@@ -80,16 +80,16 @@ logger = logging.getLogger(__name__)
 
 MAX_SHORTEST_COMPLETION = 100_000
 """Bytes: the most a reachable part of a grammar may need to be finished, so the most text a
-jump-forward starting there forces (about 10 MB and 20 ms of xgrammar's walk, measured). The
+jump-forward starting there forces (a walk of milliseconds: benchmarks/RESULTS.md). The
 shortest valid output of a real schema or grammar is far below; one that needs more is
 refused rather than served past any output budget."""
 MAX_GRAMMAR_EXPRESSIONS = 20_000
 """Expressions in xgrammar's form of a grammar. Compiling against the vocabulary grows faster
-than linearly in them: 20,000 took 0.2-2.9 s (an enum of 10,000 strings: 2.3 s; of 40,000:
-45 s)."""
+than linearly in them (benchmarks/RESULTS.md): this keeps a compile to seconds of the
+pool's time."""
 MAX_FORCED_BYTES = 1 << 20
-"""The most text one jump-forward may have to walk (about 100 MB and 0.3 s at worst,
-measured); past this bound the matcher decodes token by token instead."""
+"""The most text one jump-forward may have to walk (a fraction of a second at worst:
+benchmarks/RESULTS.md); past this bound the matcher decodes token by token instead."""
 _SATURATED = 1 << 62
 """Lengths are kept exact up to here (a 40-deep doubling is 2^40; nothing needs more)."""
 _JSON_ESCAPE = 6

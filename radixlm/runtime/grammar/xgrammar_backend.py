@@ -12,8 +12,8 @@ is refused where it enters, in the caller's process, before anything is queued. 
 bounds the work the constraint can cause (``grammar_bounds.py``): a grammar with a reachable
 part that can never be finished, or only past ``MAX_SHORTEST_COMPLETION`` bytes, or with over
 ``MAX_GRAMMAR_EXPRESSIONS`` expressions is refused, and so is a JSON schema nested over
-``MAX_SCHEMA_DEPTH`` levels (xgrammar's conversion time grows with the cube of the depth:
-0.05 s at 128 levels of ``items``, 0.85 s at 300, over 30 s at 1,000). Each matcher counts
+``MAX_SCHEMA_DEPTH`` levels (xgrammar's conversion time grows with about the cube of the
+depth: benchmarks/RESULTS.md). Each matcher counts
 the bytes it accepted and skips jump-forward where the grammar's bound on the forced text
 passes ``MAX_FORCED_BYTES``: xgrammar's ``find_jump_forward_string`` has no length limit of
 its own.
@@ -82,9 +82,9 @@ def harden_json_schema(schema: Any) -> Any:
 
 MAX_SCHEMA_DEPTH = 64
 """Nested JSON objects and arrays in a JSON schema document (32 levels of nested object
-schemas, each an object and its ``properties``). At this depth xgrammar converted every
-nesting tried (``items``, ``properties``, ``additionalProperties``, ``allOf``, ``anyOf``,
-``oneOf``, ``prefixItems``) in under 20 ms."""
+schemas, each an object and its ``properties``), where every nesting tried (``items``,
+``properties``, ``additionalProperties``, ``allOf``, ``anyOf``, ``oneOf``, ``prefixItems``)
+converts quickly (benchmarks/RESULTS.md)."""
 
 
 def schema_depth(value: Any) -> int:
