@@ -5,8 +5,8 @@ them may be an option of the rendering itself (``tokenize``, ``return_tensors``,
 ``tokenizer_kwargs``...: transformers' ``apply_chat_template`` takes variables and options in
 one set of keyword arguments), and ``chat_template``, a template of the client's own, is code
 the server would run: it is refused unless the operator allows it
-(``ServerArgs.trust_request_chat_template``, vLLM's ``--trust-request-chat-template``). A
-template the client brings is rendered off the event loop and given ``RENDER_TIMEOUT_S``.
+(``ServerArgs.trust_request_chat_template``, vLLM's ``--trust-request-chat-template``), and
+even then runs in a process of its own (``client_template_renderer``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ RENDER_OPTIONS = frozenset(
 ) - TEMPLATE_INPUTS - {"self", "kwargs", CLIENT_TEMPLATE} | {"messages"}
 """The rendering's own options (and the messages), which no request sets through
 ``chat_template_kwargs``."""
-RENDER_TIMEOUT_S = 10.0
-"""How long a client's own template may take to render before the request fails. (Its
-thread runs on until the template ends: Python cannot stop it.)"""
 
 
 def check_template_kwargs(kwargs: Mapping[str, Any], trust_request_template: bool) -> bool:

@@ -26,14 +26,15 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
-from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixlm.models.default_model import resolve_model_path
 from radixlm.models.model_config import ModelConfig
 from radixlm.models.registry import model_class
 from radixlm.runtime import messages as io
-from radixlm.runtime.engine.chat_template_kwargs import RENDER_TIMEOUT_S, check_template_kwargs
+from radixlm.runtime.engine.chat_template_kwargs import check_template_kwargs
+from radixlm.runtime.engine.client_template_renderer import ClientTemplateRenderer
+from radixlm.runtime.engine.template_render_worker import TEMPLATE_FAILURES
 from radixlm.runtime.engine.errors import RuntimeUnavailable
 from radixlm.runtime.engine.loop_bridge import (
     iterate_on_loop,
@@ -84,6 +85,9 @@ class Engine:
         tokenizer_path = str(self.server_args.tokenizer_path or path)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_path)
         self._runtime = start_runtime_processes(self.server_args, str(path), tokenizer_path)
+        # renders the templates requests bring (only where the operator trusts them)
+        self.client_templates = (ClientTemplateRenderer(tokenizer_path)
+                                 if self.server_args.trust_request_chat_template else None)
         info = self._runtime.scheduler_info
         self.context_length: int = info["context_length"]
         self.max_total_tokens: int = info["max_total_tokens"]
@@ -248,23 +252,21 @@ class Engine:
                              f" fits the context of {self.context_length} tokens")
         clients_template = check_template_kwargs(
             template_kwargs, self.server_args.trust_request_chat_template)
-        if chars < TOKENIZE_ON_LOOP_CHARS and not clients_template:
+        if clients_template:
+            text = await asyncio.to_thread(self.client_templates.render, messages,
+                                           template_kwargs, self._limits.max_prompt_chars)
+            if len(text) < TOKENIZE_ON_LOOP_CHARS:
+                return self.tokenizer.encode(text, add_special_tokens=False)
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+        if chars < TOKENIZE_ON_LOOP_CHARS:
             return self._chat_prompt_ids(messages, template_kwargs)
-        render = asyncio.to_thread(self._chat_prompt_ids, messages, template_kwargs)
-        if not clients_template:
-            return await render
-        try:
-            return await asyncio.wait_for(render, RENDER_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise ValueError(f"the request's chat template took over {RENDER_TIMEOUT_S} s to "
-                             "render") from None
+        return await asyncio.to_thread(self._chat_prompt_ids, messages, template_kwargs)
 
     def _chat_prompt_ids(self, messages: list[dict[str, Any]],
                          template_kwargs: dict[str, Any]) -> list[int]:
         try:
             text = self.apply_chat_template(messages, **template_kwargs)
-        except (TemplateError, TypeError, ValueError, KeyError, IndexError,
-                AttributeError) as err:  # a template given values of types it cannot take
+        except TEMPLATE_FAILURES as err:  # a template given values of types it cannot take
             raise ValueError(f"the chat template failed: {type(err).__name__}: {err}") from None
         if len(text) > self._limits.max_prompt_chars:
             raise ValueError(f"the chat template made a prompt of {len(text)} characters; no "
@@ -304,6 +306,8 @@ class Engine:
         except Exception:  # the loop may be gone (interpreter exit): stop the processes anyway
             pass
         finally:
+            if self.client_templates is not None:
+                self.client_templates.close()
             self._runtime.stop(graceful=asked)
             tm, loop = self._tm, self._loop
             if loop.is_running():

@@ -1,10 +1,12 @@
 """A chat request's ``chat_template_kwargs`` set template variables only: a template of the
 client's own is refused unless the operator allows it, the rendering's options never pass,
 and an allowed client template that renders too long fails its request alone (issue 54,
-item 3)."""
+item 3). A client's template renders in a worker process with a time and a memory bound,
+and the worker's death fails that request alone."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -14,13 +16,22 @@ from live_server import LiveServer
 from runtime_checks import assert_engine_idle
 
 import radixlm
-from radixlm.runtime.engine import engine as engine_module
 from radixlm.runtime.engine.chat_template_kwargs import RENDER_OPTIONS, check_template_kwargs
+from radixlm.runtime.engine.client_template_renderer import ClientTemplateRenderer
+from radixlm.runtime.engine.errors import QueueFull
 from radixlm.runtime.server.http_server import create_app
 
 CLIENT_TEMPLATE = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
-SLOW_TEMPLATE = ("{% for i in range(4000) %}{% for j in range(4000) %}{{ '' }}{% endfor %}"
-                 "{% endfor %}x")  # about a second or two of rendering
+ENDLESS_TEMPLATES = {
+    "loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "loops over a variable": "{% set r = range(100000) %}{% for i in r %}{% for j in r %}"
+                             "{% for k in r %}{{ '' }}{% endfor %}{% endfor %}{% endfor %}x",
+}
+PRINTING_TEMPLATES = {  # past the worker's memory cap long before its time limit
+    "prints": "{% for i in range(100000) %}{% for j in range(100000) %}"
+              "{{ 'x' * 100000 }}{% endfor %}{% endfor %}",
+    "joins": "{% set r = range(100000) %}{{ r | join('x' * 100000) }}{{ r | join('y') }}",
+}
 
 
 def chat(url: str, kwargs: dict, stream: bool = False) -> httpx.Response:
@@ -82,21 +93,86 @@ def test_a_trusting_server_renders_the_clients_template(servers):
     assert theirs == expected and own != expected
 
 
-def test_a_client_template_that_renders_too_long_fails_alone(servers, monkeypatch):
-    """Refused after the render timeout (shortened here), while another client is served."""
+def served_while(url: str, kwargs: dict) -> tuple[httpx.Response, float]:
+    """The reply to a request with ``kwargs`` and the longest a plain chat request waited
+    meanwhile (each must answer 200)."""
+    answers, waits = {}, []
+    abusive = threading.Thread(target=lambda: answers.update(reply=chat(url, kwargs)))
+    abusive.start()
+    while abusive.is_alive():
+        started = time.monotonic()
+        assert chat(url, {}).status_code == 200
+        waits.append(time.monotonic() - started)
+    abusive.join()
+    return answers["reply"], max(waits, default=0.0)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def renderer_worker_pids(engine) -> set[int]:
+    worker = engine.client_templates._worker
+    return set() if worker is None else {worker.pid}
+
+
+@pytest.mark.parametrize("kind", sorted(ENDLESS_TEMPLATES))
+def test_a_client_template_that_renders_too_long_fails_alone(servers, kind):
+    """Refused after the render timeout (shortened here), its worker killed, while other
+    clients are served; the next template renders in a fresh worker."""
     engine, url = servers[1]
-    monkeypatch.setattr(engine_module, "RENDER_TIMEOUT_S", 0.2)
-    answers = {}
-    slow = threading.Thread(target=lambda: answers.update(
-        slow=chat(url, {"chat_template": SLOW_TEMPLATE})))
-    slow.start()
-    time.sleep(0.05)
-    started = time.monotonic()
-    quick = chat(url, {})
-    quick_s = time.monotonic() - started
-    slow.join(60)
-    assert quick.status_code == 200 and quick_s < 5, quick_s
-    assert answers["slow"].status_code == 400
-    assert "took over 0.2 s to render" in answers["slow"].json()["error"]["message"]
-    time.sleep(3)  # the template's thread runs on until it ends
+    engine.client_templates.timeout_s = 1.0
+    try:
+        reply, worst_wait = served_while(url, {"chat_template": ENDLESS_TEMPLATES[kind]})
+    finally:
+        engine.client_templates.timeout_s = 10.0
+    assert reply.status_code == 400, reply.text
+    assert "took over 1.0 s to render" in reply.json()["error"]["message"]
+    assert worst_wait < 5, worst_wait
+    assert renderer_worker_pids(engine) == set()  # killed
+    assert chat(url, {"chat_template": CLIENT_TEMPLATE}).status_code == 200
     assert_engine_idle(engine)
+
+
+@pytest.mark.parametrize("kind", sorted(PRINTING_TEMPLATES))
+def test_a_client_template_that_prints_without_end_fails_on_its_memory_cap(servers, kind):
+    engine, url = servers[1]
+    before = rss_bytes(os.getpid())
+    reply, worst_wait = served_while(url, {"chat_template": PRINTING_TEMPLATES[kind]})
+    assert reply.status_code == 400, reply.text
+    assert "renderer stopped" in reply.json()["error"]["message"]
+    assert worst_wait < 5, worst_wait
+    assert rss_bytes(os.getpid()) - before < 200 << 20  # the server's own memory did not grow
+    assert chat(url, {"chat_template": CLIENT_TEMPLATE}).status_code == 200
+    assert_engine_idle(engine)
+
+
+def test_renders_past_the_waiting_limit_are_refused(chat_model_dir):
+    """With the worker held by one endless render, renders past ``max_waiting`` fail at
+    once with 503 and the rest wait their turn."""
+    renderer = ClientTemplateRenderer(str(chat_model_dir), timeout_s=2.0, max_waiting=2)
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        results = {}
+
+        def render(name: str, template: str) -> None:
+            try:
+                results[name] = renderer.render(messages, {"chat_template": template}, 1000)
+            except (ValueError, QueueFull) as err:
+                results[name] = err
+
+        first = threading.Thread(target=render, args=("endless", ENDLESS_TEMPLATES["loops"]))
+        first.start()
+        time.sleep(0.5)
+        second = threading.Thread(target=render, args=("queued", CLIENT_TEMPLATE))
+        second.start()
+        time.sleep(0.2)
+        render("refused", CLIENT_TEMPLATE)
+        first.join(30)
+        second.join(30)
+        assert isinstance(results["refused"], QueueFull)
+        assert isinstance(results["endless"], ValueError)
+        assert results["queued"] == "[hi]"
+    finally:
+        renderer.close()
