@@ -34,7 +34,6 @@ from radixlm.models.registry import model_class
 from radixlm.runtime import messages as io
 from radixlm.runtime.engine.chat_template_kwargs import check_template_kwargs
 from radixlm.runtime.engine.client_template_renderer import ClientTemplateRenderer
-from radixlm.runtime.engine.template_render_worker import TEMPLATE_FAILURES
 from radixlm.runtime.engine.errors import RuntimeUnavailable
 from radixlm.runtime.engine.loop_bridge import (
     iterate_on_loop,
@@ -54,6 +53,7 @@ from radixlm.runtime.engine.request_inputs import (
 )
 from radixlm.runtime.engine.request_state import NativeOutput, OutputDelta
 from radixlm.runtime.engine.runtime_processes import start_runtime_processes
+from radixlm.runtime.engine.template_render_worker import TEMPLATE_FAILURES
 from radixlm.runtime.engine.tokenizer_manager import TokenizerManager
 from radixlm.runtime.grammar.factory import constraint_checker
 from radixlm.runtime.server_args import ServerArgs
