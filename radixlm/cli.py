@@ -71,6 +71,8 @@ SERVER_OPTION_HELP = {
     "max_stop_strings": "most stop strings plus stop regexes per prompt",
     "max_stop_chars": "most characters of a prompt's stop strings and regexes together",
     "max_stop_token_ids": "most stop_token_ids per prompt",
+    "max_request_parameter_entries": "most stop token ids, logit_bias entries and stop "
+                                     "characters of one call's samples (prompts x n) together",
     "max_logit_bias": "most logit_bias entries",
     "max_constraint_chars": "longest regex / JSON schema / EBNF constraint, in characters",
 }

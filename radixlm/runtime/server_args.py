@@ -19,6 +19,7 @@ TRANSFER_BACKENDS = ("tcp", "mooncake", "fake")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 REQUEST_CAPS = ("max_logprobs", "max_n", "max_samples_per_request", "max_prompt_logprob_entries",
                 "max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_logit_bias",
+                "max_request_parameter_entries",
                 "max_constraint_chars")
 """The fields that bound what one request may ask for (``engine/request_caps.py``)."""
 
@@ -148,6 +149,9 @@ class ServerArgs:
     """Most ``logit_bias`` entries."""
     max_constraint_chars: int = 131072
     """Longest regex, JSON schema or EBNF constraint, in characters."""
+    max_request_parameter_entries: int = 262144
+    """Most stop token ids, ``logit_bias`` entries and stop characters of one call's samples
+    (prompts x ``n``) together: each sample carries its own."""
     disaggregation_mode: str = "null"
     """Prefill/decode disaggregation (``runtime/disaggregation``): ``prefill`` servers
     compute prompts and send their KV to ``decode`` servers, which generate the rest;

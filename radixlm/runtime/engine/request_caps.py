@@ -3,7 +3,7 @@
 Every size a request chooses is bounded before anything is queued: the samples it fans out
 to (``n`` x prompts), the logprobs it asks for per position and over its prompt, its stop
 strings, regexes (and the automaton states those regexes compile to) and stop token ids,
-its ``logit_bias`` and its constraint, and the characters of its prompts (a prompt longer
+its ``logit_bias`` (and these lists over all of a call's samples, each of which carries them) and its constraint, and the characters of its prompts (a prompt longer
 than the context could ever hold is refused before it is tokenized; a chat counts every
 part of its messages and template variables). A request over a limit gets a ``ValueError``
 (HTTP 400) naming the limit and the server option that sets it. The limits are
@@ -51,6 +51,9 @@ class RequestCaps:
     """Entries of ``logit_bias``."""
     max_constraint_chars: int
     """Characters of a regex, JSON schema or EBNF constraint."""
+    max_request_parameter_entries: int
+    """Stop token ids, ``logit_bias`` entries and stop characters of all of one call's
+    samples together (each sample carries its own to the scheduler)."""
 
     @classmethod
     def from_options(cls, options: Any) -> RequestCaps:
@@ -61,6 +64,13 @@ class RequestCaps:
         """``samples`` requests (prompts x ``n``) from one call."""
         _at_most("the number of samples (prompts x n)", samples, self.max_samples_per_request,
                  "max_samples_per_request")
+
+    def check_parameter_entries(self, prompts: list[SamplingParams]) -> None:
+        """The list parameters of one call's prompts, each counted once per sample."""
+        entries = sum(params.n * parameter_entries(params) for params in prompts)
+        _at_most("the stop_token_ids, logit_bias entries and stop characters of all samples "
+                 "(prompts x n) together", entries, self.max_request_parameter_entries,
+                 "max_request_parameter_entries")
 
     def check_logprobs(self, top_logprobs_num: int, prompt_rows: int) -> None:
         """``top_logprobs_num`` per position, over ``prompt_rows`` prompt positions."""
@@ -89,6 +99,14 @@ class RequestCaps:
         if constraint is not None:
             _at_most(f"the length of the {constraint.kind} constraint", len(constraint.text),
                      self.max_constraint_chars, "max_constraint_chars")
+
+
+def parameter_entries(params: SamplingParams) -> int:
+    """What one sample of ``params`` carries in lists: stop token ids, ``logit_bias`` entries
+    and the characters of its stop strings and regexes."""
+    stops = (params.stop or []) + (params.stop_regex or [])
+    return (len(params.stop_token_ids or ()) + len(params.logit_bias or {})
+            + sum(len(s) for s in stops))
 
 
 def chat_chars(messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> int:

@@ -119,6 +119,7 @@ def build_generate_reqs(
             limits.caps.check_logprobs(top_logprobs_num or 0, len(ids) - start)
         prompts.append((params, start))
     limits.caps.check_samples(sum(params.n for params, _ in prompts))
+    limits.caps.check_parameter_entries([params for params, _ in prompts])
     pairs = _bootstrap_pairs(request, [params.n for params, _ in prompts], limits)
     messages = []
     for ids, (params, start), rid, (host, port, rooms) in zip(id_lists, prompts, rids, pairs):

@@ -54,6 +54,14 @@ OVER_THE_CAPS = [
     ("stop_token_ids_times_n", dict(sampling_params={"stop_token_ids": list(range(2000)),
                                                      "n": 16}), "max_stop_token_ids"),
     ("constraint", dict(sampling_params={"regex": "a" * 131073}), "max_constraint_chars"),
+    # each list under its own cap, but multiplied by the samples that carry it
+    ("stop_token_ids_x_n", dict(sampling_params={"stop_token_ids": [5] * 1024, "n": 128},
+                                input_ids=[[1, 2]] * 3), "max_request_parameter_entries"),
+    ("logit_bias_x_n", dict(sampling_params={"logit_bias": {str(t): 1.0 for t in range(1000)},
+                                             "n": 128}, input_ids=[[1, 2]] * 3),
+     "max_request_parameter_entries"),
+    ("stop_chars_x_prompts", dict(sampling_params={"stop": ["x" * 4000]},
+                                  input_ids=[[1, 2]] * 66), "max_request_parameter_entries"),
     ("stop_regex_states", dict(sampling_params={"stop_regex": ["a{1500}", "b{1500}"]}),
      "NFA states"),
 ]
@@ -75,6 +83,8 @@ AT_THE_CAPS = [
     dict(sampling_params={"stop": ["x" * 3000, "y" * 1096]}),
     dict(sampling_params={"logit_bias": {str(t): 1.0 for t in range(1000)}}),
     dict(sampling_params={"stop_token_ids": [7] * 1024, "n": 4}),
+    dict(sampling_params={"stop_token_ids": [7] * 1023, "logit_bias": {"3": 1.0}, "n": 128},
+         input_ids=[[1, 2]] * 2),  # 2 x 128 x 1024 entries: 2^18, the cap
 ]
 
 

@@ -214,4 +214,11 @@ def test_stop_token_ids_are_capped_before_they_fan_out_to_samples(server):
     status, text = answer(url, "/generate", {"text": "hi", "sampling_params": {
         "max_new_tokens": 4, "n": 16, "stop_token_ids": [5] * 100_000}})
     assert status == 400 and "max_stop_token_ids" in text, text
+    status, text = answer(url, "/generate", {"text": ["hi"] * 8, "sampling_params": {
+        "max_new_tokens": 4, "n": 64, "stop_token_ids": [5] * 1000}})
+    assert status == 400 and "max_request_parameter_entries" in text, text
+    status, text = answer(url, "/v1/completions", {
+        "model": "model", "prompt": ["hi"] * 8, "max_tokens": 4, "n": 128,
+        "logit_bias": {str(t): 1 for t in range(300)}})
+    assert status == 400 and "max_request_parameter_entries" in text, text
     assert_engine_idle(engine)
