@@ -352,3 +352,28 @@ def test_a_prefill_server_killed_while_its_decode_half_waits_fails_that_half(
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "no KV came from the prefill server" in reason["message"]
     assert_engine_idle(decode)
+
+
+@SLOW
+def test_each_kv_transfer_failure_is_logged_with_its_request_room_and_peer(
+        tiny_model_dir, capfd):
+    """Both halves log their failure (engines started here, so their processes write to
+    the captured stderr)."""
+    port = free_port()
+    options = dict(dtype="float32", max_total_tokens=4096, disaggregation_timeout=1.0)
+    prefill = radixlm.Engine(str(tiny_model_dir()), disaggregation_mode="prefill",
+                             disaggregation_bootstrap_port=port, **options)
+    decode = radixlm.Engine(str(tiny_model_dir()), disaggregation_mode="decode", **options)
+    try:
+        rooms = {"prefill": random.randrange(2**63), "decode": random.randrange(2**63)}
+        for halves, room in rooms.items():
+            paired(prefill, decode, port=port, room=room, halves=halves,
+                   input_ids=random_ids(14, 20), sampling_params=GREEDY, rid=f"lone-{halves}")
+        err = capfd.readouterr().err
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    assert (f"KV transfer failed: request lone-prefill, bootstrap_room {rooms['prefill']} "
+            "(to its decode server)") in err, err
+    assert (f"KV transfer failed: request lone-decode, bootstrap_room {rooms['decode']}, "
+            f"prefill server 127.0.0.1:{port}") in err, err
