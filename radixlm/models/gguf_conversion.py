@@ -359,7 +359,7 @@ def _read_gguf_tokenizer(path: Path) -> _GGUFTokenizer:
     missing flag to True for sentencepiece ("llama") vocabularies and to False for byte-level BPE
     ("gpt2"), as llama.cpp and the original Hugging Face tokenizers do.
     """
-    try:  # transformers >= 5: reads only the metadata, then builds the backend (~0.3 s)
+    try:  # transformers >= 5: reads only the metadata, then builds the backend (the fast route)
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
     except ImportError:  # older transformers: the public (slower) AutoTokenizer route
         from transformers import AutoTokenizer

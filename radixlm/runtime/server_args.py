@@ -65,7 +65,7 @@ class ServerArgs:
     disable_cpu_kernels: bool = False
     """On CPUs, run every operation through torch instead of the fused C++ kernels for the
     small operations between a forward pass's matmuls (``radixlm.kernels.cpu_ops.fused_ops``;
-    built on the first start on a machine: a C++ compiler and ninja, about 20 s)."""
+    built on the first start on a machine: a C++ compiler and ninja, some seconds)."""
     disable_cpu_weight_rows: bool = False
     """A bfloat16 model on a CPU gives the fused kernels a copy of each weight in their own
     layout (``models/layers/cpu_weight_layout.py``): on AVX-512 BF16 CPUs without AMX, column

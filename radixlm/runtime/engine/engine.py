@@ -62,7 +62,8 @@ MOVE_DRAIN_S = 5.0
 """How long requests still running when a hosting server stops may take to end (the aborts
 of its cancelled streams) before they fail."""
 TOKENIZE_ON_LOOP_CHARS = 50_000
-"""Prompt texts longer than this (together) are tokenized off the event loop (~25 ms)."""
+"""Prompt texts longer than this (together) are tokenized off the event loop: tokenizing
+them would hold the loop long enough to delay other requests (benchmarks/RESULTS.md)."""
 
 
 class Engine:

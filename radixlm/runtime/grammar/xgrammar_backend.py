@@ -60,8 +60,8 @@ _PLAIN_CHARACTER = "[ !#-\\[\\]-~]"
 subset: no escapes, no other characters). Not xgrammar's ``[^"\\]`` style: it matches
 byte-wise and lets invalid UTF-8 (surrogates, overlong forms) through, which decodes to
 several U+FFFD and breaks ``maxLength``. Not the ranges of all valid code points either:
-correct, but it makes mask fills 10-100x slower inside such strings (p99 3.7 ms against
-27 us on the default model's vocabulary)."""
+correct, but it makes mask fills one to two orders of magnitude slower inside such strings
+(benchmarks/RESULTS.md)."""
 
 
 def harden_json_schema(schema: Any) -> Any:
@@ -267,9 +267,9 @@ class XGrammarBackend(GrammarBackend):
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """On the CPU, each byte of the bitmask indexes a table of eight additive penalties
-        (0 allowed, -inf banned) and the result is added to the logits: about 20 us per
-        49k-token row, against about 100 us for a boolean ``masked_fill`` and 160 us for
-        xgrammar's CPU kernel (benchmarks/bench_grammar.py).
+        (0 allowed, -inf banned) and the result is added to the logits: faster than a
+        boolean ``masked_fill`` and than xgrammar's CPU kernel (benchmarks/bench_grammar.py;
+        figures in benchmarks/RESULTS.md).
 
         Elsewhere the bitmask (host memory, filled by xgrammar) is copied to the logits'
         device without waiting for it, and applied there: by xgrammar's kernel on CUDA, by

@@ -4,22 +4,22 @@ or two rows, run on.
 torch hands a bfloat16 / float16 matmul to oneDNN where the CPU has AVX-512. For many rows
 that is the fast path; for one row (a batch-1 decode step, or its logits) oneDNN sets up a
 general matrix product and reads the weights at about half the speed of torch's own
-matrix-vector kernel, which it skips for (measured on the default model, 2 cores: 37 ms of
-matmuls per bf16 decode step through oneDNN, 17 ms without). So a one-row pass in half
+matrix-vector kernel, which it skips for (the default model's bf16 decode step, 2 cores:
+benchmarks/RESULTS.md). So a one-row pass in half
 precision runs with oneDNN disabled; every other pass, and every float32 pass, is left as
 it is. Where the projections are laid out for oneDNN (``models/layers/cpu_weight_layout``:
 bfloat16 without a weight-only format) oneDNN is faster for one row too, and nothing is
-bypassed (default model, AMX CPU, 2 threads: a bf16 decode step 24.1 ms without the bypass,
-26.3 with it; 31.3 before the layout).
+bypassed (default model, AMX CPU, 2 threads: a bf16 decode step is faster without the
+bypass than with it, and both faster than before the layout).
 
 The switch is torch's process-wide ``torch.backends.mkldnn.enabled``: forward passes of a
 runner must not overlap (the scheduler runs them one at a time).
 
 A float32 pass of one or two rows (batch-1 and -2 decode) runs either torch's matrix-vector
 kernel (MKL's) or the fused kernels' ``dense_matmul``, whichever is the faster here, which
-differs between CPUs: on a 2-core AMX CPU torch's (a batch-1 step 27.4 against 30.0 ms),
-on a 2-core Zen 4 the kernels' (all the default model's weights, one row: 25 against 53 ms;
-MKL's kernel took no less time on two threads than on one there).
+differs between CPUs: on a 2-core AMX CPU torch's, on a 2-core Zen 4 the kernels' (MKL's
+kernel took no less time on two threads than on one there; figures in
+benchmarks/RESULTS.md).
 ``choose_float32_matrix_vector`` measures both once a process, on a weight larger than the
 CPU's caches, and sets the weights' path (``weight_formats.fuse_float32_matrix_vector``).
 """

@@ -21,9 +21,10 @@ passes (the running count's own passes slow down, see ``RUNNING_WEIGHT``); one w
 at the next trial.
 
 A large pass on fewer threads costs its whole length, and everyone who arrives meanwhile
-waits for it: with the cores free, a 1 s chunk of a long prompt (the prefill pace's chunks
-take that long while nobody waits) ran for 1.8-2.6 s on one thread, and a one-token request
-sent meanwhile waited that long instead of about 1.1 s. So a large bucket (``trial_tokens``
+waits for it: with the cores free, a chunk of a long prompt sized to the prefill pace's
+target for a chunk nobody waits behind ran about twice as long on one thread, and a
+one-token request sent meanwhile waited that long too (figures in benchmarks/RESULTS.md).
+So a large bucket (``trial_tokens``
 new tokens or more) tries fewer threads only while its all-thread passes show a neighbour:
 ``run`` measures the process's CPU time beside the wall time, and a pass whose threads were
 on a core for less than ``CONTENDED_SHARE`` of it had the cores shared (2-core Zen 3, the
@@ -36,7 +37,7 @@ and runs all threads, more tokens a pass only make the second thread pay more, s
 bucket runs all threads at once, with the smaller one's estimates until its own replace
 them (and tries one thread at its first exploring trial; a large bucket, only with a
 neighbour). Else it tries each count, large passes all threads first. (A server's first
-256-token prompt chunk ran on one thread, 325 ms against 185 on two, and so did each later
+256-token prompt chunk ran on one thread, much slower than on two, and so did each later
 size's first pass.)
 
 Invariants: ``choose`` returns one of ``candidates``; a bucket tries each candidate before
@@ -48,7 +49,7 @@ ran was on a count other than the bucket's choice once that pass was measured, s
 callers who time passes can leave it out. A fresh bucket's first pass makes its count the
 choice, so it counts: the scheduler's prefill pace is measured from a server's first long
 prompt, not its third (before, a 512-token prompt on a fresh 2-core server went as two
-chunks of 256, the second on one thread, 564 ms against 320 for one pass on two).
+chunks of 256, the second on one thread, slower than one pass on two).
 """
 
 from __future__ import annotations
@@ -61,9 +62,8 @@ MAX_BACKOFF = 8
 """The longest wait between two trials of a bucket, in multiples of ``explore_every``."""
 ABANDON_FACTOR = 1.5
 """A trial pass this many times slower (per token) than the running count ends its trial.
-(2.0 let a batch-16 decode try one thread for four passes, each ~1.8 times slower: in
-short runs of 32 tokens, two engines side by side, 615 against 679 tok/s for two threads
-fixed.)"""
+(2.0 let a batch-16 decode try one thread for four passes, each slower, and lost
+throughput against two threads fixed: benchmarks/RESULTS.md.)"""
 
 CONTENDED_SHARE = 0.8
 """A pass whose threads were on a core for less than this share of its wall time (process
@@ -76,7 +76,7 @@ times moved a batch-1 decode to one thread until the next trial, 18 and 28 passe
 slower in one benchmark run. A quarter of the way, such a pass leaves the choice; a busy
 neighbour who makes the running count slower than the other for good moves it within a few
 passes (at once where a pass is slowed past the other count's time by four times the gap,
-as two threads twice as slow at batch 1 were, 14.4 against 7.2 ms with one thread at 8.6)."""
+as two threads slowed to twice their time at batch 1, past one thread's, were)."""
 
 
 @dataclass

@@ -7,8 +7,8 @@ probabilities exceeds U times the row's kept mass, one uniform U a row. That sam
 exactly (to float64 sums) and lets a seeded request draw its U from its own generator,
 reseeded for (its seed, its output position), so its tokens depend only on those, never on
 what else is in the batch. One draw a row, not one a token: on CPUs, drawing a uniform for
-every token of 64 rows of 49,152 took 7.4 ms; the float64 running sums and the search take
-about 4.
+every token of a batch's rows took longer than the float64 running sums and the search
+together (benchmarks/RESULTS.md).
 
 A constrained request's grammar mask is applied last, after bias and penalties, so that
 whatever else is set, only tokens the grammar allows can be drawn. The ``min_new_tokens``
@@ -147,8 +147,8 @@ class Sampler:
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """(B, V) -> (B,): each row's ``argmax``, on CPUs through the fused kernels' vectorised
-    one where they are on (the same answers; torch's is scalar: 16 rows of the default
-    model's logits on 2 threads, 0.65 against 0.10 ms; one row 0.09 against 0.01)."""
+    one where they are on (the same answers; torch's is scalar and several times slower,
+    at one row and at 16: benchmarks/RESULTS.md)."""
     kernels = fused_ops.for_tensor(logits)
     if kernels is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
         return kernels.argmax_rows(logits)
@@ -170,7 +170,7 @@ def _top_k_top_p(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     is below top_k and the mass ranked before it is below top_p (the first always stays).
 
     On CPUs the ranking starts from the ``TOP_CANDIDATES`` most likely tokens of each row
-    (``topk``: 0.8 vs 21 ms for a full sort of 16 rows of 49,152); it is exact when every
+    (``topk`` is far cheaper than a full sort of a row of the vocabulary); it is exact when every
     row's kept tokens lie among them (its top_k is at most that many, or they hold top_p of
     the mass, or it restricts nothing), else every row is sorted whole. That test reads a
     value: free on a CPU, a wait on an accelerator, where the full sort always runs."""

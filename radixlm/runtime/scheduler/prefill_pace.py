@@ -13,14 +13,14 @@ a part per token, so the pace fits both to recent steps (least squares, recent o
 most) and sizes a chunk by the time left after the fixed part. A time per token alone,
 averaged over a chunk and its short remainder, overstates the cost of each further token
 and cuts the next prompt shorter again: on a 2-core CPU every lone 512-token prompt went
-as about 400 + 110 tokens (345 + 160 ms) where one pass took about 420.
+as two chunks that took longer together than one pass (figures in benchmarks/RESULTS.md).
 
 A chunk that nobody waits behind (no request running, none queued beside it) may take
 ``ALONE_TARGET_FACTOR`` times as long: cutting a lone prompt finely only adds passes (each
 re-reads the weights and the chunks before it), and a request that arrives during the
-chunk waits at most that long. On a 2-core AVX2 CPU (float32) a lone 512-token prompt of
-the default model takes about 850 ms in one pass; at twice the target (500 ms) it went as
-two chunks, 461-521 tokens a second against 531-561 in one pass (engines side by side).
+chunk waits at most that long. On a 2-core AVX2 CPU (float32), at twice the target, a lone
+512-token prompt of the default model still went as two chunks, fewer tokens a second than
+in one pass (engines side by side; figures in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ from radixlm.runtime.request import Req
 from radixlm.runtime.server_args import SCHEDULE_POLICIES
 
 LPM_QUEUE_LIMIT = 512
-"""Above this many waiting requests, ``lpm`` and ``dfs-weight`` fall back to ``fcfs``: a
-match costs about 12 us (benchmarks/bench_radix_tree.py), so a round's ordering stays
-under about 6 ms."""
+"""Above this many waiting requests, ``lpm`` and ``dfs-weight`` fall back to ``fcfs``: each
+waiting request costs a prefix match a round (benchmarks/bench_radix_tree.py), so this
+bounds a round's ordering to a few milliseconds (benchmarks/RESULTS.md)."""
 IN_BATCH_CHECK_THRESHOLD = 32
 """Only requests with a cached prefix at most this long are checked against the round."""
 IN_BATCH_MATCH_THRESHOLD = 32
