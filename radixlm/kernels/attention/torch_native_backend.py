@@ -10,25 +10,21 @@ An extend batch whose padded grid would cost more than its sequences' own attent
 (``_split_pays``: ragged lengths, long prompts) attends sequence by sequence instead.
 
 Masks are additive (0 or -inf, in the pool's dtype), built once a batch: SDPA converts a
-boolean mask into that form on every call (500 new tokens after 500 cached: 2.15 against
-2.66 ms a layer; bfloat16, 9 query and 3 KV heads of 64, 2 threads). A long sequence after
+boolean mask into that form on every call, which costs a fifth of a layer's attention at
+500 new tokens after 500 cached. A long sequence after
 a short cached prefix (``_pads_causally``) takes no mask at all: its queries are placed
 after as many zero rows as the prefix has keys, and one causal call skips the blocks above
-the diagonal, which a mask over the same keys cannot (512 new tokens after 16 cached: 0.92
-against 1.11 ms a layer under an additive mask; 1,000 after 50: 2.7 against 4.1 ms). The
-zero rows' outputs are dropped.
+the diagonal, which a mask over the same keys cannot (faster than under an additive mask,
+the more so the longer the sequence). The zero rows' outputs are dropped. Figures in
+benchmarks/RESULTS.md.
 
 Where the fused kernels' causal prefill attention serves (``fused_ops.causal_prefill_attention``:
 bfloat16 on AVX-512 BF16 without AMX, float32 on AVX2 or AVX-512), none of that is built:
 every extend batch, its sequences fresh or after prefixes of any length, goes to that
 kernel in one call a layer, which reads each sequence's keys where they lie in the pool and
-computes only the blocks its causal mask keeps (default model, 2-core Zen 4: one 512-token
-prompt 1.7 against 5.7 ms a layer for SDPA; sixteen prompts of about 12 tokens, 0.24
-against 0.79 ms a layer for the padded SDPA call and its gather, the whole pass 110 against
-129 ms; four 20-token questions after a cached 128-token system prompt, 60 against 68 ms;
-float32 on a 2-core Zen 3: one 512-token prompt 2.9 against 5.7 ms a layer for SDPA and
-the gather a prefix needs, sixteen 13-token prompts 0.14-0.15 against 0.87-1.04 ms; whole
-passes, before the kernel's key blocks, 816 against 881 ms and 369 against 401).
+computes only the blocks its causal mask keeps: faster than SDPA for one long prompt, for
+many short ones (no padded call and gather) and after a cached prefix, in bfloat16 on a
+2-core Zen 4 and in float32 on a 2-core Zen 3 (figures in benchmarks/RESULTS.md).
 
 Values may have a head dim D_v other than the keys' D (multi-head latent attention: keys
 are latent + RoPE rows, values the latent alone, read as a view of the gathered keys);
@@ -98,10 +94,9 @@ class _InPoolExtend:
 
 
 CALL_COST_PAIRS = 4096
-"""What one attention call costs beyond its work, in query-key pairs. Measured on a 2-core
-CPU with the default model's heads: a call over 1-16 tokens takes 10-18 us, and the padded
-call over 8 prompts of 26-243 tokens did 131 pairs a microsecond; 4,096 pairs (about 30 us)
-leaves some margin toward the single padded call."""
+"""What one attention call costs beyond its work, in query-key pairs: a call's fixed cost
+on a 2-core CPU with the default model's heads, divided by the pairs a microsecond the
+padded call does, with some margin toward the single padded call (benchmarks/RESULTS.md)."""
 
 
 CAUSAL_PAD_MIN_KEYS = 384

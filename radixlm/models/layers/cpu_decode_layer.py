@@ -1,8 +1,9 @@
 """A pre-norm decoder layer's decode step as one call of the fused CPU kernels.
 
 A batch-1 decode step of the default model spends about a quarter of its time in Python
-between its kernels: module calls, views, the attention backend's dispatch, about 100 us
-a layer. Where every kernel of the layer's step is one of the fused CPU kernels' or torch's
+between its kernels: module calls, views, the attention backend's dispatch (the time a
+layer takes there is in benchmarks/RESULTS.md). Where every kernel of the layer's step is
+one of the fused CPU kernels' or torch's
 linear (attention over the pool, ``paged_decode_attention``; each projection as its
 ``Linear`` multiplies it for the step's rows, ``Linear.fused_projection``: weights by column
 pairs, int8 or float16 weight-only formats, float32 or bfloat16 rows), the kernels'

@@ -1,15 +1,14 @@
 """A model's decoder layers' decode step as one call of the fused CPU kernels.
 
 ``cpu_decode_layer`` runs each layer's decode step as one kernel call; around those calls a
-step still spent about 1 ms in Python on the default model (30 layers: the module calls,
-each layer's operand lookups and checks, the conversion of its call's arguments; batch 1,
-a forward of 6.9 ms of which the calls took 5.9). Where every layer has a fused step and
+step still spent a seventh of a batch-1 forward in Python on the default model (30 layers:
+the module calls, each layer's operand lookups and checks, the conversion of its call's
+arguments). Where every layer has a fused step and
 they share the norms' eps, the heads and the attention scale, the kernels' ``decode_layers``
 runs them all in one call: each layer's step as ``decode_layer`` runs it, one after another
 in C++, so the outputs and the stored KV equal the per-layer path's (and the modules') to
-the bit (tests/models/layers/test_cpu_decode_layer.py). Forward, medians of alternating
-blocks in one process (2-core Zen 4, bfloat16): batch 1 6.5 against 6.9 ms, 16 requests
-15.7 against 16.6.
+the bit (tests/models/layers/test_cpu_decode_layer.py); a forward is a little faster at
+batch 1 and at 16 requests (benchmarks/RESULTS.md).
 
 ``FusedDecodeStack.build`` says whether the layers allow it; ``run`` says per step whether
 the step does (the same conditions as a layer's ``FusedDecodeLayer.run``), else returns

@@ -4,14 +4,13 @@ bfloat16 matmul kernel (oneDNN's), or where the fused CPU kernels serve, in thei
 torch hands a bfloat16 ``F.linear`` on a CPU to oneDNN, which reorders the (out, in) weight
 into its blocked layout on every call. For the few rows of a decode step that reorder
 costs more than the product: on the default model's projections (2 threads, an AMX CPU)
-one row took 19.8 ms for all of them through ``F.linear`` and 11.9 ms with weights
-reordered once; the head 2.5 vs 1.2 ms; 64 rows 26.0 vs 17.6 ms; 512 rows the same. The
+weights reordered once were faster at one row and at 64 rows, the head too, and as fast at
+512 rows (figures in benchmarks/RESULTS.md). The
 products come from the same kernels (bitwise equal to ``F.linear``'s at 1, 16 and 512 rows
 there; at 64, oneDNN may block the sum differently: within one bfloat16 step). The routed
 experts of MoE layers get the layout too, one weight per expert and projection: for
 Mixtral-like experts scaled down (8 experts, hidden 1024, intermediate 2816) the gate/up
-products take 0.63 instead of 1.05 ms an expert at one row, the down products 0.16
-instead of 0.23.
+and the down products of an expert at one row are faster laid out too.
 
 Where the runner asks (``keep_rows``: the fused CPU kernels on, and
 ``disable_cpu_weight_rows`` not set), the kernels get copies of their own:
@@ -19,21 +18,21 @@ Where the runner asks (``keep_rows``: the fused CPU kernels on, and
 - On CPUs with AVX-512 BF16 and no AMX (``fused_ops.pair_matmul_serves``), each weight whose
   out features are a multiple of 16 and in features even is laid out by column pairs
   (``PairedWeight``) *instead of* oneDNN's layout, and every pass runs the kernels'
-  ``pair_matmul``: on a 2-core Zen 4, all the default model's weights, 2 threads, it took
-  12.5 ms at one row against oneDNN's 18.0, 16 rows 18.5 against 22.3, 128 rows 86 against
-  90, 512 rows 337 against 340. Its products of a row do not depend on the pass's other
+  ``pair_matmul``: on a 2-core Zen 4, all the default model's weights, 2 threads, it was
+  faster than oneDNN from one row to 512, most at few rows. Its products of a row do not
+  depend on the pass's other
   rows, so prompt passes keep the property ``row_invariant_products`` asks for. A gated
   MLP's gate_up weight also serves ``gated_matmul`` (``pair_matmul_silu``).
 - Elsewhere, passes of up to ``FEW_ROWS`` rows (decode steps of small batches) run the
   kernels' ``dense_matmul`` over the plain (out, in) rows, which ask for the weights ahead
-  of where they read (default model, one row, all weights, an AMX CPU: 13.3 ms against
-  oneDNN's 16.1; 2 rows 14.7 vs 16.1, 4 rows 15.4 vs 16.1, 8 rows 22.2 vs 16.4). Those
+  of where they read (default model, all weights, an AMX CPU: faster than oneDNN at 1, 2
+  and 4 rows, slower at 8). Those
   rows are kept beside the blocked copy, which doubles the projections' memory. Prompt
   passes stay on oneDNN whatever their rows (``row_invariant_products``).
 
 Applies to bfloat16 models on CPUs whose torch has oneDNN with bfloat16 support, when no
 weight-only format (``weight_formats.py``) packs the weights instead; float32 is left to
-torch's own GEMM (a prepacked float32 weight was slower for one row: 25.7 vs 15.8 ms).
+torch's own GEMM (a prepacked float32 weight was slower for one row).
 Invariant: as for the weight-only formats, a layer's shapes, bias and interface do not
 change; the layout is opaque, so nothing may read a laid-out layer's ``weight``.
 """

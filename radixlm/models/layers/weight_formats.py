@@ -8,8 +8,8 @@ the weight of each projection (``linear.Linear``) and of the output head
 
 - ``fp16wo``: IEEE half (2 bytes a weight). Passes of up to ``half_fused_max_rows`` rows
   run the fused CPU kernels' ``dense_matmul`` where they are on (activations as stored,
-  float32 sums; the default model's weights, float32 activations: one row 12.7 ms against
-  29.3 on torch's kernel, 16 rows 34.8 against 64.6). Without them, passes of up to
+  float32 sums; with float32 activations about twice as fast as torch's kernel at one row
+  and at 16). Without them, passes of up to
   ``HALF_GEMV_MAX_ROWS`` rows (small-batch decode) run torch's half matrix-vector kernel
   row by row: the row is rounded to half, the products summed in float32 (what llama.cpp's
   F16 path does; an activation beyond half's range, 65504, would overflow there). Larger
@@ -23,17 +23,18 @@ the weight of each projection (``linear.Linear``) and of the output head
   the fused kernels, in column blocks where they fit, every pass on ``blocked_int8_matmul``
   (the loader asks for either layout). Elsewhere, passes
   of up to ``int8_kernel_max_rows`` rows run the fused CPU kernels' ``int8_matmul`` where
-  they are on (activations as stored, float32 sums; the default model's weights at one row:
-  7.4 ms against 12.6 for torch's kernel, at 16 rows 30.5 against 47.6), else torch's int8
+  they are on (activations as stored, float32 sums; faster than torch's kernel at one row
+  and at 16), else torch's int8
   weight-only kernel (inside it the activations are bfloat16, the sums float32); larger
   passes widen the integers into the buffer, multiply, and scale the product's columns.
 
 The row limits of torch's kernels are where the measured costs cross on 2-core AVX2,
 AVX-512 and AMX CPUs (the kernels' cost grows with the rows, the conversion's does not);
-the fused kernels' were measured on the AMX CPU (at 32 rows, float16 weights: 55 vs 74 ms
-in float32, 65 vs 125 in bfloat16; int8 passes keep torch's kernel's limits, below which
+the fused kernels' were measured on the AMX CPU (still faster at 32 rows over float16
+weights, in float32 and in bfloat16; int8 passes keep torch's kernel's limits, below which
 the fused one was faster at every size) and, for float32 activations over half weights, on
-2-core AVX2 (``HALF_FUSED_MAX_ROWS_FLOAT32``). Outputs come back in the serving dtype.
+2-core AVX2 (``HALF_FUSED_MAX_ROWS_FLOAT32``). Figures in benchmarks/RESULTS.md. Outputs
+come back in the serving dtype.
 Invariant: packing changes which bytes a layer reads, never its shapes, its bias or the
 model's interface; the buffer is shared by one model's layers, so forward passes of one
 model must not run concurrently (the scheduler runs them one at a time).
@@ -68,15 +69,12 @@ the AMX CPU, where oneDNN's 16-bit GEMM takes larger passes)."""
 HALF_FUSED_MAX_ROWS_FLOAT32 = 160
 """Rows of float32 activations up to which they do. The kernel keeps 130-150 GFLOP/s from 16
 rows on; torch's GEMM does more, but only after the weight is widened, and widening all of
-a model's weights costs a pass the time to write them out in float32: the default model's
-30 layers, about 18 ms with the weights in cache (scaled from one weight), 16-52 ms in a
-served prompt's pass (profiled). On 2-core AVX2 (Zen 3), 2 threads, the default model's
-prompt passes at runner level, caches evicted between passes as a decode step would: 128
-tokens 213 ms against 229 widened, 160 tokens 274 against 278, 192 tokens 342 against 321,
-256 tokens 477 against 429. Decode steps of 33-64 requests, which widened every weight at
-the former limit of 32 rows (measured before the kernel kept x in registers, which made it
-15-20% faster): 33 requests 94 against 137 ms a step, 48 requests 134 against 159. The
-output head (49152 x 576): 64 rows 29 against 42 ms, 128 rows 61 against 65."""
+a model's weights costs a pass the time to write them out in float32. On 2-core AVX2
+(Zen 3), 2 threads, the default model's prompt passes at runner level (caches evicted
+between passes as a decode step would) were faster on the kernel up to 160 tokens and
+slower from 192; decode steps of 33-64 requests, which widened every weight at the former
+limit of 32 rows, and the output head at 64 and 128 rows, faster. Figures in
+benchmarks/RESULTS.md."""
 FLOAT32_FUSED_ROWS = range(3, 17)
 FLOAT32_FUSED_ROWS_FROM_ONE = range(1, 17)
 _float32_fused_rows = FLOAT32_FUSED_ROWS  # see fuse_float32_matrix_vector
@@ -87,11 +85,9 @@ INT8_FUSED_MAX_ROWS_FLOAT32 = 128
 ``int8_matmul`` (torch's int8 kernel, where they are off, keeps ``INT8_KERNEL_MAX_ROWS``).
 As for half weights (``HALF_FUSED_MAX_ROWS_FLOAT32``), the alternative widens every weight
 for torch's GEMM. On 2-core AVX2 (Zen 3), 2 threads, ``int8wo``, the default model at
-runner level: decode steps of 33 requests 91 against 163 ms (medians; the former limit of
-32 rows widened them), 48 requests 122 against 183, 64 requests 165 against 238; prompt
-passes (caches evicted between them) of 96 tokens 172 against 202 widened, 128 tokens 235
-against 243, 160 tokens 314 against 310, 192 tokens 365 against 382 (best 360 against
-342), 256 tokens 509 against 437."""
+runner level: decode steps of 33-64 requests ran much faster than widened (the former limit
+of 32 rows widened them); prompt passes (caches evicted between them) were faster up to 128
+tokens, even at 160 and 192, slower at 256. Figures in benchmarks/RESULTS.md."""
 WEIGHT_FORMATS = ("fp16wo", "int8wo")
 
 
@@ -105,14 +101,12 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for an unpacked weight, x (T, in): float32 passes of
     ``FLOAT32_FUSED_ROWS`` rows on a CPU run the fused kernels' ``dense_matmul`` where they
-    are on, else ``F.linear``. torch's float32 GEMM is slow for 3-16 rows: the default
-    model's weights on a 2-core AMX CPU, kernels built for AVX2, 4 rows 40.6 ms against
-    30.3, 8 rows 54.4 against 38.2, 16 rows 57.3 against 53.1 (32 rows 74.7 against 83.9);
-    a whole float32 decode step there (kernels built for its AVX-512) at batch 4 49.7 -> 38.1
-    ms, at batch 16 85.3 -> 68.2. At one row torch's matrix-vector kernel is the faster there
-    (a step 27.4 against 30.0 ms), at two they are even; on a 2-core Zen 4 it is the slower
-    (all the weights, one row: 53 against 25 ms, two rows 104-110 against 24-26), so the
-    runner measures which (``fuse_float32_matrix_vector``)."""
+    are on, else ``F.linear``. torch's float32 GEMM is slow for 3-16 rows (on a 2-core AMX
+    CPU slower than the kernel from 4 to 16 rows, faster at 32; a whole float32 decode step
+    at batch 4 and 16 a fifth faster on the kernel). At one row torch's matrix-vector kernel
+    is the faster there, at two they are even; on a 2-core Zen 4 it is the slower, by about
+    half at one row and more at two, so the runner measures which
+    (``fuse_float32_matrix_vector``). Figures in benchmarks/RESULTS.md."""
     kernels = fused_ops.for_tensor(x)  # (None while torch.compile traces: reads no shape)
     if (kernels is None and torch.compiler.is_compiling() and fused_ops.active() is not None
             and x.device.type == "cpu"):
@@ -178,7 +172,7 @@ def int8_kernel_max_rows(dtype: torch.dtype, fused: bool) -> int:
     """The most rows a pass in ``dtype`` runs on an int8 kernel: the fused kernels' where
     ``fused``, else torch's. A bfloat16 serving dtype means a CPU with native bfloat16
     (``dtype=auto`` picks it only there), whose widened bfloat16 product is cheap enough to
-    win from 17 rows on (2-core AMX CPU: 0.19 vs 0.35 ms at 32 rows of a 1536 x 576 weight);
+    win from 17 rows on (2-core AMX CPU; benchmarks/RESULTS.md);
     in float32 torch's kernel wins up to 32 rows, the fused one up to
     ``INT8_FUSED_MAX_ROWS_FLOAT32``."""
     if dtype == torch.bfloat16:
@@ -290,18 +284,17 @@ class HalfWeight(PackedWeight):
 class Int8Weight(PackedWeight):
     """``by_pairs``: the integers laid out by column pairs (``by_column_pairs``) instead of
     by rows, for bfloat16 passes of any number of rows on the kernels' ``int8_pair_matmul``
-    (the integers widened to bfloat16 in registers, AVX-512 BF16 dot products: the default
-    model's weights on a 2-core Zen 4, 2 threads, one row 5.3-5.6 ms against 7.8-9.7 for its
-    bfloat16 pairs and 5.3-8.8 (across runs) for ``int8_matmul``; 16 rows 15.6 against 14.3
-    and 39-43; 512 rows 374-376 against 354-390 and, widened for oneDNN, 420-495). Its
-    products of a row do not depend on the pass's other rows.
+    (the integers widened to bfloat16 in registers, AVX-512 BF16 dot products: on a 2-core
+    Zen 4 faster than its bfloat16 pairs at one row and about even from 16 rows, far faster
+    than ``int8_matmul`` at 16 rows and than widening for oneDNN at 512; figures in
+    benchmarks/RESULTS.md). Its products of a row do not depend on the pass's other rows.
 
     ``by_blocks``: the integers in column blocks (``by_column_blocks``), for float32 passes
     of any number of rows on the kernels' ``blocked_int8_matmul`` (16 outputs' integers of
-    one input widened once for up to 6 rows; each output's sum scaled at the end): the
-    default model's layers' shapes, 2 threads, 2-core Zen 3, one row 4.5 ms against 4.9 for
-    ``int8_matmul``, 16 rows 20.2 against 25.1, 128 rows 158 against 206 (beyond 128 rows
-    the rows are widened for torch's GEMM; blocks stay on the kernel)."""
+    one input widened once for up to 6 rows; each output's sum scaled at the end): faster
+    than ``int8_matmul`` at every row count measured, more so with more rows (beyond 128
+    rows the rows are widened for torch's GEMM; blocks stay on the kernel; figures in
+    benchmarks/RESULTS.md)."""
 
     buffer: ConversionBuffer
     weight: torch.Tensor | None  # (out, in) int8, unless by pairs or blocks
@@ -340,7 +333,7 @@ class Int8Weight(PackedWeight):
             return out.to(x.dtype)
         # The integers widen exactly; the scales apply to the (T, out) product, whose rows
         # are contiguous, not to the weight (scaling a bfloat16 weight row by row runs
-        # torch's unvectorised broadcast loop: 2 ms for a 1536 x 576 weight here).
+        # torch's unvectorised broadcast loop, slower than scaling the product's columns).
         wide = self.buffer.take(weight.shape, x.dtype, x.device).copy_(weight)
         scales = self.kernel_scales if x.dtype == torch.bfloat16 else self.scales.to(x.dtype)
         return F.linear(x, wide).mul_(scales)

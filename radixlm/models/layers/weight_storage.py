@@ -22,16 +22,12 @@ GEMM. A weight's values are stored
 Activations, sums, norms, attention and the KV cache stay float32; ``--dtype float32``
 keeps every weight in float32 (the reference the fidelity tests compare with).
 
-Measured on a 2-core AVX2 CPU (Zen 3, no AVX-512), all the default model's layers'
-weights (30 x QKV, O, gate-up and down) in rows, in a loop, 2 threads: one row 6.8 ms (bfloat16)
-and 7.6 (float16) against 13.0 for float32 weights on the same kernel and 28.8 on torch's;
-16 rows (float16) 27 (29.5 before the kernel kept x in registers) against 36.3 and 65.6.
-Widening all of them for a large pass takes about 18 ms with the weights in cache (one
-3072 x 576 weight: 0.30 ms, scaled by size) and 16-52 ms in a served prompt's pass
-(profiled; a 512-token prefill there took about 870), which is why passes of up to
-``HALF_FUSED_MAX_ROWS_FLOAT32`` rows stay on the rows' kernel. The default model's batch-1
-decode step there: 11.6 against 19.3 ms. Column blocks (``BlockedWeight``) are faster
-again, at every length (its figures).
+On a 2-core AVX2 CPU (Zen 3, no AVX-512), 16-bit weights in rows took about half the time
+of float32 weights on the same kernel at one row, and less at 16 rows, and far less than
+torch's; widening all the weights for a large pass is a few percent of a served prompt's
+pass, which is why passes of up to ``HALF_FUSED_MAX_ROWS_FLOAT32`` rows stay on the rows'
+kernel; the batch-1 decode step got faster by about two fifths. Column blocks
+(``BlockedWeight``) are faster again, at every length. Figures in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -106,11 +102,9 @@ class BlockedWeight(PackedWeight):
 
     Float32 passes of any number of rows run the kernels' ``blocked_matmul``, which widens
     those 16 weights once and multiplies them by up to 6 rows' inputs (the rows' own kernel,
-    ``dense_matmul``, widens each weight once per 4 rows). The default model's layers, 2-core
-    Zen 3, 2 threads, bfloat16: 16 rows 21.8-23.1 against 27.3-29.5 ms, one row 7.4-8.9
-    against 8.7-10.5; and unlike the rows' kernel it outruns widening the weights for
-    torch's GEMM at every prompt length measured (a whole pass of the model: 128 tokens 183
-    against 242 ms, 512 tokens 741 against 817, 1024 tokens 1747 against 1825). Without the
+    ``dense_matmul``, widens each weight once per 4 rows). It is faster than the rows'
+    kernel at 1 and 16 rows, and unlike that kernel it outruns widening the weights for
+    torch's GEMM at every prompt length measured (figures in benchmarks/RESULTS.md). Without the
     kernels the blocks are widened into the buffer as an (in, out) matrix for torch's
     GEMM."""
 
