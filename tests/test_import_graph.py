@@ -27,7 +27,7 @@ LAYER_RULES = {
     "kv_cache": ("runtime", "frontend_lang", "models"),
     "models": ("runtime", "frontend_lang"),
 }
-"""The one-way dependencies of ARCHITECTURE.md: runtime -> models -> kernels; the KV cache
+"""The one-way dependencies of docs/architecture.md: runtime -> models -> kernels; the KV cache
 and the kernels below the models."""
 
 
@@ -170,7 +170,7 @@ def test_radixlm_has_no_import_cycles():
 
 def test_kernels_kv_cache_and_models_never_import_the_layers_above_them():
     violations = layer_violations(import_edges(PACKAGE_DIR), "radixlm", LAYER_RULES)
-    assert not violations, "imports against the layering of ARCHITECTURE.md:\n" + "\n".join(
+    assert not violations, "imports against the layering of docs/architecture.md:\n" + "\n".join(
         violations
     )
 

@@ -1,4 +1,4 @@
-"""The HTTP server: SGLang's native API over an Engine (COMPATIBILITY.md, section 1).
+"""The HTTP server: SGLang's native API over an Engine (docs/compatibility.md, section 1).
 
 A thin FastAPI layer: every route validates its body (pydantic), calls the Engine's async
 API, and maps errors to status codes: bad input 400 (``{"error": {"message"}}``), a bad or

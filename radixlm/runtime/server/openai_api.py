@@ -1,4 +1,4 @@
-"""The OpenAI API over an Engine (COMPATIBILITY.md, section 2): ``/v1/models``,
+"""The OpenAI API over an Engine (docs/compatibility.md, section 2): ``/v1/models``,
 ``/v1/completions`` and ``/v1/chat/completions``, streamed or not.
 
 Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad

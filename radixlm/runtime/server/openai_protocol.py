@@ -1,4 +1,4 @@
-"""The OpenAI API's request and response bodies (COMPATIBILITY.md, section 2), as pydantic
+"""The OpenAI API's request and response bodies (docs/compatibility.md, section 2), as pydantic
 models, so that validation and ``/openapi.json`` both come from one description.
 
 Requests refuse unknown fields. Besides OpenAI's own fields they take SGLang's extras (what
