@@ -1,8 +1,8 @@
 // Greedy sampling's argmax over float32 logits, vectorised (see fused_ops.py).
 //
-// torch's CPU argmax walks a row one value at a time: 16 rows of the default model's 49,152
-// logits took 0.65 ms on 2 threads (a 2-core Zen 4), this kernel 0.10 (one row: 0.09 and
-// 0.01), and a greedy decode step pays it once. Here each vector lane keeps the largest value it
+// torch's CPU argmax walks a row one value at a time, several times slower than this kernel
+// (benchmarks/RESULTS.md), and a greedy decode step pays it once. Here each vector lane
+// keeps the largest value it
 // has seen and where (a strictly larger value replaces it, so a lane keeps the first of its
 // ties), and the lanes are then merged: the largest value, at the smallest index among the
 // lanes holding it. The answer is torch.argmax's exactly: the first index of the largest
@@ -88,7 +88,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
   const float* p = x.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  // A row of 49,152 values is about 10 us of work: a thread a few rows at least.
+  // A row of 49,152 values is little work (benchmarks/RESULTS.md): a thread a few rows at
+  // least.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / V);
   at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) o[b] = radixlm_argmax::argmax_row(p + b * stride, V);

@@ -48,10 +48,8 @@ typedef uint32_t UnalignedPairs
 // 2i + 1: 2 instructions for the row's 2 vectors, neither a shuffle, where widening each
 // half takes 2 (zero-extend, shift) and the zero-extends compete with the multiply-adds for
 // a port. The sums then hold the even columns (vector 0) and the odd ones (vector 1), put
-// back in order when stored. Bfloat16 weights of the default model's layer shapes, 30
-// layers, 2 threads, 2-core Zen 3, best of 7 with the widening of each half alternated in
-// one process: 16 rows 20.0 against 20.8 ms, 512 rows 601 against 625; in cache, one
-// thread, 16 rows: 89.6 against 86.0 GFLOP/s. (float16 widens with one conversion a vector.)
+// back in order when stored: a few percent faster on a 2-core Zen 3 from memory, a few
+// slower in cache (benchmarks/RESULTS.md). (float16 widens with one conversion a vector.)
 template <typename W>
 constexpr bool kPairedRows = std::is_same_v<W, at::BFloat16> && kBlockVectors == 2;
 
@@ -190,9 +188,8 @@ void blocked_matmul_rows(const float* x, int64_t M, int64_t K, const W* blocks,
 
 // x's rows a chunk of kChunkBytes at a time, each chunk against every block: a block's
 // tiles read the chunk's rows again, and a chunk stays in the core's L2 where all of x
-// (a prompt's) would be read from L3 once per block. 512 rows against all the default
-// model's layers, 2 threads, 2-core Zen 3 (512 KiB L2 a core): 641-658 ms in chunks of 128
-// or 256 KiB, 775 in one.
+// (a prompt's) would be read from L3 once per block. On a 2-core Zen 3 (512 KiB L2 a core)
+// chunks of 128 or 256 KiB were alike and a sixth faster than one chunk (benchmarks/RESULTS.md).
 constexpr int64_t kChunkBytes = 128 * 1024;
 
 template <typename W>

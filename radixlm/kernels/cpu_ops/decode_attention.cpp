@@ -110,12 +110,9 @@ inline Simd sum_each(const Simd* v) {
 
 #ifdef RADIXLM_KEYS_AT_ONCE
 // scores[j] = q . key_j for kLanes keys (q float32 of dim, a multiple of kLanes), their
-// sums taken together at the end (sum_each). AVX-512, 16 keys at a time: the default model's
-// decode attention (30 layers, bfloat16, 2 threads, a Zen 4) from 16.8 to 12.1 ms for 64
-// requests of 100-200 tokens, 157 to 66 ms for 128 of 150-300. AVX2, 8 at a time, with the
-// value rows read once for a group's queries 32 values at a time (weighted_rows_of_group):
-// 16 requests of 200 tokens in scattered slots, the default model's 30 layers, float32,
-// 2-core Zen 3, 6.4 against 7.3 ms (best of 15, both builds alternated in one process).
+// sums taken together at the end (sum_each). AVX-512, 16 keys at a time; AVX2, 8 at a time,
+// with the value rows read once for a group's queries 32 values at a time
+// (weighted_rows_of_group). Both faster than a key at a time (benchmarks/RESULTS.md).
 template <typename T>
 inline void score_keys(const float* q, const T* const* keys, int64_t dim, float* scores) {
   Simd acc[kLanes];
@@ -136,9 +133,8 @@ inline void score_keys(const float* q, const T* const* keys, int64_t dim, float*
 // 32), on dot-product instructions (vdpbf16ps: each lane sums a pair of products, exact, in
 // float32): half the instructions of widening the keys to float32, and no widening; the
 // scale multiplies the sums (rather than q first). With the value rows read once for a
-// group's queries (weighted_rows_of_group): 16 requests of ~500 tokens, the default model's
-// 30 layers from the pool, 15.0 against 16.7 ms a step; one layer's (in cache) thirty times,
-// 6.1 against 7.0 (2-core Zen 4, both builds side by side in one process).
+// group's queries (weighted_rows_of_group): faster from the pool and in cache (2-core Zen 4;
+// benchmarks/RESULTS.md).
 inline void score_16_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* const* keys,
                                int64_t dim, float scale, float* scores) {
   __m512 acc[16];

@@ -3,9 +3,9 @@
 // few_rows_matmul.cpp, blocked_matmul.cpp and pair_matmul.cpp (or torch's linear) in the
 // order and on the operands the layer's modules give them, so its outputs equal theirs to
 // the bit; what it leaves out is the Python between them (module calls, views, the
-// attention backend's dispatch: about 100 us a layer, a quarter of a batch-1 step of the
-// default model). decode_layers runs a model's consecutive layers so in one call, leaving
-// out the Python between the layers too. Compiled as one translation unit with those files
+// attention backend's dispatch: a quarter of a batch-1 step of the default model,
+// benchmarks/RESULTS.md). decode_layers runs a model's consecutive layers so in one call,
+// leaving out the Python between the layers too. Compiled as one translation unit with those files
 // (see fused_ops.py), after them.
 
 namespace radixlm_decode_layer {

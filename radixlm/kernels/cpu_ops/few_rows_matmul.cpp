@@ -49,8 +49,7 @@ constexpr int64_t kParallelWork = 1 << 17;
 // accumulator register for each pair, and the widened weights and an x vector beside them.
 // AVX-512 has 32 registers: 4 x 4 (16 accumulators). AVX2 has 16: 4 x 4 spills there, and
 // 3 weight rows x 4 of x (12 accumulators) was the fastest of 4x4, 4x3, 3x4, 2x6, 4x2, 6x2,
-// 3x5 and 3x3 (2-core Zen 3, all the default model's weights, float16: 16 rows 29.6 ms
-// against 38.3 for 4x4, 32 rows 57.4 against 74.6; float32 16 rows 35.8 against 49.1).
+// 3x5 and 3x3 (2-core Zen 3; benchmarks/RESULTS.md).
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kWeightsPerTile = 4;
 #else
@@ -138,9 +137,9 @@ inline Lanes padded(const T* p, int64_t count) {
 // Makes the compiler keep v in a register from here on. In a whole tile GCC would rather
 // fold the x loads into the multiply-adds, loading each x vector once per weight row: 15
 // loads for a step's 12 multiply-adds on AVX2, where a core loads 2 vectors a cycle. With x
-// loaded once (7 loads), 16 rows of all the default model's weights take 27 against 32 ms
-// (float16; bfloat16 31 against 36, int8 27 against 30; 2-core Zen 3). Fewer rows than a
-// tile's are limited by memory, not loads, and keep the compiler's choice (2 rows: 7% faster).
+// loaded once (7 loads), 16 rows are faster in every weight type (2-core Zen 3;
+// benchmarks/RESULTS.md). Fewer rows than a tile's are limited by memory, not loads, and
+// keep the compiler's choice (faster at 2 rows).
 inline void in_register(Lanes& v) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   __asm__("" : "+v"(v));

@@ -186,9 +186,8 @@ void rotate_rows(const T* x, const T* cos, const T* sin, T* y, int64_t begin, in
 
 // exp(v) for silu in storage type T: ATen's faster exp (exp_u20, the one torch's flash
 // attention uses) for bfloat16, whose silu, rounded, then equals F.silu's for every finite
-// bfloat16 (checked exhaustively by the tests; the default model's 512-token gate_up on 2
-// Zen 4 cores, alternated in one process: 0.34-0.50 ms against 0.43-0.71); the exact exp
-// (torch's) for the other types.
+// bfloat16 (checked exhaustively by the tests; faster on the default model's 512-token
+// gate_up: benchmarks/RESULTS.md); the exact exp (torch's) for the other types.
 template <typename T>
 inline Vec silu_exp(const Vec& v) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -298,8 +297,8 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 // silu_mul(gate_up (T, 2 I)) -> (T, I): silu(gate_up[:, :I]) * gate_up[:, I:]. An output
 // costs about kSiluCost times a norm's or RoPE's (an exponential and a division), so
-// threads share rows from a quarter of the grain on (16 rows of the default model's 1536:
-// 11.4 against 20.7 us on one thread, 2-core Zen 4).
+// threads share rows from a quarter of the grain on (16 rows of the default model's 1536
+// take about half as long on two threads as on one: benchmarks/RESULTS.md).
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
               "gate_up must be (T, 2 I) with unit stride in its last dim");

@@ -1,10 +1,9 @@
 """Fused CPU kernels for the small operations between a forward pass's matmuls.
 
 On a CPU the operations between the matmuls cost their dispatch, not their arithmetic: on
-the default model (batch-1 decode, bfloat16, a 2-core AMX CPU) the step spent about 8 ms
-in some 1,000 torch operations beside 15 ms of matmuls, and each RMSNorm, a chain of ten
-operations inside ``F.rms_norm``, took 37 us there (the fused norm with its residual add
-takes 1.4 us in a loop, torch's chain 12). The kernels of
+the default model (batch-1 decode, bfloat16, a 2-core AMX CPU) a step's some 1,000 torch
+operations took half as long again as its matmuls, and each RMSNorm is a chain of ten
+operations inside ``F.rms_norm`` (figures in benchmarks/RESULTS.md). The kernels of
 ``fused_ops.cpp`` each do one such chain in one call:
 
 - ``rms_norm(x, weight, eps)`` and ``add_rms_norm(x, residual, weight, eps)`` (the residual
@@ -12,9 +11,7 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
 - ``paged_decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scale)`` (in
   ``decode_attention.cpp``): one query per request over its keys where they lie in the pool,
   instead of gathering them into a padded batch for ``scaled_dot_product_attention`` (on
-  AVX-512, keys scored 16 at a time:
-  64 requests of 100-200 tokens, the default model's 30 layers, 16.8 -> 12.1 ms; on AVX2, 8
-  at a time);
+  AVX-512, keys scored 16 at a time; on AVX2, 8 at a time);
 - ``rotary(x, cos, signed_sin)``: RoPE's roll, multiply and multiply-add;
 - ``silu_mul(gate_up)``: the gated MLP's split, SiLU and product;
 - ``scatter_rows(buffer, slots, rows)``: ``buffer.index_copy_(0, slots, rows)``, a KV pool's
@@ -23,54 +20,41 @@ takes 1.4 us in a loop, torch's chain 12). The kernels of
   (in ``prefill_attention.cpp``): an extend batch's causal attention in one call, bfloat16
   on AVX-512 BF16 dot products, each sequence (fresh or after a cached prefix) over its
   keys where they lie in the KV pool, computing only the key blocks the mask keeps
-  (torch's CPU flash kernel computes all of a block of up to 512): 1.7 against 5.7 ms a
-  layer for a 512-token prompt of the default model, on a 2-core Zen 4 without AMX; in
-  float32 (``prefill_attention_float32.cpp``) on float32 multiply-adds, 2.9 against 5.7 ms
-  for torch's gather and SDPA on a 2-core Zen 3; ``causal_prefill_attention`` says
-  where it serves;
+  (torch's CPU flash kernel computes all of a block of up to 512); in float32
+  (``prefill_attention_float32.cpp``) on float32 multiply-adds; ``causal_prefill_attention``
+  says where it serves;
 - ``int8_matmul(x, weight, scales)`` and ``dense_matmul(x, weight)`` (in
   ``few_rows_matmul.cpp``): the few rows of a decode step against a projection's weight
   stored as int8 or float16 (the weight-only formats, ``models/layers/weight_formats.py``),
   as bfloat16 or float16 under float32 activations (``dtype=auto`` on CPUs without native
   bfloat16, ``models/layers/weight_storage.py``, for weights whose rows are not a multiple
   of 16) or in x's dtype (bfloat16 rows kept beside oneDNN's layout,
-  ``models/layers/cpu_weight_layout.py``), asking for the weights ahead of where they read.
-  All the default model's weights at one row, in a loop: int8 7.4 ms against 12.6 for
-  torch's ``_weight_int8pack_mm``; float16 12.7 against 29.3 for torch's half kernel;
-  bfloat16 13.3 against 16.1 for oneDNN on its own blocked layout;
+  ``models/layers/cpu_weight_layout.py``), asking for the weights ahead of where they read;
 - ``blocked_matmul(x, blocks)`` (in ``blocked_matmul.cpp``): float32 rows against a 16-bit
   weight in column blocks, ``dtype=auto``'s storage on CPUs without native bfloat16 (16
-  outputs' weights of one input widened once for up to 6 rows: the default model's layers,
-  16 rows, 2-core Zen 3, 21.8-23.1 against 27.3-29.5 ms for ``dense_matmul``; a whole
-  512-token prompt's pass 741 against 817 ms with the weights widened for torch's GEMM);
+  outputs' weights of one input widened once for up to 6 rows);
   ``blocked_int8_matmul(x, blocks, scales)``: the same against int8 blocks, each output's
-  sum times its scale (``int8wo`` served in float32; all the layers, one row 4.5 ms against
-  4.9 for ``int8_matmul``, 16 rows 20.2 against 25.1, 128 rows 158 against 206);
+  sum times its scale (``int8wo`` served in float32);
 - ``pair_matmul(x, pairs)`` (in ``pair_matmul.cpp``): bfloat16 rows against a weight laid
   out by column pairs (``models/layers/cpu_weight_layout.py``) on AVX-512 BF16 dot products,
-  each row's products independent of the rows beside it. All the default model's weights on
-  a 2-core Zen 4 without AMX, 2 threads: one row 12.5 ms against 15.3 for ``dense_matmul``
-  and 18.0 for oneDNN, 16 rows 18.5 against 22.3 (oneDNN), 512 rows 337 against 340;
+  each row's products independent of the rows beside it;
   ``pair_matmul_serves`` says where it serves; ``int8_pair_matmul(x, pairs, scales)``, the
   same over int8 weights by pairs (``int8wo`` there), widened to bfloat16 in registers;
   ``pair_matmul_silu(x, pairs)`` and ``int8_pair_matmul_silu(x, pairs, scales)``, a gated
   MLP's gate and up products taken straight to silu(gate) * up (``silu_mul``'s bits);
 - ``decode_layer(...)`` (in ``decode_layer.cpp``): a Llama-style layer's whole decode step
   (the norms, QKV, RoPE, KV store, attention, O and MLP) as one call of the kernels above,
-  each projection multiplied as ``ProjectionKernel`` says (``models/layers/cpu_decode_layer.py``):
-  default model, batch 1, weights by column pairs, a step's forward 10.4-11.8 against
-  14.2-14.4 ms called op by op from Python; ``decode_layers(...)``, every layer's in one
-  call (``models/layers/cpu_decode_stack.py``): 6.5 against 6.9 ms at batch 1, 15.7
-  against 16.6 at 16 requests;
+  each projection multiplied as ``ProjectionKernel`` says (``models/layers/cpu_decode_layer.py``);
+  ``decode_layers(...)``, every layer's in one call (``models/layers/cpu_decode_stack.py``);
 - ``argmax_rows(x)`` (in ``argmax.cpp``): ``x.argmax(dim=-1)`` over float32 logits, the
   same answers (ties, NaN) from vector lanes instead of torch's one value at a time
   (greedy sampling, ``runtime/sampling/sampler.py``).
 
 Each works a row at a time in whole SIMD vectors (16-bit rows converted in registers),
 split between the threads by rows (the prefill attention: four query rows at a time, tasks
-of 32 rows of a head). A 512-token prefill on the AMX CPU spends about 20 ms in them (the
-MLP's SiLU-and-multiply 10 of it, at torch's own speed), beside 64 ms of matmuls and 33 of
-attention (torch's).
+of 32 rows of a head). In a 512-token prefill on the AMX CPU they are a small share of the
+pass beside the matmuls and torch's attention, half of it the MLP's SiLU-and-multiply, at
+torch's own speed. Each kernel's figures against torch are in benchmarks/RESULTS.md.
 
 They compute in float32 whatever the storage type and round intermediates to it where
 torch's chains store them, so bfloat16 results equal torch's bit for bit except where a
@@ -78,7 +62,7 @@ float32 sum is ordered differently (the norms, attention: within one bfloat16 st
 float32 results agree to float32 rounding (the tests hold them to both).
 
 The kernels are compiled for the CPU that builds them, with torch's C++ extension builder
-(g++ and ninja; about 20 s on 2 cores), once per machine: the build is cached in torch's
+(g++ and ninja; some seconds), once per machine: the build is cached in torch's
 extensions directory (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``) under a
 name that carries the CPU's instruction-set flags and the torch and Python versions. A CPU model
 runner builds or loads them as it starts (``enable``); where that fails (no compiler, no
@@ -158,8 +142,8 @@ def causal_prefill_attention(keys: torch.Tensor, values: torch.Tensor) -> Callab
     and D_v a multiple of 16, and
 
     - bfloat16: D_v up to 128, a build with AVX-512 BF16 and a CPU without AMX (its flash
-      attention there runs on AMX tiles through oneDNN, 33 ms over the default model's 30
-      layers for a 512-token prompt, and this kernel is not measured there);
+      attention there runs on AMX tiles through oneDNN, and this kernel is not measured
+      there);
     - float32: D_v up to 256 and a build with AVX2 or AVX-512 vectors (the kernel in
       ``prefill_attention_float32.cpp``)."""
     module = for_tensor(keys)

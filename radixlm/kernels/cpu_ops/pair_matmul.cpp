@@ -9,36 +9,32 @@
 // sums in registers (8 by 3 at most: 24 of the 32 vector registers) and reads each weight
 // vector once for its R rows; a thread's chunk of C groups (C * K * 32 bytes, within L2) is
 // walked by tiles of 8, 4, 2 and 1 rows, and its first two tiles ask for the next chunk's
-// weights as they go, half each, into L2 (into L1 that was slower: all the model's weights
-// at one row on one thread, 17.5 ms against 13.3; all of them in the first tile, as before,
-// 16 rows took 13.0-14.1 ms against 12.0-12.9 halved, interleaved: the second tile's sums
-// ran from L2 while the memory idled). Sums are float32 in the order of K whatever M is,
+// weights as they go, half each, into L2 (into L1 was slower; all of them in the first tile,
+// as before, was slower too: the second tile's sums ran from L2 while the memory idled;
+// benchmarks/RESULTS.md). Sums are float32 in the order of K whatever M is,
 // so a row's outputs do not depend on the rows beside it; each is rounded once (to
 // nearest even).
 //
-// All of the default model's weights a pass (134.5 M), a 2-core Zen 4 without AMX, against
-// oneDNN's bfloat16 kernel on its blocked layout (and the plain rows of few_rows_matmul.cpp),
-// 2 threads: one row 12.5 ms against 18.0 (15.3), 4 rows 13.1 against 17.0 (16.9), 16 rows
-// 18.5 against 22.3 (230 GFLOP/s), 128 rows 86 against 90, 512 rows 337 against 340 (410
-// GFLOP/s); one thread: one row 11.5 against 19.7 (16.5), 16 rows 24.0 against 30.2, 512
-// rows 652 against 661 (211 GFLOP/s, near a core's peak of one 512-bit dot product a cycle).
+// All of the default model's weights a pass (134.5 M), a 2-core Zen 4 without AMX: faster
+// than oneDNN's bfloat16 kernel on its blocked layout (and the plain rows of
+// few_rows_matmul.cpp) at every row count measured, on one thread and two, most at few
+// rows; at 512 rows near a core's peak of one 512-bit dot product a cycle
+// (benchmarks/RESULTS.md).
 //
 // int8_pair_matmul runs the same tiles over int8 weights by pairs (weight-only int8, one
 // scale an output column, applied to the float32 sums): each vector of 32 integers is
 // widened to bfloat16 in registers (exact), per tile for passes of up to 8 rows, else once a
 // chunk into a thread's buffer that all its tiles read (the same values, so the same sums:
-// rows stay independent of their neighbours). All the default model's weights, 2 threads:
-// one row 5.3-5.6 ms (bfloat16 pairs 7.8-9.7: half the bytes), 16 rows 15.6 (14.3), 64 rows
-// 47 (47), 512 rows 374-376 (354-390); the int8 rows of few_rows_matmul.cpp 5.3-8.8 across
-// runs, 39-43, 77-103, and (widened to bfloat16 for oneDNN) 420-495.
+// rows stay independent of their neighbours). Faster than bfloat16 pairs at one row (half
+// the bytes) and even from 16 rows; faster than the int8 rows of few_rows_matmul.cpp and
+// than widening to bfloat16 for oneDNN (benchmarks/RESULTS.md).
 //
 // pair_matmul_silu and int8_pair_matmul_silu take a gated MLP's gate_up weight (the gate's
 // groups over the up's) and return silu(gate) * up: a thread computes a chunk of the gate's
 // columns into its own rows, then the up's chunk of the same columns, whose tiles apply the
 // SiLU and the product as they store. The (M, 2 I) products are never written nor read back,
-// and the bits are silu_mul's of pair_matmul's. The default model's gate_up at 512 rows, 2
-// threads: 4.35 ms against 4.57 for pair_matmul then silu_mul; a whole 512-token pass, the
-// two ways alternated 30 times in one process, 336 against 346 ms (median).
+// and the bits are silu_mul's of pair_matmul's: a little faster than pair_matmul then
+// silu_mul, alone and in a whole pass (benchmarks/RESULTS.md).
 
 #include <torch/extension.h>
 

@@ -15,19 +15,16 @@
 // One call a layer takes the whole batch: every sequence's keys and values are packed (read
 // through its row of the slot table: no padded grid, no mask) in one parallel loop, and its
 // tasks join one shared loop. Packing by vector gathers and widenings in that one loop took
-// 0.05 ms a layer for 512 tokens, against 0.10 value by value in two loops. A sequence's
-// outputs do not depend on the others in its batch: the same packed blocks, the same sums
-// in the same order. Sixteen prompts of about 12 tokens (default model, 2-core Zen 4):
-// 0.24 ms a layer, against 0.79 for the padded SDPA call (and its gather) they took before.
+// half the time of packing value by value in two loops. A sequence's outputs do not depend
+// on the others in its batch: the same packed blocks, the same sums in the same order. Many
+// short prompts run several times faster than the padded SDPA call (and its gather) they
+// took before (benchmarks/RESULTS.md).
 //
 // torch's own CPU kernel computes every key of a block of up to 512 whatever the causal mask,
 // at about a third of the rate of a plain bfloat16 matrix product: on a 2-core AVX-512 BF16
-// CPU without AMX (Zen 4; 9 query and 3 KV heads of 64, 512 tokens) it took 5.7 ms a layer,
-// this kernel 1.7 (about 100 GFLOP/s a core, where oneDNN's bfloat16 matrix product reaches
-// about 185 on 16 rows); in a later profile of a whole 512-token pass, 1.6 (48 ms of 354).
-// Blocks of 256 keys rather than 64 (fewer running-maximum updates and rescales a row),
-// builds side by side in one process: 1.31 against 1.48 ms for 512 tokens, 5.05 against
-// 5.51 for 1024; 39 prompts of 13 tokens alike (0.34-0.35).
+// CPU without AMX (Zen 4) this kernel took about a third of its time for a 512-token prompt.
+// Blocks of 256 keys rather than 64 (fewer running-maximum updates and rescales a row) are
+// a tenth faster for long prompts and alike for short ones (benchmarks/RESULTS.md).
 //
 // The call's checks, its sequences, its task loop and a task's walk over its rows are
 // shared with the float32 kernel (prefill_attention_float32.cpp, which follows this file in

@@ -16,15 +16,11 @@
 // weighted value over the keys in order, and the blocks start at multiples of kBlockKeys
 // whatever the rows beside a row.
 //
-// On a 2-core AVX2 CPU (Zen 3; the default model's 9 query and 3 KV heads of 64), 2
-// threads, a layer, against torch's gather and causal SDPA in one run: a 512-token prompt
-// 2.9 against 5.7-5.8 ms, a 128-token one 0.22-0.23 against 0.62-0.63, sixteen 13-token
-// prompts 0.14-0.15 against 0.87-1.04 for their padded SDPA. Whole passes at runner level
-// (best of 6, with the earlier walk below): 816 against 881 ms (512 tokens), 369 against
-// 401 (16 x 13). That walk took each group over all its keys in turn, reading each key and
-// value from L2 (or beyond) once per group; against it, best of 9 in one process: 2,048 new
-// tokens 47.9 against 56.6 ms, 1,024 11.4 against 13.3, 512 2.9 against 3.1; a chunk of 512
-// after 1,536 cached tokens 18.0 against 22.4 ms.
+// On a 2-core AVX2 CPU (Zen 3), a layer took half the time of torch's gather and causal
+// SDPA or less, for one long prompt and for many short ones (against their padded SDPA);
+// whole passes were faster too. The earlier walk took each group over all its keys in turn,
+// reading each key and value from L2 (or beyond) once per group; this one is faster, the
+// more so the longer the sequence or its cached prefix (figures in benchmarks/RESULTS.md).
 
 #include <torch/extension.h>
 
