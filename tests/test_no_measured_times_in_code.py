@@ -145,6 +145,16 @@ def test_an_allowlisted_phrase_covers_only_its_own_file():
         del ALLOWLIST[("runtime/a.py", "waits 2 s")]
 
 
+def test_a_package_with_a_figure_fails_naming_file_and_line(tmp_path):
+    (tmp_path / "layer.py").write_text('"""Fast."""\n\nX = 1  # 12.5 ms against 15.3\n')
+    (tmp_path / "kernel.cpp").write_text("int x;\n/* 37 us a call */\n")
+    hits = unlisted(scan_package(tmp_path))
+    assert [(path, line, fig) for path, line, fig, _ in hits] == [
+        ("kernel.cpp", 2, "37 us"),
+        ("layer.py", 3, "12.5 ms"),
+    ]
+
+
 # ---- the package ------------------------------------------------------------------------------
 
 
