@@ -175,6 +175,33 @@ def test_kernels_kv_cache_and_models_never_import_the_layers_above_them():
     )
 
 
+PRIVATE_REGEX_MODULES = ("sre_parse", "sre_compile", "sre_constants",
+                         "re._parser", "re._compiler", "re._constants", "re._casefix")
+"""CPython's regex internals: private, and changed in any Python release (3.11 moved them)."""
+
+
+def private_regex_uses(package_dir: Path) -> list[str]:
+    """'module:line name' for each import of, or attribute access to, CPython's private
+    regex modules (``import sre_parse``, ``from re import _parser``, ``re._parser``)."""
+    uses = []
+    for name, path in module_files(package_dir).items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                used = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                used = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                used = [f"{node.value.id}.{node.attr}"]
+            else:
+                continue
+            uses += [f"{name}:{node.lineno} {u}" for u in used if u in PRIVATE_REGEX_MODULES]
+    return uses
+
+
+def test_radixlm_never_uses_cpython_s_private_regex_parser():
+    assert private_regex_uses(PACKAGE_DIR) == []
+
+
 # ---- the walker, on synthetic packages -------------------------------------------------------
 
 
@@ -245,6 +272,18 @@ def test_a_lower_layer_importing_the_runtime_is_a_violation(tmp_path):
         "pkg.kernels.ops:3 -> pkg.models.net",
         "pkg.kernels.ops:2 -> pkg.runtime.runner",
     ]
+
+
+def test_imports_of_the_private_regex_parser_are_found_in_every_spelling(tmp_path):
+    package = write_package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "import sre_parse\n",
+        "pkg/b.py": "from re import _parser\n",
+        "pkg/c.py": "import re\nre._parser.parse('a')\n",
+        "pkg/d.py": "import re\nre.compile('a')  # re._parser in a comment is fine\n",
+    })
+    assert private_regex_uses(package) == [
+        "pkg.a:1 sre_parse", "pkg.b:1 re._parser", "pkg.c:2 re._parser"]
 
 
 def test_relative_imports_beyond_the_package_are_refused(tmp_path):

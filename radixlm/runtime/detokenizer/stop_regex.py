@@ -1,8 +1,8 @@
 """Stop regexes searched in time linear in the text, fed incrementally, never backtracking.
 
 Python's ``re`` backtracks: ``(.+)+X`` over a long text without an ``X`` takes exponential
-time, and a stop regex is searched on every decoded token. Here a pattern is parsed with
-CPython's own parser (``re._parser``, so the syntax and its errors are ``re``'s), compiled
+time, and a stop regex is searched on every decoded token. Here a pattern is parsed by
+``regex_parser`` (``re``'s syntax and errors, without CPython's private parser), compiled
 into a Thompson NFA (a list of instructions), and searched with a Pike VM that runs
 ``.*?(R)``: one thread per NFA state, each carrying the leftmost text position where a
 match through that state could have started. Each character costs O(program size), the
@@ -17,10 +17,10 @@ What counts as a match: ``text[s:e]`` with ``s < e`` that ``re`` would ``fullmat
 apart. Supported: literals, ``.``, classes (ranges, negation, ``\\d \\w \\s`` and their
 negations with ``str.isdecimal``/``isalnum``/``isspace`` semantics, ASCII-only under
 ``re.ASCII``), groups, alternation, bounded and unbounded repeats, ``^``, ``\\A``, and the
-flags IGNORECASE, DOTALL, MULTILINE, ASCII and VERBOSE. Everything else is refused with a
-``ValueError`` naming it: backreferences, lookaround, conditionals, atomic groups,
-possessive repeats (they are atomic groups, and treating them as greedy would match texts
-``re`` does not), ``$``, ``\\Z``, ``\\b`` and ``\\B`` (they look at the next character).
+flags IGNORECASE, DOTALL, MULTILINE, ASCII and VERBOSE. Everything else is refused by the
+parser with a ``ValueError`` naming it: backreferences, lookaround, conditionals, atomic
+groups, possessive repeats (they are atomic groups, and treating them as greedy would match
+texts ``re`` does not), ``$``, ``\\Z``, ``\\b`` and ``\\B`` (they look at the next character).
 """
 
 from __future__ import annotations
@@ -29,35 +29,25 @@ import functools
 import re
 from collections.abc import Callable
 
-try:
-    from re import _constants as sre
-    from re import _parser
-except ImportError:  # Python 3.10
-    import sre_constants as sre  # type: ignore[no-redef]
-    import sre_parse as _parser  # type: ignore[no-redef]
+from radixlm.runtime.detokenizer.regex_parser import (
+    AnyChar,
+    Begin,
+    Branch,
+    Category,
+    CharRange,
+    CharSet,
+    Group,
+    Literal,
+    Node,
+    Repeat,
+    parse_stop_regex,
+)
 
 MAX_PROGRAM_SIZE = 2000
 """Most NFA instructions one stop regex may compile to (counted before any is built): each
 character fed costs up to this many steps."""
 
 _CHAR, _SPLIT, _JMP, _BEGIN, _LINE_BEGIN, _MATCH = range(6)
-_CONSUMING = (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN)
-_REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT)
-# Opcodes and anchor codes are ints that overlap, so each kind has its own table.
-_REFUSED_OPS = {
-    sre.GROUPREF: "a backreference",
-    sre.GROUPREF_EXISTS: "a conditional group (?(...)...)",
-    sre.ASSERT: "a lookahead or lookbehind",
-    sre.ASSERT_NOT: "a negative lookahead or lookbehind",
-    getattr(sre, "ATOMIC_GROUP", None): "an atomic group (?>...)",
-    getattr(sre, "POSSESSIVE_REPEAT", None): "a possessive repeat (*+, ++, ?+, {m,n}+)",
-}
-_REFUSED_ANCHORS = {
-    sre.AT_END: "the end anchor $",
-    sre.AT_END_STRING: "the end anchor \\Z",
-    sre.AT_BOUNDARY: "the word boundary \\b",
-    sre.AT_NON_BOUNDARY: "the non-boundary \\B",
-}
 
 
 @functools.lru_cache(maxsize=128)
@@ -65,48 +55,37 @@ def compile_stop_regex(pattern: str) -> StopRegexProgram:
     """The program for ``pattern``; ``ValueError`` if it does not parse, uses a construct
     this engine does not run (named in the message) or is over ``MAX_PROGRAM_SIZE``."""
     try:
-        parsed = _parser.parse(pattern)
-    except (re.error, OverflowError) as err:
-        raise ValueError(f"not a valid regular expression: {err}") from None
-    except RecursionError:
-        raise ValueError("the regular expression is nested too deeply") from None
-    try:
-        size = _size(parsed.data) + 1  # + the final MATCH
+        parsed = parse_stop_regex(pattern)
+        size = _size(parsed.items) + 1  # + the final MATCH
         if size > MAX_PROGRAM_SIZE:
             raise ValueError(f"the regular expression compiles to {size} NFA states, more "
                              f"than the {MAX_PROGRAM_SIZE} allowed (a large repeat count?)")
         program = StopRegexProgram()
-        program.emit(parsed.data, parsed.state.flags)
+        program.emit(parsed.items, parsed.flags)
         program.push(_MATCH)
     except RecursionError:
         raise ValueError("the regular expression is nested too deeply") from None
     return program
 
 
-def _size(items: list) -> int:
-    """How many instructions ``StopRegexProgram.emit`` makes of ``items`` (kept in step with
-    it); raises ``ValueError`` for a construct that is not supported."""
+def _size(items: tuple[Node, ...]) -> int:
+    """How many instructions ``StopRegexProgram.emit`` makes of ``items`` (kept in step
+    with it)."""
     total = 0
-    for op, av in items:
-        if op in _CONSUMING:
-            total += 1
-        elif op is sre.SUBPATTERN:
-            total += _size(av[-1])
-        elif op is sre.BRANCH:
-            total += sum(_size(alt) for alt in av[1]) + 2 * (len(av[1]) - 1)
-        elif op in _REPEATS:
-            low, high, sub = av
-            body = _size(sub)
-            if body == 0:  # repeating nothing is nothing, however many times
-                continue
-            tail = body + 2 if high == sre.MAXREPEAT else (high - low) * (body + 1)
-            total += low * body + tail
-        elif op is sre.AT and av in (sre.AT_BEGINNING, sre.AT_BEGINNING_STRING):
-            total += 1
-        else:
-            table = _REFUSED_ANCHORS if op is sre.AT else _REFUSED_OPS
-            what = table.get(av if op is sre.AT else op, f"{op} {av}")
-            raise ValueError(f"{what} is not supported in a stop regex")
+    for node in items:
+        match node:
+            case Group(body=body):
+                total += _size(body)
+            case Branch(alternatives=alternatives):
+                total += sum(map(_size, alternatives)) + 2 * (len(alternatives) - 1)
+            case Repeat(low=low, high=high, body=sub):
+                body = _size(sub)
+                if body == 0:  # repeating nothing is nothing, however many times
+                    continue
+                tail = body + 2 if high is None else (high - low) * (body + 1)
+                total += low * body + tail
+            case _:  # a character or an anchor
+                total += 1
     return total
 
 
@@ -133,23 +112,21 @@ class StopRegexProgram:
         self.tests.append(test)
         return len(self.ops) - 1
 
-    def emit(self, items: list, flags: int) -> None:
-        for op, av in items:
-            if op in _CONSUMING:
-                self.push(_CHAR, char_predicate(op, av, flags))
-            elif op is sre.SUBPATTERN:
-                _group, add_flags, del_flags, sub = av
-                self.emit(sub, (flags | add_flags) & ~del_flags)
-            elif op is sre.BRANCH:
-                self._emit_branch(av[1], flags)
-            elif op in _REPEATS:
-                self._emit_repeat(*av, flags)
-            elif av is sre.AT_BEGINNING and flags & re.MULTILINE:
-                self.push(_LINE_BEGIN)
-            else:  # AT_BEGINNING or AT_BEGINNING_STRING: ``_size`` refused the rest
-                self.push(_BEGIN)
+    def emit(self, items: tuple[Node, ...], flags: int) -> None:
+        for node in items:
+            match node:
+                case Group(body=body, add_flags=add_flags, del_flags=del_flags):
+                    self.emit(body, (flags | add_flags) & ~del_flags)
+                case Branch(alternatives=alternatives):
+                    self._emit_branch(alternatives, flags)
+                case Repeat(low=low, high=high, body=body):
+                    self._emit_repeat(low, high, body, flags)
+                case Begin(line=line):
+                    self.push(_LINE_BEGIN if line and flags & re.MULTILINE else _BEGIN)
+                case _:
+                    self.push(_CHAR, char_predicate(node, flags))
 
-    def _emit_branch(self, alternatives: list, flags: int) -> None:
+    def _emit_branch(self, alternatives: tuple[tuple[Node, ...], ...], flags: int) -> None:
         jumps = []
         for alternative in alternatives[:-1]:
             split = self.push(_SPLIT)
@@ -161,12 +138,13 @@ class StopRegexProgram:
         for jump in jumps:
             self.x[jump] = len(self.ops)
 
-    def _emit_repeat(self, low: int, high: int, sub: list, flags: int) -> None:
+    def _emit_repeat(self, low: int, high: int | None, sub: tuple[Node, ...],
+                     flags: int) -> None:
         if _size(sub) == 0:  # else ``(){4000000000}`` would loop for nothing
             return
         for _ in range(low):
             self.emit(sub, flags)
-        if high == sre.MAXREPEAT:
+        if high is None:
             loop = self.push(_SPLIT)
             self.x[loop] = loop + 1
             self.emit(sub, flags)
@@ -286,32 +264,25 @@ def _is_word(ch: str) -> bool:
     return ch.isalnum() or ch == "_"
 
 
-_CATEGORIES: dict = {
-    sre.CATEGORY_DIGIT: (str.isdecimal, lambda ch: "0" <= ch <= "9"),
-    sre.CATEGORY_SPACE: (str.isspace, _ASCII_SPACE.__contains__),
-    sre.CATEGORY_WORD: (_is_word, lambda ch: ch.isascii() and _is_word(ch)),
-}
-_NEGATED_CATEGORIES = {
-    sre.CATEGORY_NOT_DIGIT: sre.CATEGORY_DIGIT,
-    sre.CATEGORY_NOT_SPACE: sre.CATEGORY_SPACE,
-    sre.CATEGORY_NOT_WORD: sre.CATEGORY_WORD,
+_CATEGORIES: dict[str, tuple[Callable[[str], bool], Callable[[str], bool]]] = {
+    # name: (the Unicode test, the test under re.ASCII)
+    "digit": (str.isdecimal, lambda ch: "0" <= ch <= "9"),
+    "space": (str.isspace, _ASCII_SPACE.__contains__),
+    "word": (_is_word, lambda ch: ch.isascii() and _is_word(ch)),
 }
 
 
-def char_predicate(op: object, av: object, flags: int) -> Callable[[str], bool]:
-    """The test of one character for a consuming item of a parsed pattern."""
-    if op is sre.ANY:
+def char_predicate(node: Literal | AnyChar | CharSet, flags: int) -> Callable[[str], bool]:
+    """The test of one character for a consuming node of a parsed pattern."""
+    if isinstance(node, AnyChar):
         return _always if flags & re.DOTALL else "\n".__ne__
-    if op is sre.IN:
-        return CharClass(av, flags)
+    if isinstance(node, CharSet):
+        return CharClass(node, flags)
     folder = _case_folder(flags)
-    literal = chr(av)
     if folder is None:
-        return literal.__eq__ if op is sre.LITERAL else literal.__ne__
-    key = folder(literal)
-    if op is sre.LITERAL:
-        return lambda ch: folder(ch) == key
-    return lambda ch: folder(ch) != key
+        return node.char.__eq__
+    key = folder(node.char)
+    return lambda ch: folder(ch) == key
 
 
 def _always(ch: str) -> bool:
@@ -331,30 +302,29 @@ class CharClass:
     the character, its fold or the fold's upper case lies in it (``re`` also joins the rare
     third case forms, e.g. 's' for a long range holding 'ſ' but neither 's' nor 'S')."""
 
-    def __init__(self, items: list, flags: int):
-        self.negate = False
+    def __init__(self, char_set: CharSet, flags: int):
+        self.negate = char_set.negated
         self.folder = _case_folder(flags)
         fold_key = self.folder or (lambda ch: ch)
         chars = set()
         self.ranges: list[tuple[str, str]] = []
         self.categories: list[Callable[[str], bool]] = []
         ascii_only = 1 if flags & re.ASCII else 0
-        for op, av in items:
-            if op is sre.NEGATE:
-                self.negate = True
-            elif op is sre.LITERAL:
-                chars.add(fold_key(chr(av)))
-            elif op is sre.RANGE and self.folder and av[1] - av[0] < _FOLDED_RANGE:
-                chars.update(self.folder(chr(point)) for point in range(av[0], av[1] + 1))
-            elif op is sre.RANGE:
-                self.ranges.append((chr(av[0]), chr(av[1])))
-            elif op is sre.CATEGORY and av in _CATEGORIES:
-                self.categories.append(_CATEGORIES[av][ascii_only])
-            elif op is sre.CATEGORY and av in _NEGATED_CATEGORIES:
-                test = _CATEGORIES[_NEGATED_CATEGORIES[av]][ascii_only]
-                self.categories.append(lambda ch, test=test: not test(ch))
-            else:
-                raise ValueError(f"the class member {op} {av} is not supported in a stop regex")
+        for member in char_set.members:
+            match member:
+                case Literal(char=char):
+                    chars.add(fold_key(char))
+                case CharRange(low=low, high=high) if (
+                        self.folder and ord(high) - ord(low) < _FOLDED_RANGE):
+                    chars.update(self.folder(chr(point))
+                                 for point in range(ord(low), ord(high) + 1))
+                case CharRange(low=low, high=high):
+                    self.ranges.append((low, high))
+                case Category(name=name, negated=False):
+                    self.categories.append(_CATEGORIES[name][ascii_only])
+                case Category(name=name, negated=True):
+                    test = _CATEGORIES[name][ascii_only]
+                    self.categories.append(lambda ch, test=test: not test(ch))
         self.chars = frozenset(chars)
         self._seen: dict[str, bool] = {}  # outputs reuse few characters: test each once
 

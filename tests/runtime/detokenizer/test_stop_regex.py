@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixlm.runtime.detokenizer import stop_regex
+from radixlm.runtime.detokenizer.regex_parser import parse_stop_regex
 from radixlm.runtime.detokenizer.stop_regex import (
     MAX_PROGRAM_SIZE,
     StopRegexProgram,
@@ -96,8 +97,8 @@ def test_any_chunking_gives_the_leftmost_match_ending_in_the_first_matching_chun
 @settings(max_examples=200, deadline=None)
 @given(patterns)
 def test_the_size_counted_before_compiling_is_the_size_compiled(pattern):
-    parsed = stop_regex._parser.parse(pattern)
-    assert len(compile_stop_regex(pattern).ops) == stop_regex._size(parsed.data) + 1
+    parsed = parse_stop_regex(pattern)
+    assert len(compile_stop_regex(pattern).ops) == stop_regex._size(parsed.items) + 1
 
 
 @pytest.mark.parametrize("pattern", [
@@ -108,9 +109,9 @@ def test_the_size_counted_before_compiling_is_the_size_compiled(pattern):
     "(?i)[\u0400-\u0600]", "(?i)[^A-\u0400]",  # ranges too long to keep as sets of folds
 ])
 def test_a_character_test_agrees_with_re_on_every_bmp_character(pattern):
-    parsed = stop_regex._parser.parse(pattern)
-    [(op, av)] = parsed.data
-    test = char_predicate(op, av, parsed.state.flags)
+    parsed = parse_stop_regex(pattern)
+    [node] = parsed.items
+    test = char_predicate(node, parsed.flags)
     regex = re.compile(pattern)
     wrong = [ch for ch in map(chr, range(0x10000))
              if test(ch) != bool(regex.fullmatch(ch))]
