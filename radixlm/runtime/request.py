@@ -10,7 +10,7 @@ import torch
 
 from radixlm.kv_cache.base import CacheNode
 from radixlm.runtime.detokenizer.incremental_detokenizer import IncrementalDetokenizer
-from radixlm.runtime.detokenizer.stop_matcher import StopStringMatcher
+from radixlm.runtime.detokenizer.stop_matcher import StopMatcher
 from radixlm.runtime.grammar.constraints import GrammarKey
 from radixlm.runtime.grammar.grammar_backend import GrammarMatcher
 from radixlm.runtime.sampling.sampling_params import SamplingParams
@@ -81,7 +81,7 @@ class Req:
     input_top_logprobs: list[Any] = field(default_factory=list)
     output_token_logprobs: list[list[Any]] = field(default_factory=list)
     output_top_logprobs: list[Any] = field(default_factory=list)
-    stop_matcher: StopStringMatcher | None = None
+    stop_matcher: StopMatcher | None = None
     grammar_key: GrammarKey | None = None
     grammar: GrammarMatcher | None = None
     jump_forward_tokens: int = 0
@@ -122,7 +122,7 @@ class Req:
     def __post_init__(self) -> None:
         params = self.sampling
         if self.detokenizer is not None and (params.stop or params.stop_regex):
-            self.stop_matcher = StopStringMatcher(params.stop or [], params.stop_regex or [])
+            self.stop_matcher = StopMatcher(params.stop or [], params.stop_regex or [])
         if self.grammar_key is None:
             self.grammar_key = params.constraint()
 

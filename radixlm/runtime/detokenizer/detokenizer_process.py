@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixlm.runtime import messages as io
 from radixlm.runtime.detokenizer.incremental_detokenizer import IncrementalDetokenizer
-from radixlm.runtime.detokenizer.stop_matcher import StopStringMatcher
+from radixlm.runtime.detokenizer.stop_matcher import StopMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class DecodeState:
 
     detokenizer: IncrementalDetokenizer
     spec: io.DetokenizeSpec
-    matcher: StopStringMatcher | None
+    matcher: StopMatcher | None
     sent: int = 0
     """Characters of ``detokenizer.text`` already sent (a prefix of it)."""
 
@@ -87,7 +87,7 @@ class Detokenizer:
                         spec.spaces_between_special_tokens,
                     ),
                     spec,
-                    StopStringMatcher(spec.stop, []) if spec.stop else None,
+                    StopMatcher(spec.stop, []) if spec.stop else None,
                 )
                 self.states[out.rid] = state
             texts.append(state.update(out))

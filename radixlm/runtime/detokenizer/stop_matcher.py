@@ -12,7 +12,7 @@ from radixlm.runtime.detokenizer.stop_regex import compile_stop_regex
 from radixlm.runtime.detokenizer.stop_strings import StopStringCursor, stop_string_automaton
 
 
-class StopStringMatcher:
+class StopMatcher:
     """Finds the first stop string or stop regex in a growing text.
 
     Contract for callers: the text only grows (each call's ``text`` starts with the

@@ -1,4 +1,4 @@
-"""IncrementalDetokenizer and StopStringMatcher over the tiny byte-level BPE tokenizer."""
+"""IncrementalDetokenizer and StopMatcher over the tiny byte-level BPE tokenizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from radixlm.runtime.detokenizer.incremental_detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
 )
-from radixlm.runtime.detokenizer.stop_matcher import StopStringMatcher
+from radixlm.runtime.detokenizer.stop_matcher import StopMatcher
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -89,7 +89,7 @@ def test_special_tokens_are_skipped_by_default_and_kept_on_request():
     assert "<|endoftext|>" in kept.text
 
 
-def search_in_chunks(matcher: StopStringMatcher, chunks: list[str]):
+def search_in_chunks(matcher: StopMatcher, chunks: list[str]):
     """Feeds a growing text chunk by chunk; returns (chunk index, match) of the first match."""
     text = ""
     for index, chunk in enumerate(chunks):
@@ -113,7 +113,7 @@ def search_in_chunks(matcher: StopStringMatcher, chunks: list[str]):
     ],
 )
 def test_stop_string_is_found_across_chunk_boundaries(stops, chunks, expected):
-    assert search_in_chunks(StopStringMatcher(stops, []), chunks) == expected
+    assert search_in_chunks(StopMatcher(stops, []), chunks) == expected
 
 
 @pytest.mark.parametrize(
@@ -125,7 +125,7 @@ def test_stop_string_is_found_across_chunk_boundaries(stops, chunks, expected):
     ],
 )
 def test_stop_regex_is_found_across_chunk_boundaries(regexes, chunks, expected):
-    assert search_in_chunks(StopStringMatcher([], regexes), chunks) == expected
+    assert search_in_chunks(StopMatcher([], regexes), chunks) == expected
 
 
 @pytest.mark.parametrize(
@@ -143,4 +143,4 @@ def test_stop_regex_is_found_across_chunk_boundaries(regexes, chunks, expected):
     ],
 )
 def test_held_back_is_the_length_of_a_partial_stop_suffix(stops, text, held):
-    assert StopStringMatcher(stops, []).held_back(text) == held
+    assert StopMatcher(stops, []).held_back(text) == held

@@ -1,4 +1,4 @@
-"""The Aho–Corasick stop string automaton and StopStringMatcher against naive loops."""
+"""The Aho–Corasick stop string automaton and StopMatcher against naive loops."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.detokenizer.stop_matcher import StopStringMatcher
+from radixlm.runtime.detokenizer.stop_matcher import StopMatcher
 from radixlm.runtime.detokenizer.stop_strings import StopStringAutomaton, stop_string_automaton
 
 stop_lists = st.lists(st.text(alphabet="abc", min_size=1, max_size=5), min_size=1, max_size=6)
@@ -61,7 +61,7 @@ def test_search_takes_the_earliest_start_across_stop_strings_and_regexes(
         stops, literals, text, cuts):
     """Ties: the earliest end, then stop strings before regexes, then the regex listed first."""
     patterns = [re.escape(literal) + "+" for literal in literals]
-    matcher = StopStringMatcher(stops, patterns)
+    matcher = StopMatcher(stops, patterns)
     fed = ""
     for chunk in split(text, cuts):
         begin, fed = len(fed), fed + chunk
@@ -76,7 +76,7 @@ def test_search_takes_the_earliest_start_across_stop_strings_and_regexes(
 @settings(max_examples=200, deadline=None)
 @given(stop_lists, texts, cut_lists)
 def test_held_back_reads_only_what_it_has_not_read(stops, text, cuts):
-    matcher = StopStringMatcher(stops, [])
+    matcher = StopMatcher(stops, [])
     fed = ""
     for chunk in split(text, cuts):
         fed += chunk
@@ -92,7 +92,7 @@ def test_held_back_reads_only_what_it_has_not_read(stops, text, cuts):
     (["a", "a"], "a", 0),
 ])
 def test_held_back_holds_only_proper_prefixes_of_stop_strings(stops, text, held):
-    assert StopStringMatcher(stops, []).held_back(text) == held
+    assert StopMatcher(stops, []).held_back(text) == held
 
 
 def test_a_repeated_stop_string_reports_its_text():
@@ -110,7 +110,7 @@ def test_requests_with_the_same_stop_list_share_one_automaton():
 
 def test_ten_thousand_long_stop_strings_cost_per_character_not_per_stop():
     stops = ["x" * 490 + f"{i:010d}" for i in range(10_000)]
-    searcher, holder = StopStringMatcher(stops, []), StopStringMatcher(stops, [])
+    searcher, holder = StopMatcher(stops, []), StopMatcher(stops, [])
     text = ""
     for ch in "x" * 1_990:
         text += ch
