@@ -10,14 +10,8 @@
 // row that holds one). Indices ride in float32 lanes, exact below 2^24; longer rows take the
 // plain scan.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-
-#include <cmath>
-#include <cstdint>
-#include <limits>
+#include "common.h"
+#include "kernels.h"
 
 namespace radixlm_argmax {
 

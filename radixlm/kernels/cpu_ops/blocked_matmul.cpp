@@ -13,8 +13,12 @@
 // 2-core Zen 3, one thread, 16 rows against a 576 x 576 bfloat16 weight: 89 GFLOP/s against
 // 70 for the row tiles (the vector units' peak is about 102). Each output is summed in the
 // order of k (in spans, kSumSpan) whatever the number of rows: a row's products do not
-// depend on the rows beside it. Compiled after few_rows_matmul.cpp (Lanes, load_weights,
-// kWidth, scaled).
+// depend on the rows beside it. The lanes and their loads are few_rows_matmul.cpp's
+// (matmul_lanes.h).
+
+#include "common.h"
+#include "kernels.h"
+#include "matmul_lanes.h"
 
 namespace radixlm_matmul {
 

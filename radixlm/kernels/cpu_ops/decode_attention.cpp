@@ -1,8 +1,25 @@
 // Decode attention over the paged KV pool (see fused_ops.py): one query token per request
-// against its keys where they lie in the pool, without gathering them. Built after
-// fused_ops.cpp in one translation unit, whose vector helpers (Vec, load_vec, dot) it uses.
+// against its keys where they lie in the pool, without gathering them.
+
+#include "common.h"
+#include "kernels.h"
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace {
+
+using radixlm_vec::dot;
+using radixlm_vec::kLanes;
+using radixlm_vec::load;
+using radixlm_vec::load_vec;
+using radixlm_vec::sum_lanes;
+using radixlm_vec::Vec;
+
+// Attention work below this many multiply-adds runs on the calling thread (waking the others
+// costs more).
+constexpr int64_t kParallelWork = 1 << 18;
 
 // p[0, n) <- exp(p[0, n) - max p); returns their sum (softmax without the division).
 inline float exp_shifted(float* p, int64_t n) {

@@ -5,8 +5,15 @@
 // the bit; what it leaves out is the Python between them (module calls, views, the
 // attention backend's dispatch: a quarter of a batch-1 step of the default model,
 // benchmarks/RESULTS.md). decode_layers runs a model's consecutive layers so in one call,
-// leaving out the Python between the layers too. Compiled as one translation unit with those files
-// (see fused_ops.py), after them.
+// leaving out the Python between the layers too. Their declarations are kernels.h's.
+
+#include "common.h"
+#include "kernels.h"
+
+// fused_ops.ProjectionKernel's values, which the build passes (fused_ops._shared_constants).
+#if !defined(RADIXLM_PROJECTION_PAIRS) || !defined(RADIXLM_PROJECTION_INT8_BLOCKED)
+#error "build through fused_ops.py, which defines RADIXLM_PROJECTION_* from ProjectionKernel"
+#endif
 
 namespace radixlm_decode_layer {
 
@@ -16,8 +23,13 @@ struct LayerShape {
 
 // How a projection is multiplied: fused_ops.ProjectionKernel's values.
 enum ProjectionKernel : int64_t {
-  kPairs = 0, kInt8 = 1, kDense = 2, kTorchLinear = 3, kInt8Pairs = 4, kBlocked = 5,
-  kInt8Blocked = 6
+  kPairs = RADIXLM_PROJECTION_PAIRS,
+  kInt8 = RADIXLM_PROJECTION_INT8,
+  kDense = RADIXLM_PROJECTION_DENSE,
+  kTorchLinear = RADIXLM_PROJECTION_TORCH_LINEAR,
+  kInt8Pairs = RADIXLM_PROJECTION_INT8_PAIRS,
+  kBlocked = RADIXLM_PROJECTION_BLOCKED,
+  kInt8Blocked = RADIXLM_PROJECTION_INT8_BLOCKED,
 };
 
 // A projection's weight (and int8 scales, else an empty tensor) and the kernel that

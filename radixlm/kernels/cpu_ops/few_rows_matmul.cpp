@@ -14,36 +14,15 @@
 // too little in flight: on a 2-core AMX CPU, 12 GB/s over 108 MB of weights of the 24-29 two
 // threads read in a plain loop, 17-21 with these requests).
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-
-#include <algorithm>
-#include <cmath>
-#include <type_traits>
+#include "common.h"
+#include "kernels.h"
+#include "matmul_lanes.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
-// float32, bfloat16 and float16 activations (the serving dtypes).
-#define DISPATCH_ACTIVATION_TYPES(TYPE, NAME, ...)                 \
-  AT_DISPATCH_SWITCH(TYPE, NAME,                                   \
-                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
-                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)  \
-                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
-
 namespace radixlm_matmul {
-
-// How far ahead of the rows being read the weights are requested, in bytes of the
-// (contiguous) rows of a thread's blocks: 16 KiB the best of 4-32 KiB over one large weight;
-// 8, 16 and 32 KiB gave the same decode step.
-constexpr int64_t kPrefetchBytes = 16 * 1024;
-// Work below this many multiply-adds runs on the calling thread (waking the others costs
-// more than the work saves).
-constexpr int64_t kParallelWork = 1 << 17;
 
 // A tile of several rows of x: kRowsPerTile rows against kWeightsPerTile weight rows, one
 // accumulator register for each pair, and the widened weights and an x vector beside them.
@@ -56,18 +35,6 @@ constexpr int kWeightsPerTile = 4;
 constexpr int kWeightsPerTile = 3;
 #endif
 constexpr int kRowsPerTile = 4;
-
-// One SIMD register of float32 lanes as GCC's and Clang's vector extension: arrays of these
-// stay in registers where arrays of ATen's vector class are kept on the stack.
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kWidth = Vec::size();
-typedef float Lanes __attribute__((vector_size(sizeof(float) * kWidth)));
-
-inline Lanes to_lanes(const Vec& v) {
-  Lanes out;
-  v.store(&out);
-  return out;
-}
 
 // a * b + c lane by lane, rounded once. Written `c + a * b`, GCC fused it in some tile shapes
 // and not in others (builds tuned for Zen), and a row's products must not depend on the tile
@@ -85,43 +52,6 @@ inline Lanes multiply_add(Lanes a, Lanes b, Lanes c) {
   for (int64_t i = 0; i < kWidth; ++i) c[i] = std::fma(a[i], b[i], c[i]);
   return c;
 #endif
-}
-
-// kWidth int8 weights from p, widened to float32.
-inline Lanes load_int8(const int8_t* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return to_lanes(Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return to_lanes(Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))));
-#else
-  Lanes out;
-  for (int64_t i = 0; i < kWidth; ++i) out[i] = static_cast<float>(p[i]);
-  return out;
-#endif
-}
-
-// kWidth activations from p, widened to float32.
-template <typename T>
-inline Lanes load_activations(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return to_lanes(Vec::loadu(p));
-  } else {
-    Vec out;
-    at::vec::load_to_float(p, out);
-    return to_lanes(out);
-  }
-}
-
-// kWidth weights from p, widened to float32.
-template <typename W>
-inline Lanes load_weights(const W* p) {
-  if constexpr (std::is_same_v<W, int8_t>) {
-    return load_int8(p);
-  } else {
-    return load_activations(p);
-  }
 }
 
 // The first `count` (< kWidth) values from p, widened to float32, and zeros after them: the
@@ -215,10 +145,6 @@ inline void tile_rows(const T* x, int64_t M, int64_t K, const W* w, const float*
   tile_rest<R, kRowsPerTile>(M - m, x + m * K, K, w, scales, out + m * N, N, m == 0);
 }
 
-inline const float* scaled(const float* scales, int64_t n) {
-  return scales == nullptr ? nullptr : scales + n;
-}
-
 // One row of x: 8 weight rows a tile (8 streams of weights against one of x); more rows:
 // 4 weight rows by 4 of x (16 accumulators).
 template <typename T, typename W>
@@ -261,7 +187,7 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::
   const int64_t M = a.size(0), K = a.size(1), N = weight.size(0);
   at::Tensor out = at::empty({M, N}, a.options());
   if (M == 0 || N == 0) return out;
-  DISPATCH_ACTIVATION_TYPES(a.scalar_type(), "int8_matmul", [&] {
+  DISPATCH_STORAGE_TYPES(a.scalar_type(), "int8_matmul", [&] {
     radixlm_matmul::matmul(a.data_ptr<scalar_t>(), M, K, weight.data_ptr<int8_t>(),
                            s.data_ptr<float>(), out.data_ptr<scalar_t>(), N);
   });
@@ -279,7 +205,7 @@ at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& weight) {
   at::Tensor out = at::empty({M, N}, a.options());
   if (M == 0 || N == 0) return out;
   const float* no_scales = nullptr;
-  DISPATCH_ACTIVATION_TYPES(a.scalar_type(), "dense_matmul", [&] {
+  DISPATCH_STORAGE_TYPES(a.scalar_type(), "dense_matmul", [&] {
     const scalar_t* rows = a.data_ptr<scalar_t>();
     scalar_t* products = out.data_ptr<scalar_t>();
     if (weight_type == at::kHalf) {

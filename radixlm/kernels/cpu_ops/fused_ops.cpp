@@ -6,53 +6,18 @@
 // intermediates are rounded to the storage type where torch's chains round them, so bfloat16
 // outputs equal torch's but where a float32 sum is ordered differently.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <tuple>
-#include <type_traits>
-#include <vector>
-
-// float32, bfloat16 and float16 storage (the serving dtypes).
-#define DISPATCH_STORAGE_TYPES(TYPE, NAME, ...)                    \
-  AT_DISPATCH_SWITCH(TYPE, NAME,                                   \
-                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
-                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)  \
-                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+#include "common.h"
+#include "kernels.h"
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = Vec::size();
+using radixlm_vec::dot;
+using radixlm_vec::kLanes;
+using radixlm_vec::load;
+using radixlm_vec::Vec;
 
-// Attention work below this many multiply-adds runs on the calling thread (waking the others
-// costs more); row kernels give each thread at least torch's grain of elements.
-constexpr int64_t kParallelWork = 1 << 18;
+// Row kernels give each thread at least torch's grain of elements.
 constexpr int64_t kElementGrain = 32768;  // torch's at::internal::GRAIN_SIZE
-
-template <typename T>
-inline float load(const T* p, int64_t i) {
-  return static_cast<float>(p[i]);
-}
-
-// kLanes values from p, widened to float32.
-template <typename T>
-inline Vec load_vec(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec out;
-    at::vec::load_to_float(p, out);
-    return out;
-  }
-}
 
 // The row loops below step by kStep values: one vector of a 16-bit type, two of float32,
 // so that a 16-bit row is read and written in whole vectors.
@@ -105,21 +70,6 @@ inline VecPair round_step(const VecPair& v) {
 template <typename T>
 inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
-}
-
-inline float sum_lanes(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
-}
-
-// sum_i a[i] * b[i] over n.
-template <typename A, typename B>
-inline float dot(const A* a, const B* b, int64_t n) {
-  Vec acc(0.f);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc = at::vec::fmadd(load_vec(a + i), load_vec(b + i), acc);
-  float sum = sum_lanes(acc);
-  for (; i < n; ++i) sum += load(a, i) * load(b, i);
-  return sum;
 }
 
 // y = x / sqrt(mean(x^2) + eps) * w over one row of d.

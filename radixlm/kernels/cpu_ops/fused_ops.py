@@ -61,19 +61,23 @@ torch's chains store them, so bfloat16 results equal torch's bit for bit except 
 float32 sum is ordered differently (the norms, attention: within one bfloat16 step), and
 float32 results agree to float32 rounding (the tests hold them to both).
 
-The kernels are compiled for the CPU that builds them, with torch's C++ extension builder
-(g++ and ninja; some seconds), once per machine: the build is cached in torch's
-extensions directory (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``) under a
-name that carries the CPU's instruction-set flags and the torch and Python versions. A CPU model
-runner builds or loads them as it starts (``enable``); where that fails (no compiler, no
-ninja) it logs one warning and every layer keeps torch's operations. Layers ask
-``for_tensor(x)`` per call: the loaded module, or None.
+The kernels are compiled for the CPU that builds them, with torch's C++ extension builder (a
+C++ compiler and ninja), once per machine. Each source compiles on its own: what they share
+is in ``common.h`` (``matmul_lanes.h`` and ``prefill_attention.h`` for two files each), the
+entry points are declared in ``kernels.h`` and exposed to Python by ``bindings.cpp``, and the
+constants Python shares with them (``ProjectionKernel``, ``PREFILL_MAX_VALUE_DIM``) are
+defined here only and passed as ``-D`` flags. The build is cached in torch's extensions
+directory (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``) under a name that
+carries the CPU's instruction-set flags and the torch and Python versions; ninja recompiles
+the sources changed since, and a new build removes the earlier ones. A CPU model runner
+builds or loads them as it starts (``enable``); where that fails (no compiler, no ninja) it
+logs one warning and every layer keeps torch's operations (``unavailable_reason`` says why).
+Layers ask ``for_tensor(x)`` per call: the loaded module, or None.
 """
 
 from __future__ import annotations
 
 import enum
-import fcntl
 import hashlib
 import logging
 import os
@@ -91,7 +95,8 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("fused_ops.cpp", "decode_attention.cpp", "few_rows_matmul.cpp",
                              "blocked_matmul.cpp", "prefill_attention.cpp",
                              "prefill_attention_float32.cpp", "pair_matmul.cpp",
-                             "decode_layer.cpp", "argmax.cpp"))
+                             "decode_layer.cpp", "argmax.cpp", "bindings.cpp"))
+BUILD_PREFIX = "radixlm_cpu_ops_"  # a build's directory and module: this and a digest
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
              "scatter_rows", "int8_matmul", "dense_matmul", "blocked_matmul",
              "blocked_int8_matmul",
@@ -113,6 +118,11 @@ class ProjectionKernel(enum.IntEnum):
     INT8_PAIRS = 4  # int8_pair_matmul(x, weight, scales)
     BLOCKED = 5  # blocked_matmul(x, weight), weight in column blocks
     INT8_BLOCKED = 6  # blocked_int8_matmul(x, weight, scales), int8 column blocks
+
+
+PREFILL_MAX_VALUE_DIM = {torch.bfloat16: 128, torch.float32: 256}
+"""The widest D_v ``paged_prefill_attention`` takes in each dtype (its rows' sums of values
+stay on the stack; ``max_value_dim`` in prefill_attention.h)."""
 
 
 _module: ModuleType | None = None
@@ -153,9 +163,10 @@ def causal_prefill_attention(keys: torch.Tensor, values: torch.Tensor) -> Callab
     if dim % 2 or v_dim % 16:
         return None
     if keys.dtype == torch.bfloat16:
-        serves = _pair_kernels_pay and v_dim <= 128
+        serves = _pair_kernels_pay and v_dim <= PREFILL_MAX_VALUE_DIM[torch.bfloat16]
     else:
-        serves = keys.dtype == torch.float32 and v_dim <= 256 and _vectorized
+        serves = (keys.dtype == torch.float32 and _vectorized
+                  and v_dim <= PREFILL_MAX_VALUE_DIM[torch.float32])
     return module.paged_prefill_attention if serves else None
 
 
@@ -209,29 +220,91 @@ def _missing_tool() -> str | None:
     return None
 
 
+def unavailable_reason() -> str | None:
+    """Why the kernels are not available in this process (no compiler, no ninja, a failed
+    build), else None: they are built, or nothing stops a build (``enable`` builds them)."""
+    if _loaded is not None:
+        return None
+    return _unavailable if _unavailable is not None else _missing_tool()
+
+
+def compile_defines() -> list[str]:
+    """The preprocessor definitions every source is compiled with: ATen's vector capability
+    for this CPU and the constants Python shares with the kernels."""
+    return [*_vector_capability(_cpu_flags()), *_shared_constants()]
+
+
+def _shared_constants() -> list[str]:
+    """The constants defined here that the kernels use, as -D flags, so that each has one
+    definition: ``ProjectionKernel``'s values (``RADIXLM_PROJECTION_<NAME>``) and
+    ``PREFILL_MAX_VALUE_DIM``'s (``RADIXLM_PREFILL_MAX_VALUE_DIM_<DTYPE>``)."""
+    projections = [f"-DRADIXLM_PROJECTION_{kernel.name}={kernel.value}"
+                   for kernel in ProjectionKernel]
+    value_dims = [f"-DRADIXLM_PREFILL_MAX_VALUE_DIM_{str(dtype).removeprefix('torch.').upper()}"
+                  f"={dim}" for dtype, dim in PREFILL_MAX_VALUE_DIM.items()]
+    return [*projections, *value_dims]
+
+
 def _build() -> ModuleType:
     """Builds (or finds built) and loads the module. Builders take turns on a lock the
     system drops with a process that dies, so a build killed half-way cannot leave the lock
-    file of torch's builder behind to stall every later start."""
-    from torch.utils.cpp_extension import load_inline
+    file of torch's builder behind to stall every later start. A new build removes the
+    earlier ones (``_remove_old_builds``)."""
+    import fcntl
 
-    flags = _cpu_flags()
-    key = " ".join([torch.__version__, platform.python_version(), *flags])
-    name = f"radixlm_cpu_ops_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    directory = Path(root) / name
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "radixlm.lock", "w") as turn:
-        fcntl.flock(turn, fcntl.LOCK_EX)
-        (directory / "lock").unlink(missing_ok=True)  # torch's, left by a killed build
-        return load_inline(
-            name=name,
-            cpp_sources=[source.read_text() for source in SOURCES],
-            functions=list(FUNCTIONS),
-            extra_cflags=[*COMPILER_FLAGS, *_vector_capability(flags)],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-        )
+    from torch.utils.cpp_extension import load
+
+    key = " ".join([torch.__version__, platform.python_version(), *_cpu_flags()])
+    name = f"{BUILD_PREFIX}{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR")
+                or Path.home() / ".cache" / "torch_extensions")
+    directory = root / name
+    while True:
+        directory.mkdir(parents=True, exist_ok=True)
+        lock_path = directory / "radixlm.lock"
+        with open(lock_path, "w") as turn:
+            fcntl.flock(turn, fcntl.LOCK_EX)
+            if not _is_same_file(turn, lock_path):
+                continue  # removed as an old build while this process waited: make it again
+            fresh = not (directory / f"{name}.so").exists()
+            (directory / "lock").unlink(missing_ok=True)  # torch's, left by a killed build
+            # torch's builder runs ninja, which recompiles the sources (and headers) changed
+            # since the last build.
+            module = load(
+                name=name,
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=[*COMPILER_FLAGS, *compile_defines()],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+            )
+        if fresh:
+            _remove_old_builds(root, keep=directory)
+        return module
+
+
+def _is_same_file(opened, path: Path) -> bool:
+    """Whether ``opened`` (a file object) is still the file at ``path``."""
+    try:
+        return os.path.samestat(os.fstat(opened.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _remove_old_builds(root: Path, keep: Path) -> None:
+    """Removes the builds in ``root`` other than ``keep``: those of earlier torch or Python
+    versions, or of another CPU's flags. One whose lock another process holds (building it
+    now) is left."""
+    import fcntl
+
+    for old in root.glob(f"{BUILD_PREFIX}*"):
+        if old == keep or old.is_symlink() or not old.is_dir():
+            continue
+        try:
+            with open(old / "radixlm.lock", "a") as turn:
+                fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(old)
+        except OSError as error:  # locked by a builder, or not ours to remove
+            logger.debug("fused CPU kernels: old build %s left (%s)", old, error)
 
 
 def _cpu_flags() -> list[str]:

@@ -36,16 +36,8 @@
 // and the bits are silu_mul's of pair_matmul's: a little faster than pair_matmul then
 // silu_mul, alone and in a whole pass (benchmarks/RESULTS.md).
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
+#include "common.h"
+#include "kernels.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>

@@ -27,20 +27,12 @@
 // a tenth faster for long prompts and alike for short ones (benchmarks/RESULTS.md).
 //
 // The call's checks, its sequences, its task loop and a task's walk over its rows are
-// shared with the float32 kernel (prefill_attention_float32.cpp, which follows this file in
-// the build), and paged_prefill_attention, here, hands it float32 calls.
+// shared with the float32 kernel (prefill_attention_float32.cpp; prefill_attention.h), and
+// paged_prefill_attention, here, hands it float32 calls.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <utility>
-#include <vector>
+#include "common.h"
+#include "kernels.h"
+#include "prefill_attention.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -49,79 +41,7 @@
 
 namespace radixlm_prefill {
 
-constexpr int64_t kRows = 4;        // query rows walked together (their sums in registers)
-constexpr int64_t kTaskRows = 32;   // query rows of a task
 constexpr int64_t kKeyBlock = 256;  // keys scored before each softmax update
-
-// A call's shape: a sequence's n new queries, the last of its S = total keys, the heads and
-// dims; its packed sizes per KV head, S padded to whole groups of keys (bfloat16: groups of
-// 16, and their pairs; float32: groups of a vector's width).
-struct Shape {
-  int64_t n, total, heads, kv_heads, dim, v_dim;
-  int64_t key_groups, key_pairs;
-};
-
-// The widest D_v each kernel takes (its rows' sums of values are kept on the stack).
-constexpr int64_t max_value_dim(at::ScalarType type) { return type == at::kFloat ? 256 : 128; }
-
-// One sequence of a call: its shape (n new queries, the last of its S = total keys; its
-// packed sizes), its first query row, its row of the slot table (key j lies at row slots[j]
-// of the pool) and where its packed keys and values start in the call's buffers.
-struct Sequence {
-  Shape shape;
-  int64_t q_start;
-  const int64_t* slots;
-  int64_t packed_k = 0, packed_v = 0;
-};
-
-// (sequence, task within it) of a task of the whole call, from each sequence's first task
-// (`starts`, B + 1 entries, the last the count of all).
-inline std::pair<int64_t, int64_t> locate(const std::vector<int64_t>& starts, int64_t task) {
-  const int64_t b = std::upper_bound(starts.begin(), starts.end(), task) - starts.begin() - 1;
-  return {b, task - starts[b]};
-}
-
-// run(sequence, task within it) for every task of the whole call (`starts` as for locate),
-// in one parallel loop of `grain` tasks a piece.
-template <class Run>
-void for_each_task(const std::vector<int64_t>& starts, int64_t grain, const Run& run) {
-  at::parallel_for(0, starts.back(), grain, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const auto [b, local] = locate(starts, task);
-      run(b, local);
-    }
-  });
-}
-
-// The groups of kRows query rows of attend task `local` of sequence sq (task = row block x
-// head, its block taken in alternating early and late order, so each thread's share of a
-// sequence's tasks holds as many keys as another's: a late block sees more of them):
-// visit(h, q_rows, out_rows, last_key, rows) for each, its rows' pointers into q (T, H, D)
-// with the given strides and into out (T, H, D_v) and the last key each row sees; a short
-// group repeats its last row.
-template <typename T, class Visit>
-void for_each_row_group(const Sequence& sq, int64_t local, const T* q, int64_t q_stride_t,
-                        int64_t q_stride_h, T* out, const Visit& visit) {
-  const Shape& s = sq.shape;
-  const int64_t row_blocks = (s.n + kTaskRows - 1) / kTaskRows;
-  const int64_t order = local / s.heads, h = local % s.heads;
-  const int64_t block = order % 2 == 0 ? order / 2 : row_blocks - 1 - order / 2;
-  const int64_t first = block * kTaskRows, last = std::min(s.n, first + kTaskRows);
-  const int64_t offset = s.total - s.n;  // query i's position
-  for (int64_t i = first; i < last; i += kRows) {
-    const int64_t rows = std::min(kRows, last - i);
-    const T* q_rows[kRows];
-    T* out_rows[kRows];
-    int64_t last_key[kRows];
-    for (int64_t r = 0; r < kRows; ++r) {
-      const int64_t row = i + std::min(r, rows - 1);
-      q_rows[r] = q + (sq.q_start + row) * q_stride_t + h * q_stride_h;
-      out_rows[r] = out + ((sq.q_start + row) * s.heads + h) * s.v_dim;
-      last_key[r] = offset + row;
-    }
-    visit(h, q_rows, out_rows, last_key, rows);
-  }
-}
 
 // q (T, H, D), k (P, H_kv, D), v (P, H_kv, D_v): CPU tensors of one dtype, bfloat16 or
 // float32, with unit stride in their last dim; the heads and dims they give.
@@ -140,7 +60,8 @@ Shape check_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
                   s.heads % s.kv_heads == 0,
               "q, k and v shapes do not match");
   TORCH_CHECK(s.dim % 2 == 0 && s.v_dim % 16 == 0 && s.v_dim <= max_value_dim(type),
-              "D must be even and D_v a multiple of 16 up to 128 (bfloat16) or 256 (float32)");
+              "D must be even and D_v a multiple of 16 up to ", max_value_dim(at::kBFloat16),
+              " (bfloat16) or ", max_value_dim(at::kFloat), " (float32)");
   return s;
 }
 
@@ -244,7 +165,8 @@ inline void score_groups(const uint16_t* const* q, const uint16_t* kb, int64_t p
 // vb, rows of column_blocks vectors).
 template <int C>
 inline void weigh_values(const uint16_t (*probs)[kKeyBlock], const uint16_t* vb, int64_t count,
-                         int64_t column_blocks, int64_t c0, float (*acc)[8 * kColumns]) {
+                         int64_t column_blocks, int64_t c0,
+                         float (*acc)[max_value_dim(at::kBFloat16)]) {
   __m512 a[kRows][C];
   for (int r = 0; r < kRows; ++r) {
     for (int c = 0; c < C; ++c) a[r][c] = _mm512_load_ps(acc[r] + (c0 + c) * kColumns);
@@ -274,7 +196,7 @@ void attend_rows(const uint16_t* const* q, const int64_t* last_key, const uint16
   float top[kRows], total[kRows];
   alignas(64) float scores[kRows][kKeyBlock];
   alignas(64) uint16_t probs[kRows][kKeyBlock];
-  alignas(64) float acc[kRows][8 * kColumns];  // D_v <= 128
+  alignas(64) float acc[kRows][max_value_dim(at::kBFloat16)];
   for (int64_t r = 0; r < kRows; ++r) {
     top[r] = minus_inf, total[r] = 0.f;
     std::fill(acc[r], acc[r] + s.v_dim, 0.f);
@@ -407,11 +329,6 @@ bool prefill_attention_available() {
 #else
   return false;
 #endif
-}
-
-namespace radixlm_prefill_float32 {  // defined in prefill_attention_float32.cpp
-at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            std::vector<radixlm_prefill::Sequence>& seqs, double scale);
 }
 
 // paged_prefill_attention(q (T, H, D), k_buffer (P, H_kv, D), v_buffer (P, H_kv, D_v),

@@ -22,16 +22,8 @@
 // reading each key and value from L2 (or beyond) once per group; this one is faster, the
 // more so the longer the sequence or its cached prefix (figures in benchmarks/RESULTS.md).
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <vector>
+#include "common.h"
+#include "prefill_attention.h"
 
 namespace radixlm_prefill_float32 {
 

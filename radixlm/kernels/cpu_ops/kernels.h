@@ -1,0 +1,69 @@
+// The kernels' entry points, one definition each in the source named beside it: what
+// bindings.cpp exposes to Python (fused_ops.FUNCTIONS) and decode_layer.cpp calls. Their
+// contracts are written at their definitions.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+// fused_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+void scatter_rows(at::Tensor& buffer, const at::Tensor& slots, const at::Tensor& rows);
+
+// decode_attention.cpp
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
+                                  const at::Tensor& v_buffer, const at::Tensor& slots,
+                                  const at::Tensor& seq_lens, double scale);
+
+// few_rows_matmul.cpp
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales);
+at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& weight);
+
+// blocked_matmul.cpp
+at::Tensor blocked_matmul(const at::Tensor& x, const at::Tensor& blocks);
+at::Tensor blocked_int8_matmul(const at::Tensor& x, const at::Tensor& blocks,
+                               const at::Tensor& scales);
+
+// prefill_attention.cpp
+bool prefill_attention_available();
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_buffer,
+                                   const at::Tensor& v_buffer, const at::Tensor& slots,
+                                   const at::Tensor& seq_lens, const at::Tensor& extend_lens,
+                                   double scale);
+
+// pair_matmul.cpp
+bool pair_matmul_available();
+at::Tensor pair_matmul(const at::Tensor& x, const at::Tensor& pairs);
+at::Tensor pair_matmul_silu(const at::Tensor& x, const at::Tensor& pairs);
+at::Tensor int8_pair_matmul(const at::Tensor& x, const at::Tensor& pairs,
+                            const at::Tensor& scales);
+at::Tensor int8_pair_matmul_silu(const at::Tensor& x, const at::Tensor& pairs,
+                                 const at::Tensor& scales);
+
+// decode_layer.cpp
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& x, const at::Tensor& residual, bool has_residual,
+    const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+    const std::vector<int64_t>& kernels, const std::vector<at::Tensor>& weights,
+    const std::vector<at::Tensor>& scales, const at::Tensor& cos, const at::Tensor& signed_sin,
+    at::Tensor k_buffer, at::Tensor v_buffer, const at::Tensor& out_cache_loc,
+    const at::Tensor& kv_slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
+    double scale);
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
+    const std::vector<int64_t>& kernels, const std::vector<at::Tensor>& weights,
+    const std::vector<at::Tensor>& scales, const at::Tensor& cos, const at::Tensor& signed_sin,
+    std::vector<at::Tensor> kv_buffers, const at::Tensor& out_cache_loc,
+    const at::Tensor& kv_slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
+    double scale);
+
+// argmax.cpp
+at::Tensor argmax_rows(const at::Tensor& x);
