@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import signal
 import sys
 
@@ -195,7 +194,8 @@ def _serve_ranks(server_args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """The ``radixlm`` command; the OpenMP policy is ``radixlm.openmp_policy``'s, set by
+    importing the package."""
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -1,13 +1,17 @@
-"""The runtime's options: one dataclass shared by the Engine and (later) the HTTP server."""
+"""The runtime's options: one dataclass shared by the Engine and the HTTP server.
+
+Light to import: the Detokenizer's process and the CLI's parser load it, and neither needs
+torch or the model code, which load here only when a method resolves the device or a
+weight format.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
-
-from radixlm.models.gguf_conversion import gguf_weight_format
-from radixlm.models.layers.weight_formats import WEIGHT_FORMATS
+if TYPE_CHECKING:
+    import torch
 
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -191,8 +195,8 @@ class ServerArgs:
     of processing one step while the next computes (see ``scheduler/overlap.py``). None:
     overlap on GPUs, the plain loop on CPUs, where the forward pass already uses every
     core and its Python would contend with the host's for the GIL (with the short OpenMP
-    spin radixlm sets, decode ran 22-42% faster without overlap on two cores); False
-    forces overlap there too."""
+    spin radixlm sets, decode ran faster without overlap on two cores:
+    ``benchmarks/RESULTS.md``); False forces overlap there too."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -277,6 +281,8 @@ class ServerArgs:
     def _check_quantization(self) -> None:
         if self.quantization is None:
             return
+        from radixlm.models.layers.weight_formats import WEIGHT_FORMATS
+
         if self.quantization not in (*WEIGHT_FORMATS, "gguf"):
             raise ValueError(f"quantization must be one of {(*WEIGHT_FORMATS, 'gguf')} "
                              f"(or None), got {self.quantization!r}")
@@ -323,6 +329,8 @@ class ServerArgs:
         """The weight-only format to pack the model into (``quantization``, with ``gguf``
         resolved from the file)."""
         if self.quantization == "gguf":
+            from radixlm.models.gguf_conversion import gguf_weight_format
+
             return gguf_weight_format(self.model_path)
         return self.quantization
 
@@ -334,11 +342,15 @@ class ServerArgs:
         return not self.disable_overlap_schedule
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
             return getattr(torch, self.dtype)
         if self.resolved_device().type == "cuda":
@@ -372,6 +384,8 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     has_flag = "avx512_bf16" in flags or "amx_bf16" in flags
+    import torch
+
     return has_flag and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 

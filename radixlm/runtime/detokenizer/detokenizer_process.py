@@ -14,13 +14,16 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixlm.runtime import messages as io
 from radixlm.runtime.detokenizer.incremental_detokenizer import IncrementalDetokenizer
 from radixlm.runtime.detokenizer.stop_matcher import StopMatcher
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +101,8 @@ class Detokenizer:
 
 def run_detokenizer_process(tokenizer_path: str, paths, ready) -> None:
     """Process entry point: decode TokenBatches into TextBatches until told to stop."""
+    from transformers import AutoTokenizer  # loaded in the process, not by importing it
+
     context = zmq.Context()
     try:
         detokenizer = Detokenizer(AutoTokenizer.from_pretrained(tokenizer_path))

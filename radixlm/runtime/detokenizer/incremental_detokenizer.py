@@ -10,8 +10,10 @@ while it ends in an incomplete character (U+FFFD).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CONTEXT_TOKENS = 5
 """Prompt tokens decoded in front of the output so the first output token is spaced right."""

@@ -139,7 +139,8 @@ ONEDNN_PRIMITIVE_CACHE = 256
 
 
 def child_main(role: str, ready_fd: str) -> None:
-    """A child process's entry point (``radixlm`` sets ``OMP_WAIT_POLICY`` on import)."""
+    """A child process's entry point (importing ``radixlm`` on the way here applied
+    ``radixlm.openmp_policy`` before torch loads)."""
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=io.ChildConfig)
     args, paths = config.server_args, config.paths
     ready = _ReadyPipe(int(ready_fd))
