@@ -7,84 +7,43 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
 import logging
 import signal
 import sys
+from pathlib import Path
 
-SERVER_OPTION_HELP = {
-    "model_path": "a Hugging Face directory, a .gguf file or a hub id (default: the default model)",
-    "tokenizer_path": "the tokenizer's directory (default: the model's)",
-    "dtype": "auto (bf16 where the hardware has it, else float32 over 16-bit weights), "
-             "float32, bfloat16, float16",
-    "quantization": "weight-only format on CPUs: fp16wo (half), int8wo (int8) or gguf (the .gguf "
-                    "model's own: F16 -> fp16wo, Q8_0 -> int8wo); compute stays in dtype",
-    "device": "auto, cpu or cuda[:N]",
-    "attention_backend": "auto, torch_native, triton or flashinfer",
-    "disable_cuda_graph": "run GPU decode eagerly (no CUDA graphs)",
-    "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph",
-    "enable_torch_compile": "CPUs: decode compiled by torch.compile (inductor), compiled at "
-                            "start and cached on disk",
-    "torch_compile_max_bs": "largest decode batch run compiled",
-    "disable_cpu_kernels": "run CPU passes on torch's operations only (no fused C++ kernels)",
-    "disable_cpu_weight_rows": "bfloat16 on CPUs: oneDNN's weight layout alone, no copy in the "
-                               "fused kernels' layouts (slower decode)",
-    "max_total_tokens": "KV pool size in tokens (default: from kv_cache_memory_fraction)",
-    "kv_cache_memory_fraction": "share of free memory for the KV pool",
-    "page_size": "tokens per KV page",
-    "disable_radix_cache": "compute every prompt in full (no prefix cache)",
-    "max_running_requests": "most requests decoded together",
-    "context_length": "longest prompt + output (default: the model's)",
-    "max_prefill_tokens": "most new prompt tokens per step",
-    "chunked_prefill_size": "prefill longer prompts in chunks of this many tokens",
-    "schedule_policy": "lpm, dfs-weight, fcfs, lof or random",
-    "batching": "continuous or static",
-    "init_new_token_ratio": "initial share of output budgets reserved in KV",
-    "min_new_token_ratio": "lowest share of output budgets reserved in KV",
-    "new_token_ratio_decay": "decay of that share per decode step",
-    "random_seed": "seed for requests without sampling_seed",
-    "num_threads": "CPU threads (default: adaptive)",
-    "trust_remote_code": "allow model code from the checkpoint",
-    "disaggregation_bootstrap_host": "where a prefill server's bootstrap service listens "
-                                     "(default: --host)",
-    "trust_request_chat_template": "let a chat request bring its own Jinja chat template "
-                                   "(chat_template_kwargs.chat_template)",
-    "host": "address to listen on",
-    "port": "port to listen on",
-    "api_key": "require 'Authorization: Bearer <key>' on every route but /health (visible in "
-               "ps: prefer --api-key-file or RADIXLM_API_KEY)",
-    "api_key_file": "a file whose first line is the API key",
-    "shutdown_timeout": "seconds in-flight requests get to finish on SIGTERM",
-    "chunked_prefill_step_ms": "cut prompt chunks to take about this long (by measured speed)",
-    "health_timeout": "/health fails after this many seconds without a scheduler heartbeat "
-                      "while requests wait",
-    "served_model_name": "the model's name in the OpenAI API (default: its directory's name)",
-    "max_queued_requests": "requests accepted beyond max_running_requests (more get 503)",
-    "grammar_backend": "what compiles regex / json_schema / ebnf constraints (xgrammar)",
-    "disable_jump_forward": "decode a grammar's forced text token by token",
-    "disable_overlap_schedule": "process each decode step before computing the next",
-    "max_logprobs": "most top logprobs per position a request may ask for",
-    "max_n": "most samples per prompt (n)",
-    "max_samples_per_request": "most prompts x n in one request",
-    "max_prompt_logprob_entries": "most prompt positions with logprobs x (1 + top logprobs)",
-    "max_stop_strings": "most stop strings plus stop regexes per prompt",
-    "max_stop_chars": "most characters of a prompt's stop strings and regexes together",
-    "max_stop_token_ids": "most stop_token_ids per prompt",
-    "max_request_parameter_entries": "most stop token ids, logit_bias entries and stop "
-                                     "characters of one call's samples (prompts x n) together",
-    "max_logit_bias": "most logit_bias entries",
-    "max_constraint_chars": "longest regex / JSON schema / EBNF constraint, in characters",
-}
+
+def server_option_help() -> dict[str, str]:
+    """Each ServerArgs field's help: the first paragraph of the docstring under the field in
+    ``server_args.py``, on one line, ````x```` shown as ``x``. Read with ``ast``: a docstring
+    under a field is no attribute Python keeps."""
+    from radixlm.runtime import server_args
+
+    module = ast.parse(Path(server_args.__file__).read_text())
+    body = next(node.body for node in module.body
+                if isinstance(node, ast.ClassDef) and node.name == "ServerArgs")
+    helps = {}
+    for field, after in zip(body, body[1:]):
+        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            paragraph = inspect.cleandoc(after.value.value).split("\n\n")[0]
+            helps[field.target.id] = " ".join(paragraph.replace("``", "").split())
+    return helps
 
 
 def add_server_options(parser: argparse.ArgumentParser) -> None:
     """One flag per ServerArgs field (``--max-total-tokens`` for ``max_total_tokens``)."""
     from radixlm.runtime.server_args import ServerArgs
 
+    helps = server_option_help()
     for option in dataclasses.fields(ServerArgs):
         flag = "--" + option.name.replace("_", "-")
         default = option.default
-        help_text = f"{SERVER_OPTION_HELP.get(option.name, option.name)} (default: {default})"
+        help_text = f"{helps[option.name]} (default: {default})".replace("%", "%%")
         if isinstance(default, bool) or option.type == "bool | None":
             # A bare switch; an unset tri-state option stays None (resolved by ServerArgs).
             parser.add_argument(flag, action="store_true", default=default, help=help_text)

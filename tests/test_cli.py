@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -10,11 +12,42 @@ from pathlib import Path
 
 import pytest
 
+from radixlm.cli import add_server_options, server_option_help
+from radixlm.runtime.server_args import ServerArgs
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "radixlm.cli", *args], capture_output=True, text=True, timeout=300
     )
+
+
+def test_every_server_option_has_its_fields_docstring_as_help():
+    parser = argparse.ArgumentParser()
+    add_server_options(parser)
+    helps = {action.dest: action.help for action in parser._actions}
+    for field in dataclasses.fields(ServerArgs):
+        text, _, default = helps[field.name].rpartition(" (default: ")
+        assert default == f"{field.default})".replace("%", "%%")
+        words = text.strip(" .").lower()
+        assert words and words not in {field.name, field.name.replace("_", " ")}, field.name
+
+
+def test_server_option_help_is_the_docstrings_first_paragraph_on_one_line():
+    helps = server_option_help()
+    assert set(helps) == {field.name for field in dataclasses.fields(ServerArgs)}
+    assert helps["max_request_parameter_entries"] == (
+        "Most stop token ids, logit_bias entries and stop characters of one call's samples "
+        "(prompts x n) together: each sample carries its own.")
+    for name, text in helps.items():
+        assert "``" not in text and "\n" not in text and "  " not in text, name
+
+
+def test_serve_help_lists_every_option():
+    result = run_cli("serve", "--help")
+    assert result.returncode == 0, result.stderr
+    for field in dataclasses.fields(ServerArgs):
+        assert "--" + field.name.replace("_", "-") in result.stdout
 
 
 def test_generate_streams_a_raw_prompt_through_a_tiny_model(tiny_model_dir):

@@ -39,6 +39,7 @@ class ServerArgs:
     model_path: str | None = None
     """A Hugging Face model directory, a ``.gguf`` file or a hub id; None: the default model."""
     tokenizer_path: str | None = None
+    """The tokenizer's directory or hub id; None: the model's own."""
     dtype: str = "auto"
     """``auto``: bfloat16 on GPUs and on CPUs with native bf16, else float32 with the
     projections' and output head's weights stored in 16 bits (bfloat16 where that is exact,
@@ -51,6 +52,7 @@ class ServerArgs:
     the format matching the file's (F16 -> fp16wo, Q8_0 -> int8wo, others: none). None:
     weights in ``dtype``."""
     device: str = "auto"
+    """``auto`` (CUDA when available, else the CPU), ``cpu`` or ``cuda[:N]``."""
     attention_backend: str = "auto"
     """``auto``: flashinfer, else triton, on CUDA; torch_native on CPUs (see
     ``radixlm.kernels.attention.backend_selection``)."""
@@ -81,9 +83,11 @@ class ServerArgs:
     kv_cache_memory_fraction: float = 0.2
     """Share of the available memory given to the KV pool when ``max_total_tokens`` is None."""
     page_size: int = 1
+    """Tokens per KV cache page: the unit the pool hands out and the prefix cache matches."""
     disable_radix_cache: bool = False
     """Compute every prompt in full (the baseline the prefix cache is measured against)."""
     max_running_requests: int = 64
+    """Most requests decoded together in one batch."""
     context_length: int | None = None
     """Longest sequence (prompt + output); None: the model's ``max_position_embeddings``."""
     max_prefill_tokens: int = 8192
@@ -96,18 +100,28 @@ class ServerArgs:
     prompts and decode steps run between chunks), four times as long while no other request
     runs or waits; None: cut by ``chunked_prefill_size`` alone."""
     schedule_policy: str = "lpm"
+    """The order waiting requests are admitted in: ``lpm`` (longest cached prefix first),
+    ``dfs-weight`` (depth-first over the prefix tree, heavier subtrees first), ``fcfs``
+    (arrival order), ``lof`` (longest output budget first) or ``random``
+    (``scheduler/schedule_policy.py``)."""
     batching: str = "continuous"
     """``continuous`` (iteration-level) or ``static`` (request-level, for comparison)."""
     init_new_token_ratio: float = 0.7
+    """The share of running requests' remaining output budgets reserved in the KV pool
+    when admitting new requests, at start (see ``new_token_ratio_decay``)."""
     min_new_token_ratio: float = 0.1
+    """The lowest that share decays to."""
     new_token_ratio_decay: float = 0.001
     """Admission reserves ratio x remaining output budget for running requests; the ratio
     starts at init, decays per decode step to min, and returns to 1 after a retraction."""
     random_seed: int = 0
+    """Seed of the sampler's generator, which draws for requests without a
+    ``sampling_seed`` of their own."""
     num_threads: int | None = None
     """CPU threads for every forward pass; None: one thread or all of torch's, chosen per
     size of pass by measuring both as the server runs (``thread_policy.py``)."""
     trust_remote_code: bool = False
+    """Allow model and tokenizer code shipped with the checkpoint to run."""
     trust_request_chat_template: bool = False
     """Let a chat request bring its own Jinja template (``chat_template_kwargs``'s
     ``chat_template``). Off: such a request is refused, since a template is code the server
@@ -115,6 +129,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     """Where ``radixlm serve`` listens (loopback only, unless told otherwise)."""
     port: int = 30000
+    """The port ``radixlm serve`` listens on."""
     served_model_name: str | None = None
     """The model's name in the OpenAI API; None: the model directory's name."""
     max_queued_requests: int | None = None
