@@ -45,7 +45,6 @@ class TreeNode(CacheNode):
         "children",
         "lock_ref",
         "last_access_time",
-        "hit_count",
     )
 
     def __init__(
@@ -65,7 +64,6 @@ class TreeNode(CacheNode):
         self.children: dict[Hashable, TreeNode] = {}
         self.lock_ref = 0
         self.last_access_time = access_time
-        self.hit_count = 0
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.node_id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -114,7 +112,7 @@ class RadixCache(PrefixCache):
         """The cached slots of the longest prefix of ``key`` (page-aligned).
 
         A match ending inside an edge splits that edge, so ``last_node`` ends exactly at the
-        match. The path's access times are refreshed and its hit counts bumped.
+        match. The access times along the path are refreshed.
         """
         key = self._aligned(key)
         node, pos, path = self.root, 0, []
@@ -128,8 +126,6 @@ class RadixCache(PrefixCache):
             path.append(child)
             node, pos = child, pos + n
         self._touch(node)
-        for child in path:
-            child.hit_count += 1
         values = [child.value for child in path]
         indices = torch.cat(values) if values else self._empty()
         return MatchResult(indices=indices, last_node=node)
@@ -236,7 +232,7 @@ class RadixCache(PrefixCache):
             ns = f" ns={node.extra_key!r}" if depth == 1 else ""
             lines.append(
                 f"{'  ' * depth}{shown}{more} len={len(node.key)}{ns} "
-                f"lock={node.lock_ref} t={node.last_access_time} hits={node.hit_count}"
+                f"lock={node.lock_ref} t={node.last_access_time}"
             )
             stack.extend((child, depth + 1) for child in reversed(node.children.values()))
         return "\n".join(lines)
@@ -264,7 +260,6 @@ class RadixCache(PrefixCache):
         upper = self._new_node(node.key[:n], node.value[:n], node.extra_key, parent)
         upper.lock_ref = node.lock_ref
         upper.last_access_time = node.last_access_time
-        upper.hit_count = node.hit_count
         node.key, node.value, node.parent = node.key[n:], node.value[n:], upper
         upper.children[self._child_key(upper, node.key, 0, node.extra_key)] = node
         parent.children[slot] = upper

@@ -236,9 +236,6 @@ class Heartbeat(msgspec.Struct, tag=True):
     """The Scheduler's sign of life, at most every ``HEARTBEAT_S`` while its loop turns
     (``/health`` fails when none comes for too long while requests wait)."""
 
-    steps: int
-    """Scheduler steps completed so far."""
-
 
 class ProcessFailed(msgspec.Struct, tag=True):
     """A child process's last word before it exits on an error."""

@@ -262,14 +262,6 @@ def test_evicted_node_cannot_be_locked():
         cache.inc_lock_ref(node)
 
 
-def test_match_bumps_hit_counts_along_the_path():
-    allocator, cache = make_cache()
-    put(allocator, cache, [1, 2, 3])
-    cache.match_prefix([1, 2, 3])
-    node = cache.match_prefix([1, 2, 3]).last_node
-    assert node.hit_count == 2
-
-
 def test_reset_empties_the_tree_without_freeing():
     allocator, cache = make_cache(size=16)
     put(allocator, cache, [1, 2, 3])

@@ -237,10 +237,9 @@ class HalfWeight(PackedWeight):
     weight: torch.Tensor  # (out, in) float16
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer, by_pairs: bool = False,
-             by_blocks: bool = False) -> HalfWeight:
-        """(``by_pairs`` and ``by_blocks`` are ignored: half weights stay in rows; in float32
-        the loader stores them as ``weight_storage.py`` does, in blocks.)"""
+    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer) -> HalfWeight:
+        """(Half weights stay in rows; in float32 the loader stores them as
+        ``weight_storage.py`` does, in blocks.)"""
         return cls(buffer, weight.to(torch.float16).contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -375,9 +374,6 @@ class Int8Weight(PackedWeight):
         return integers.numel() + self.scales.numel() * 4
 
 
-_PACKERS = {"fp16wo": HalfWeight.pack, "int8wo": Int8Weight.pack}
-
-
 def pack_weights(model: nn.Module, weight_format: str, by_pairs: bool = False,
                  by_blocks: bool = False) -> int:
     """Packs every module that offers ``pack_weight`` (the projections and the output head)
@@ -385,11 +381,14 @@ def pack_weights(model: nn.Module, weight_format: str, by_pairs: bool = False,
     column pairs (``Int8Weight``), where the model serves in bfloat16 and the kernels'
     ``int8_pair_matmul`` serves; ``by_blocks``: in column blocks, where it serves in
     float32 on the kernels. Raises ValueError for an unknown format."""
-    if weight_format not in _PACKERS:
-        raise ValueError(f"unknown weight format {weight_format!r}; "
-                         f"expected one of {', '.join(WEIGHT_FORMATS)}")
-    packer, buffer = _PACKERS[weight_format], ConversionBuffer()
-    return pack_each_weight(model, lambda weight: packer(weight, buffer, by_pairs, by_blocks))
+    buffer = ConversionBuffer()
+    if weight_format == "fp16wo":
+        return pack_each_weight(model, lambda weight: HalfWeight.pack(weight, buffer))
+    if weight_format == "int8wo":
+        return pack_each_weight(
+            model, lambda weight: Int8Weight.pack(weight, buffer, by_pairs, by_blocks))
+    raise ValueError(f"unknown weight format {weight_format!r}; "
+                     f"expected one of {', '.join(WEIGHT_FORMATS)}")
 
 
 def pack_each_weight(model: nn.Module, packer: Callable[[torch.Tensor], PackedWeight]) -> int:

@@ -75,10 +75,9 @@ class WidenedWeight(HalfWeight):
     activations rounded, as ``HalfWeight``'s torch paths do)."""
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer,
-             by_pairs: bool = False) -> WidenedWeight:
-        """``weight`` (float32) in its ``storage_dtype`` (``by_pairs`` is ignored: the rows
-        stay rows); ValueError for one that must stay float32."""
+    def pack(cls, weight: torch.Tensor, buffer: ConversionBuffer) -> WidenedWeight:
+        """``weight`` (float32) in its ``storage_dtype``, in rows; ValueError for one that
+        must stay float32. (It replaces ``HalfWeight.pack``, which would round to float16.)"""
         dtype = storage_dtype(weight)
         if dtype is None:
             raise ValueError("weight must be float32 and within float16's range, without NaN")

@@ -34,7 +34,6 @@ class StopMatcher:
 
     def __init__(self, stop: list[str], stop_regex: list[str]):
         self.stop = stop
-        self.stop_regex = stop_regex
         automaton = stop_string_automaton(tuple(stop)) if stop else None
         self._search_strings: StopStringCursor | None = automaton.cursor() if automaton else None
         self._held_strings: StopStringCursor | None = automaton.cursor() if automaton else None

@@ -62,11 +62,6 @@ class StopStringAutomaton:
         self._fail = array("i", bytes(4 * len(self._parent)))
         self._link()
 
-    @property
-    def size(self) -> int:
-        """Trie nodes, the root included."""
-        return len(self._parent)
-
     def cursor(self) -> StopStringCursor:
         return StopStringCursor(self)
 

@@ -189,7 +189,7 @@ class SchedulerLoop:
         now = time.monotonic()
         if now - self.last_heartbeat >= HEARTBEAT_S:
             self.last_heartbeat = now
-            self.to_tokenizer_manager.send(io.encode(io.Heartbeat(self.steps)))
+            self.to_tokenizer_manager.send(io.encode(io.Heartbeat()))
 
     def _receive(self, timeout: int) -> bool:
         """Handles every message that comes within ``timeout`` ms (and those right after
