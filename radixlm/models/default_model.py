@@ -14,7 +14,6 @@ directory (`convert_gguf_to_hf` renames a finished directory into place).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -125,6 +124,8 @@ def _exclusive_lock(target: Path) -> Iterator[None]:
 
     The lock file is never followed through a symlink (someone able to write to the cache
     could otherwise make this process create or lock a file elsewhere): one is refused."""
+    import fcntl  # POSIX only: imported where it locks, so the module imports anywhere
+
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.parent / f".{target.name}.lock"
     try:

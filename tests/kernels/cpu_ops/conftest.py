@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from fused_kernels import enable_or_skip
 
 from radixlm.kernels.cpu_ops import fused_ops
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    """The built kernels (this machine has a compiler: a failure to build fails here)."""
+    """The built kernels: the module's tests skip where no compiler or ninja is found, and a
+    failed build with them fails here."""
     was_on = fused_ops.active() is not None
-    assert fused_ops.enable(), "the fused CPU kernels did not build"
-    yield fused_ops.active()
+    yield enable_or_skip()
     if not was_on:
         fused_ops.disable()

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from fused_kernels import enable_or_skip
 
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
@@ -38,8 +39,7 @@ DECODE_STEPS = 6
 
 @pytest.fixture(scope="module")
 def kernels_on():
-    if not fused_ops.enable():
-        pytest.skip("the fused CPU kernels cannot be built here")
+    enable_or_skip()
 
 
 @pytest.fixture(scope="module")

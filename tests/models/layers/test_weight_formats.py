@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fused_kernels import enable_or_skip
 from tiny_models import reference_model
 
 from radixlm.kernels.cpu_ops import fused_ops
@@ -143,8 +144,7 @@ def test_int8_blocks_multiply_as_the_rows_do_with_the_kernels_on_or_off(rows):
     """In column blocks, float32 rows of any count run the kernels' blocked_int8_matmul:
     float64's product to one float32 step. With the kernels off (or bfloat16 rows) the
     integers are taken back to rows and multiplied as rows are, to the bit."""
-    if not fused_ops.enable():
-        pytest.skip("no fused CPU kernels here")
+    enable_or_skip()
     torch.manual_seed(rows)
     weight = torch.randn(64, 96) * 0.05
     by_rows, blocked = (Int8Weight.pack(weight, ConversionBuffer(), by_blocks=by_blocks)
@@ -168,7 +168,7 @@ def test_int8_blocks_multiply_as_the_rows_do_with_the_kernels_on_or_off(rows):
 def test_int8_pairs_multiply_as_the_rows_do_with_the_kernels_on_or_off():
     """By pairs, bfloat16 rows run the kernels' int8_pair_matmul; with the kernels off, or
     float32 rows, the integers are unpaired and multiplied as rows are."""
-    if not fused_ops.enable() or not fused_ops.active().pair_matmul_available():
+    if not enable_or_skip().pair_matmul_available():
         pytest.skip("no AVX-512 BF16 pair kernels here")
     torch.manual_seed(1)
     weight = torch.randn(64, 96) * 0.05

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fused_kernels import enable_or_skip
 from tiny_models import tiny_tokenizer
 
 from radixlm.kernels.cpu_ops import fused_ops
@@ -341,8 +342,7 @@ def test_greedy_rows_with_the_fused_cpu_kernels_on_are_torch_argmax(monkeypatch)
     """On a CPU the kernels' vectorised argmax serves greedy rows: the same tokens (ties go
     to the first), plain greedy and greedy beside sampled rows."""
     was_on = fused_ops.active() is not None
-    assert fused_ops.enable()
-    kernels, calls = fused_ops.active(), []
+    kernels, calls = enable_or_skip(), []
 
     def observed_argmax(x):
         calls.append(x.shape[0])

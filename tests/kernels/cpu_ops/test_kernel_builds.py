@@ -1,0 +1,37 @@
+"""How the fused CPU kernels are built (fused_ops.py): the constants Python shares with the
+sources reach them as -D flags, and a new build removes the earlier ones it can lock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from radixlm.kernels.cpu_ops import fused_ops
+
+
+def test_every_projection_kernel_reaches_the_sources_as_a_define():
+    defines = fused_ops.compile_defines()
+    decode_layer = Path(fused_ops.__file__).with_name("decode_layer.cpp").read_text()
+    for kernel in fused_ops.ProjectionKernel:
+        assert f"-DRADIXLM_PROJECTION_{kernel.name}={kernel.value}" in defines
+        assert f"RADIXLM_PROJECTION_{kernel.name}," in decode_layer  # an enumerator's value
+    for name, dim in [("BFLOAT16", 128), ("FLOAT32", 256)]:
+        assert f"-DRADIXLM_PREFILL_MAX_VALUE_DIM_{name}={dim}" in defines
+
+
+def test_a_new_build_removes_the_earlier_ones_but_a_locked_one(tmp_path):
+    import fcntl
+
+    builds = {name: tmp_path / f"{fused_ops.BUILD_PREFIX}{name}"
+              for name in ("current", "old", "building")}
+    for directory in builds.values():
+        directory.mkdir()
+        (directory / "module.so").write_text("")
+    unrelated = tmp_path / "another_extension"
+    unrelated.mkdir()
+    with open(builds["building"] / "radixlm.lock", "w") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)  # another builder's turn
+        fused_ops._remove_old_builds(tmp_path, keep=builds["current"])
+    assert not builds["old"].exists()
+    assert (builds["current"] / "module.so").exists()
+    assert (builds["building"] / "module.so").exists()
+    assert unrelated.exists()
