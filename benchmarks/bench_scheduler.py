@@ -141,16 +141,16 @@ def measure(scheduler: Scheduler, model: NoOpModel, batch_size: int, steps: int,
     for i in range(batch_size):
         prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)]
         reqs.append(make_req(io.GenerateReq(f"{seed}-{i}", prompt, sampling), tokenizer, {}))
-    stats = scheduler.stats
+    stats = scheduler.state.stats
     for req in reqs:
         scheduler.add_request(req)
 
     extend_before, start = stats.extend_steps, time.perf_counter()
-    while scheduler.waiting or scheduler.chunked is not None:
+    while scheduler.state.waiting or scheduler.state.chunked is not None:
         scheduler.step()
     admit_seconds = time.perf_counter() - start
     admit_steps = stats.extend_steps - extend_before
-    assert len(scheduler.running) == batch_size, "the whole batch must be running"
+    assert len(scheduler.state.running) == batch_size, "the whole batch must be running"
 
     sampler = scheduler.sampler.sample
     decode_before, model_before = stats.decode_steps, model.seconds

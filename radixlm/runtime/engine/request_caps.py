@@ -3,9 +3,10 @@
 Every size a request chooses is bounded before anything is queued: the samples it fans out
 to (``n`` x prompts), the logprobs it asks for per position and over its prompt, its stop
 strings, regexes (and the automaton states those regexes compile to) and stop token ids,
-its ``logit_bias`` (and these lists over all of a call's samples, each of which carries them) and its constraint, and the characters of its prompts (a prompt longer
-than the context could ever hold is refused before it is tokenized; a chat counts every
-part of its messages and template variables). A request over a limit gets a ``ValueError``
+its ``logit_bias`` (and these lists over all of a call's samples, each of which carries
+them) and its constraint, and the characters of its prompts (a prompt longer than the
+context could ever hold is refused before it is tokenized; a chat counts every part of
+its messages and template variables). A request over a limit gets a ``ValueError``
 (HTTP 400) naming the limit and the server option that sets it. The limits are
 ``ServerArgs`` fields; see docs/server.md.
 """

@@ -28,6 +28,8 @@ over or ends.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from radixlm.host_to_device import to_device
@@ -226,6 +228,20 @@ class BeamGroup:
             if follower.req_pool_idx is not None:
                 memory.req_to_token_pool.free(follower.req_pool_idx)
             follower.req_pool_idx, follower.kv_len, follower.last_slot = None, 0, -1
+
+
+def shared_prefixes(reqs: list[Req]) -> list[tuple[int, int, int]]:
+    """The runs of ``reqs`` (a decode batch) that are one beam search's members, in order,
+    with the prompt slots they share (``ForwardBatch.shared_prefixes``)."""
+    runs = []
+    for start, req in enumerate(reqs):
+        group = req.beam
+        if group is None or req is not group.leader:
+            continue
+        members = reqs[start : start + group.width]
+        if len(members) == group.width and all(map(operator.is_, members, group.members)):
+            runs.append((start, group.width, group.base))
+    return runs
 
 
 def _rows_of(reqs: list[Req], table: torch.Tensor) -> torch.Tensor:

@@ -42,189 +42,86 @@ prefix cache and ``req_to_token`` columns past those any queued step reads.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-
-import torch
-
-from radixlm.host_to_device import to_device
-from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.kv_cache.allocator import pages_for
 from radixlm.runtime.request import Req
-from radixlm.runtime.sampling.logprobs import Logprobs
-from radixlm.runtime.sampling.sampler import Sampler
-from radixlm.runtime.sampling.sampling_batch import GRAMMAR, SamplingBatch
+from radixlm.runtime.scheduler.decode_worker import DecodeInFlight, DecodeWorker
+from radixlm.runtime.scheduler.output_processor import OutputProcessor
+from radixlm.runtime.scheduler.request_memory import RequestMemory
+from radixlm.runtime.scheduler.scheduler_state import SchedulerState
+from radixlm.runtime.scheduler.step_batches import StepBatches
+from radixlm.runtime.server_args import ServerArgs
 
 
-@dataclass
-class DecodeInFlight:
-    """A decode step queued on or running on the worker."""
+class Overlap:
+    """The scheduler's steps with a decode step in flight (``SchedulerState.in_flight``)."""
 
-    reqs: list[Req]
-    """Its requests, in the sampling batch's row order when it samples."""
-    logprob_rows: list[int] = field(default_factory=list)
-    """The rows of the requests that want their tokens' logprobs."""
-    host_ready: threading.Event = field(default_factory=threading.Event)
-    """Set once the host has processed the step before (its matchers have accepted that
-    step's tokens): a step with grammars samples only then."""
-    jumped: list[Req] = field(default_factory=list)
-    """Requests that jump-forward extended after this step was queued: its tokens for them
-    are discarded, and no step is queued behind it."""
-    tokens: Future = field(default_factory=Future)
-    """Resolves to the sampled tokens, (len(reqs),) int64 on the device, a function
-    returning them as a list (see ``_start_copy_to_host``) and the ``Logprobs`` of
-    ``logprob_rows`` (None without any)."""
-
-    def host_outputs(self) -> tuple[list[int], Logprobs | None]:
-        """Waits for this step's tokens (only: not for steps queued after it) and logprobs."""
-        _, read, found = self.tokens.result()
-        return read(), found
-
-
-class DecodeWorker:
-    """Runs decode steps' forward passes and sampling in order on one worker thread."""
-
-    def __init__(self, runner, output_processor, sampler: Sampler,
-                 sampling_batch: SamplingBatch):
-        """``runner.forward(batch) -> hidden`` and ``output_processor.compute_logits(hidden)
-        -> logits`` are looked up at each step (a benchmark's stand-ins replace them)."""
-        self.runner = runner
+    def __init__(self, state: SchedulerState, memory: RequestMemory,
+                 output_processor: OutputProcessor, args: ServerArgs, batches: StepBatches,
+                 worker: DecodeWorker | None):
+        """``worker`` None: decode steps are never queued ahead (no overlap)."""
+        self.state = state
+        self.memory = memory
         self.output_processor = output_processor
-        self.sampler = sampler
-        self.sampling_batch = sampling_batch
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="radixlm-decode")
-
-    def launch(self, reqs: list[Req], batch: ForwardBatch,
-               previous: DecodeInFlight | None) -> DecodeInFlight:
-        """Queues the decode of ``reqs`` (whose KV slots ``batch`` holds).
-
-        ``previous``: the step in flight whose tokens are this step's inputs; ``reqs`` are
-        its requests in order, less some (their sampling rows are dropped first). None:
-        ``batch.input_ids`` already holds the inputs.
-        """
-        keep, leaving = None, []
-        if previous is not None and len(reqs) < len(previous.reqs):
-            staying = {id(req) for req in reqs}
-            rows = [row for row, req in enumerate(previous.reqs) if id(req) in staying]
-            keep = to_device(rows, torch.int64, batch.input_ids.device)
-            leaving = [req for req in previous.reqs if id(req) not in staying]
-        step = DecodeInFlight(reqs, [row for row, r in enumerate(reqs) if r.logprobs is not None])
-        if previous is None:
-            step.host_ready.set()
-        top_k = max((reqs[row].logprobs.top_k for row in step.logprob_rows), default=0)
-        step.tokens = self._thread.submit(self._run, batch, previous, keep, leaving,
-                                          step.logprob_rows, top_k, step.host_ready)
-        return step
-
-    def shutdown(self) -> None:
-        """Stops the worker thread once its queued steps have run."""
-        self._thread.shutdown(wait=True)
-
-    def _run(self, batch: ForwardBatch, previous: DecodeInFlight | None,
-             keep: torch.Tensor | None, leaving: list[Req], logprob_rows: list[int],
-             top_k: int, host_ready: threading.Event,
-             ) -> tuple[torch.Tensor, Callable[[], list[int]], Logprobs | None]:
-        if leaving:
-            self.sampling_batch.remove(leaving)
-        if previous is not None:
-            tokens, *_ = previous.tokens.result()  # done: this thread ran it
-            batch.input_ids = tokens if keep is None else tokens.index_select(0, keep)
-        hidden = self.runner.forward(batch)
-        logits = self.output_processor.compute_logits(hidden)  # (B, V)
-        if self.sampling_batch.uses(GRAMMAR):
-            host_ready.wait()  # the matchers have accepted the previous step's tokens
-        next_ids = self.sampler.sample(logits, self.sampling_batch)  # (B,)
-        self.sampling_batch.record_sampled(next_ids)
-        found = None
-        if logprob_rows:  # on this thread: the host does not wait for the copy
-            rows = to_device(logprob_rows, torch.int64, logits.device)
-            found = Logprobs.compute(logits.index_select(0, rows), next_ids.index_select(0, rows),
-                                     top_k)
-        return next_ids, _start_copy_to_host(next_ids), found
-
-
-def _start_copy_to_host(tokens: torch.Tensor) -> Callable[[], list[int]]:
-    """Starts copying ``tokens`` to the host and returns what waits for that copy. On CUDA
-    the copy goes into pinned memory behind the step's kernels, and the wait is on an
-    event recorded after it: the next step's kernels, queued later, are not waited for."""
-    if tokens.device.type != "cuda":
-        return tokens.tolist
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-
-    def read() -> list[int]:
-        copied.synchronize()
-        return host.tolist()
-
-    return read
-
-
-class OverlapSteps:
-    """The ``Scheduler``'s steps with a decode step in flight (a part of it kept here).
-
-    Uses the scheduler's ``running``, ``waiting``, ``chunked``, ``memory``, ``runner``,
-    ``output_processor``, ``sampling_batch``, ``stats``, ``args`` and ``new_token_ratio``,
-    its ``decode_worker`` and ``in_flight``, ``_drained`` (requests processed outside a
-    step, reported at the next), ``_decode_batch(reqs, known_inputs)`` and
-    ``_note_kv_peak()``.
-    """
+        self.args = args
+        self.batches = batches
+        self.worker = worker
 
     def drain(self) -> None:
         """Waits for the decode step in flight, if any, and processes it: afterwards the
         sampling batch's rows are ``running`` again. What it produced is reported at the
         next step."""
-        if self.in_flight is None:
+        state = self.state
+        if state.in_flight is None:
             return
-        flight, self.in_flight = self.in_flight, None
-        self._drained += self._process_in_flight(flight)
+        flight, state.in_flight = state.in_flight, None
+        state.to_report += self._process_in_flight(flight)
         self._drop_finished_rows()
 
-    def _step_overlapped(self) -> list[Req]:
+    def step(self) -> list[Req]:
         """Queues the next decode step behind the one in flight, unless something needs the
         host's turn first (admission, retraction, jumped tokens to compute), then processes
         the one in flight (and lets the queued step sample: ``host_ready``)."""
-        flight, self.in_flight = self.in_flight, None
+        state, args = self.state, self.args
+        flight, state.in_flight = state.in_flight, None
         # Less those known to have ended, and those the token in flight ends by length.
         following = [r for r in flight.reqs
                      if r.finish_reason is None and len(r.output_ids) + 1 < r.output_limit]
-        if (following and not flight.jumped and not self.waiting and self.chunked is None
+        if (following and not flight.jumped and not state.waiting and state.chunked is None
                 and self._decode_fits(following)):
-            self.stats.decode_steps += 1
-            self.stats.overlapped_steps += 1
-            self.new_token_ratio = max(self.new_token_ratio - self.args.new_token_ratio_decay,
-                                       self.args.min_new_token_ratio)
-            self.in_flight = self._launch(following, previous=flight)
+            state.stats.decode_steps += 1
+            state.stats.overlapped_steps += 1
+            state.decay_new_token_ratio(args.new_token_ratio_decay, args.min_new_token_ratio)
+            state.in_flight = self.launch(following, previous=flight)
         try:
             stepped = self._process_in_flight(flight)
         finally:
-            if self.in_flight is not None:
-                self.in_flight.host_ready.set()
-        if self.in_flight is None:
+            if state.in_flight is not None:
+                state.in_flight.host_ready.set()
+        if state.in_flight is None:
             self._drop_finished_rows()
-        elif all(r.finished for r in self.in_flight.reqs):
+        elif all(r.finished for r in state.in_flight.reqs):
             self.drain()  # every request of the queued step has ended: nothing to wait for
         return stepped
 
-    def _launch(self, reqs: list[Req], previous: DecodeInFlight | None) -> DecodeInFlight:
-        batch = self._decode_batch(reqs, known_inputs=previous is None)
-        self.stats.forward_steps += 1
-        self._note_kv_peak()
-        return self.decode_worker.launch(reqs, batch, previous)
+    def launch(self, reqs: list[Req], previous: DecodeInFlight | None) -> DecodeInFlight:
+        """Queues the decode step of ``reqs`` on the worker (fed ``previous``'s tokens on
+        the device, or, None, their last tokens)."""
+        batch = self.batches.decode(reqs, known_inputs=previous is None)
+        self.state.stats.forward_steps += 1
+        self.state.note_kv_peak(self.memory)
+        return self.worker.launch(reqs, batch, previous)
 
     def _process_in_flight(self, flight: DecodeInFlight) -> list[Req]:
         """Appends ``flight``'s tokens and ends the requests that finish with them; returns
         the requests it stepped (not those that had finished before it)."""
+        state = self.state
         try:
             tokens, found = flight.host_outputs()
         except BaseException:
-            if self.in_flight is not None:  # queued behind the failed one: it fails too
-                self.in_flight.host_ready.set()
-                self.in_flight.tokens.exception()
-                self.in_flight = None
+            if state.in_flight is not None:  # queued behind the failed one: it fails too
+                state.in_flight.host_ready.set()
+                state.in_flight.tokens.exception()
+                state.in_flight = None
             raise
         reqs = flight.reqs
         if found is not None:  # (a request that jumps wants no logprobs)
@@ -239,12 +136,12 @@ class OverlapSteps:
         # The worker may own the sampling batch: jumped tokens are not recorded in it.
         jumped: list[Req] = []
         for req in self.output_processor.append_tokens(reqs, tokens, None, jumped):
-            self.running.remove(req)
+            state.running.remove(req)
             self.memory.release(req)
-        if self.in_flight is not None:
+        if state.in_flight is not None:
             # The step queued behind computes only the KV of the token before their jumped
             # ones (an unfinished request that jumped is in it: nothing ended it by length).
-            self.in_flight.jumped = jumped
+            state.in_flight.jumped = jumped
         else:
             self._rejoin(flight.jumped + jumped)
         return stepped
@@ -256,16 +153,18 @@ class OverlapSteps:
         requests stay in one order)."""
         if not jumped:
             return
-        self.sampling_batch.remove(jumped)
-        self.sampling_batch.add(jumped)
+        state = self.state
+        state.sampling_batch.remove(jumped)
+        state.sampling_batch.add(jumped)
         for req in jumped:
-            self.running.remove(req)
-            self.running.append(req)
+            state.running.remove(req)
+            state.running.append(req)
 
     def _drop_finished_rows(self) -> None:
         """With nothing in flight: the sampling rows of requests that have ended go (those
         a step ran ahead for, and those that ended with it)."""
-        self.sampling_batch.remove([r for r in self.sampling_batch.reqs if r.finished])
+        batch = self.state.sampling_batch
+        batch.remove([r for r in batch.reqs if r.finished])
 
     def _decode_fits(self, reqs: list[Req]) -> bool:
         """Whether the pool holds a slot for each request's next token (else the plain

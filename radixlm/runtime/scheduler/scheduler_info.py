@@ -36,12 +36,12 @@ def describe(scheduler) -> dict:
         "free_kv_tokens": memory.allocator.available_size(),
         "cache_tokens": memory.tree_cache.total_size(),
         "cache_protected_tokens": memory.tree_cache.protected_size(),
-        "peak_kv_tokens": scheduler.peak_kv_tokens,
+        "peak_kv_tokens": scheduler.state.peak_kv_tokens,
         "request_rows": memory.req_to_token_pool.size,
         "free_request_rows": memory.req_to_token_pool.available_size(),
         "page_size": memory.page_size,
-        "num_running": len(scheduler.running) + (scheduler.chunked is not None),
-        "num_waiting": len(scheduler.waiting),
+        "num_running": len(scheduler.state.running) + (scheduler.state.chunked is not None),
+        "num_waiting": len(scheduler.state.waiting),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "quantization": runner.weight_format,
         "device": str(runner.device),
@@ -50,7 +50,7 @@ def describe(scheduler) -> dict:
         "fused_moe": runner.fused_moe,
         "fused_cpu_kernels": runner.fused_cpu_kernels,
         "vocab_size": runner.model_config.vocab_size,
-        "stats": dataclasses.asdict(scheduler.stats),
+        "stats": dataclasses.asdict(scheduler.state.stats),
         "tp_size": runner.tp.size,
         "nnodes": scheduler.args.nnodes,
         # Every rank's pool has the same slots, each holding its share of the heads.
@@ -58,7 +58,7 @@ def describe(scheduler) -> dict:
                       "kv_bytes": runner.max_total_tokens * runner.kv_pool.bytes_per_token()}
                      for rank in range(runner.tp.size)],
         "disaggregation_mode": scheduler.args.disaggregation_mode,
-        "disaggregation": scheduler.handoff_stats(),
+        "disaggregation": scheduler.handoffs.stats(),
         **{k: getattr(scheduler.args, k) for k in ("schedule_policy", "batching",
                                                   "chunked_prefill_size", "disable_radix_cache")},
     }

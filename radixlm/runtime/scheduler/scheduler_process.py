@@ -145,7 +145,6 @@ class SchedulerLoop:
         self.to_tokenizer_manager.connect(paths.tokenizer_manager)
         self.by_rid: dict[str, Req] = {}
         self.parent = os.getppid()
-        self.steps = 0
         self.last_heartbeat = 0.0
         self.trim = IdleTrim()
 
@@ -163,7 +162,6 @@ class SchedulerLoop:
                 scheduler.runner.keep_ranks_alive()
                 continue
             self.trim.busy()
-            self.steps += 1
             try:
                 stepped = self.scheduler.step()
             except Exception as err:  # a failed step must not take the server down

@@ -241,10 +241,10 @@ def step_and_check(scheduler) -> None:
     them."""
     scheduler.step()
     scheduler.drain()
-    batch = scheduler.sampling_batch
-    assert batch.reqs == scheduler.running
+    batch = scheduler.state.sampling_batch
+    assert batch.reqs == scheduler.state.running
     fresh = SamplingBatch(batch.vocab_size, batch.eos_token_ids, batch.device)
-    fresh.add(scheduler.running)
+    fresh.add(scheduler.state.running)
     assert summary(batch) == summary(fresh)
 
 
@@ -259,18 +259,18 @@ def test_the_scheduler_keeps_one_row_per_running_request(scheduler_for):
     reqs = [scheduler_req(scheduler, p, MIXED[i % len(MIXED)]) for i, p in enumerate(prompts)]
     for req in reqs:
         scheduler.add_request(req)
-    batch = scheduler.sampling_batch
+    batch = scheduler.state.sampling_batch
     aborted = False
     for _ in range(2000):
         if all(r.finished for r in reqs):
             break
         step_and_check(scheduler)
-        if not aborted and len(scheduler.running) > 2:
-            scheduler.abort(scheduler.running[1])
+        if not aborted and len(scheduler.state.running) > 2:
+            scheduler.abort(scheduler.state.running[1])
             aborted = True
-            assert batch.reqs == scheduler.running
+            assert batch.reqs == scheduler.state.running
     assert all(r.finished for r in reqs)
-    assert scheduler.stats.retractions > 0, "the pool should have forced retractions"
+    assert scheduler.state.stats.retractions > 0, "the pool should have forced retractions"
     assert len(batch) == 0 and all(t is None for t in columns(batch).values())
 
 

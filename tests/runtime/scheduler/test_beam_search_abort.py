@@ -33,7 +33,8 @@ def test_aborting_one_member_ends_every_member_and_frees_everything(
     scheduler.abort(reqs[2], "stopped by the test")
     assert all(r.finish_reason == {"type": "abort", "message": "stopped by the test"}
                for r in reqs)
-    assert not scheduler.running and not scheduler.waiting and scheduler.chunked is None
+    state = scheduler.state
+    assert not state.running and not state.waiting and state.chunked is None
     assert_pool_idle(scheduler.server_info())
 
 
@@ -47,7 +48,7 @@ def test_a_search_waits_for_its_members_and_a_late_one_is_refused(scheduler_for)
         scheduler.step()
     assert leader.req_pool_idx is None and not leader.output_ids
     scheduler.abort(leader)
-    assert leader.finished and not scheduler.waiting
+    assert leader.finished and not scheduler.state.waiting
     late = io.GenerateReq("late-1", leader.input_ids, SamplingParams.from_dict(beam(3, 8)),
                           prefill_leader=leader.rid)
     with pytest.raises(ValueError, match="no beam search"):

@@ -132,9 +132,9 @@ def test_a_retracted_search_starts_over_and_still_equals_transformers(
     searches = workload(directory, scheduler.output_processor.tokenizer.eos_token_id, 100)
     requests = ordinary_requests(2, 960, 60, 90)
     alone = run_alone(scheduler_for(**BASE), requests)
-    before = scheduler.stats.retractions
+    before = scheduler.state.stats.retractions
     groups, plain = run_together(scheduler, searches, requests)
-    assert scheduler.stats.retractions > before, "nothing was retracted: the test is void"
+    assert scheduler.state.stats.retractions > before, "nothing was retracted: the test is void"
     assert any(r.retractions > 0 for g in groups for r in g), \
         "only ordinary requests were retracted: no search started over"
     assert [r.output_ids for r in plain] == alone

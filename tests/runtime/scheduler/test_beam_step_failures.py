@@ -82,7 +82,7 @@ def test_a_step_that_fails_anywhere_ends_its_search_alone_and_frees_it(
             assert member.finish_reason["type"] == "length"
         assert member in reported
     assert bystander.finish_reason["type"] == "length" and len(bystander.output_ids) == 12
-    assert not scheduler.running and not scheduler.beam_groups
+    assert not scheduler.state.running and not scheduler.state.beam_groups
     assert_pool_idle(scheduler.server_info())
     again = beam_reqs(scheduler, random_ids(1300, 13), beam(3, 6, **LONG))
     run_to_completion(scheduler, again)

@@ -97,11 +97,11 @@ def test_jump_forward_saves_decode_steps_and_keeps_greedy_text(scheduler_for):
     runs = {}
     for jump_forward in (False, True):
         scheduler = scheduler_for(disable_jump_forward=not jump_forward)
-        steps_before = scheduler.stats.decode_steps
+        steps_before = scheduler.state.stats.decode_steps
         reqs = [scheduler_req(scheduler, p, constrained("json_schema", temperature=0.0))
                 for p in prompts]
         run_to_completion(scheduler, reqs)
-        runs[jump_forward] = (reqs, scheduler.stats.decode_steps - steps_before, scheduler)
+        runs[jump_forward] = (reqs, scheduler.state.stats.decode_steps - steps_before, scheduler)
     (plain, plain_steps, scheduler), (jumped, jump_steps, _) = runs[False], runs[True]
     for before, after in zip(plain, jumped):
         assert_valid(scheduler, after, "json_schema")
@@ -136,10 +136,10 @@ def test_retracted_constrained_requests_resume_their_grammar(scheduler_for):
     run_to_completion(big, expected)
     small = scheduler_for(max_total_tokens=400, init_new_token_ratio=0.01,
                           min_new_token_ratio=0.01, new_token_ratio_decay=0.5)
-    retractions = small.stats.retractions
+    retractions = small.state.stats.retractions
     reqs = [scheduler_req(small, p, params) for p in prompts]
     run_to_completion(small, reqs)
-    assert small.stats.retractions > retractions
+    assert small.state.stats.retractions > retractions
     assert any(r.retractions for r in reqs)
     for req, reference in zip(reqs, expected):
         assert_valid(small, req, "json_schema")
@@ -153,7 +153,7 @@ def test_a_repeated_constrained_prompt_reuses_the_cache_and_its_compiled_grammar
     run_to_completion(scheduler, [first])
     second = scheduler_req(scheduler, prompt, constrained("regex", temperature=0.0))
     scheduler.add_request(second)
-    assert second.grammar is not None and second in scheduler.waiting, "a cache hit: no queue"
+    assert second.grammar is not None and second in scheduler.state.waiting, "a cache hit: no queue"
     finish(scheduler, second)
     assert second.cached_tokens == len(prompt) - 1
     assert second.output_ids == first.output_ids

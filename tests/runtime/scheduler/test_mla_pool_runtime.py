@@ -69,9 +69,9 @@ def test_retraction_on_a_small_paged_latent_pool_keeps_every_request_s_tokens_an
     small.memory.flush()
     want = run(big, prompts, params, return_logprob=True, logprob_start=2)
     assert sum(r.retractions for r in want) == 0
-    before = small.stats.retractions
+    before = small.state.stats.retractions
     got = run(small, prompts, params, return_logprob=True, logprob_start=2)
-    assert sum(r.retractions for r in got) == small.stats.retractions - before > 0
+    assert sum(r.retractions for r in got) == small.state.stats.retractions - before > 0
     for ours, theirs in zip(got, want, strict=True):
         assert ours.output_ids == theirs.output_ids
         for key in ("input_token_logprobs", "output_token_logprobs"):

@@ -68,11 +68,11 @@ def test_overlap_gives_the_plain_loop_outputs(scheduler_for, options):
     prompts, params = mixed_workload(64, seed=len(options))
     expected = outcome(run(scheduler_for(**PLAIN, **options), prompts, params))
     overlapped = scheduler_for(**OVERLAP, **options)
-    before = overlapped.stats.overlapped_steps
+    before = overlapped.state.stats.overlapped_steps
     assert outcome(run(overlapped, prompts, params)) == expected
-    assert overlapped.stats.overlapped_steps > before, "no decode step ran ahead"
+    assert overlapped.state.stats.overlapped_steps > before, "no decode step ran ahead"
     if options is SMALL_POOL:
-        assert overlapped.stats.retractions > 0
+        assert overlapped.state.stats.retractions > 0
 
 
 def test_overlap_runs_greedy_batches_ahead_and_ends_every_request_once(scheduler_for):
@@ -89,11 +89,11 @@ def test_overlap_runs_greedy_batches_ahead_and_ends_every_request_once(scheduler
         for req in scheduler.step():
             if req.finished:
                 reported[req.rid] = reported.get(req.rid, 0) + 1
-        steps_ahead += scheduler.in_flight is not None
+        steps_ahead += scheduler.state.in_flight is not None
     assert outcome(reqs) == expected
     assert reported == {req.rid: 1 for req in reqs}, "each end is reported exactly once"
     assert steps_ahead > 30
-    assert len(scheduler.sampling_batch) == 0
+    assert len(scheduler.state.sampling_batch) == 0
 
 
 CONSTRAINTS = [  # long free text under a mask; forced text (jump-forward) between choices
@@ -123,14 +123,14 @@ def test_constrained_requests_run_ahead_with_the_plain_loop_outputs(scheduler_fo
     constrained_ahead = 0  # steps queued ahead with a constrained request in them
     while not overlapped.is_idle():
         overlapped.step()
-        flight = overlapped.in_flight
+        flight = overlapped.state.in_flight
         constrained_ahead += flight is not None and any(r.grammar for r in flight.reqs)
     assert outcome(got) == outcome(expected)
     assert [r.jump_forward_tokens for r in got] == [r.jump_forward_tokens for r in expected]
     assert sum(r.jump_forward_tokens for r in got) > 0, "no jump-forward to check"
     assert all(r.finish_reason["type"] == "stop" for r in got[:9])
     assert constrained_ahead > 10, "constrained requests ran in the plain loop only"
-    assert len(overlapped.sampling_batch) == 0
+    assert len(overlapped.state.sampling_batch) == 0
 
 
 def test_logprobs_are_the_plain_loop_values(scheduler_for):
@@ -141,9 +141,9 @@ def test_logprobs_are_the_plain_loop_values(scheduler_for):
     fields = {"return_logprob": True, "top_logprobs_num": 2, "logprob_start": 3}
     expected = run(scheduler_for(**PLAIN), prompts, params, **fields)
     overlapped = scheduler_for(**OVERLAP)
-    before = overlapped.stats.overlapped_steps
+    before = overlapped.state.stats.overlapped_steps
     got = run(overlapped, prompts, params, **fields)
-    assert overlapped.stats.overlapped_steps > before
+    assert overlapped.state.stats.overlapped_steps > before
     assert outcome(got) == outcome(expected)
     for ours, theirs in zip(got, expected):
         assert ours.output_token_logprobs == theirs.output_token_logprobs
@@ -159,11 +159,11 @@ def test_aborting_while_a_step_is_in_flight_frees_everything(scheduler_for):
     reqs = [scheduler_req(scheduler, p, s) for p, s in zip(prompts, params)]
     for req in reqs:
         scheduler.add_request(req)
-    while scheduler.in_flight is None or len(reqs[2].output_ids) < 10:
+    while scheduler.state.in_flight is None or len(reqs[2].output_ids) < 10:
         scheduler.step()
     scheduler.abort(reqs[2], "stop it")
     assert reqs[2].finish_reason == {"type": "abort", "message": "stop it"}
-    assert scheduler.in_flight is None and reqs[2] not in scheduler.sampling_batch
+    assert scheduler.state.in_flight is None and reqs[2] not in scheduler.state.sampling_batch
     while not scheduler.is_idle():
         scheduler.step()
     got = outcome(reqs)

@@ -132,12 +132,12 @@ def test_retraction_on_any_page_size_and_ratio_keeps_every_request_s_tokens(
     scheduler = scheduler_for(schedule_policy=policy, page_size=page_size, **SMALL_POOL, **ratios)
     scheduler.memory.flush()
     prompts, params = workload()
-    before = scheduler.stats.retractions
+    before = scheduler.state.stats.retractions
     reqs = run(scheduler, prompts, params)
     assert [r.finish_reason["type"] for r in reqs] == ["length"] * NUM_REQUESTS
     mismatched = [i for i, r in enumerate(reqs) if r.output_ids != expected[i]]
     assert not mismatched, f"{len(mismatched)} requests differ from their run alone"
-    assert sum(r.retractions for r in reqs) == scheduler.stats.retractions - before > 0
+    assert sum(r.retractions for r in reqs) == scheduler.state.stats.retractions - before > 0
 
 
 def _values(entries: list) -> list[float]:

@@ -63,7 +63,7 @@ def cache_hit_rate(policy: str, scheduler_for) -> tuple[int, int]:
     cache, admitted over many rounds (eight running requests at most)."""
     scheduler = scheduler_for(schedule_policy=policy, max_running_requests=GROUPS)
     scheduler.memory.flush()
-    stats = scheduler.stats
+    stats = scheduler.state.stats
     stats_before = (stats.cached_tokens, stats.prompt_tokens)
     prompts, _ = shared_prefix_workload()
     reqs = run(scheduler, prompts, [greedy(2)] * len(prompts))
@@ -156,8 +156,8 @@ def admitted_while_others_ran(scheduler, prompts, params) -> int:
         scheduler.add_request(req)
 
     def active() -> set[int]:
-        chunked = [scheduler.chunked] if scheduler.chunked is not None else []
-        return {id(r) for r in scheduler.running + chunked}
+        chunked = [scheduler.state.chunked] if scheduler.state.chunked is not None else []
+        return {id(r) for r in scheduler.state.running + chunked}
 
     joined_a_busy_batch = 0
     for _ in range(10_000):

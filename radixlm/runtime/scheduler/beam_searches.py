@@ -4,22 +4,32 @@ own part, its rows and KV, is ``beam_groups.py``)."""
 from __future__ import annotations
 
 import logging
-import operator
 
 import torch
 
 from radixlm.host_to_device import to_device
+from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.scheduler.beam_groups import BeamGroup
+from radixlm.runtime.scheduler.output_processor import OutputProcessor
+from radixlm.runtime.scheduler.request_memory import RequestMemory
+from radixlm.runtime.scheduler.scheduler_state import SchedulerState
 
 logger = logging.getLogger(__name__)
 
 
-class BeamSteps:
-    """Mixed into ``Scheduler``: uses its ``memory``, ``runner``, ``output_processor``,
-    ``running``, ``waiting``, ``chunked``, ``beam_groups`` and ``_failed``."""
+class BeamSearches:
+    """The beam searches of the scheduler's requests, from their leader's arrival to their
+    end."""
 
-    def _join_beam_search(self, req: Req) -> bool:
+    def __init__(self, state: SchedulerState, memory: RequestMemory, runner: ModelRunner,
+                 output_processor: OutputProcessor):
+        self.state = state
+        self.memory = memory
+        self.runner = runner
+        self.output_processor = output_processor
+
+    def join(self, req: Req) -> bool:
         """Makes ``req`` a beam search's leader (True: it queues) or adds it to its
         leader's group (False: it runs when the group does; one whose search already
         ended is reported ended at the next step)."""
@@ -29,17 +39,17 @@ class BeamSteps:
             return True
         if leader.finished or leader.beam is None or leader.beam.complete:
             req.finish_reason = finish_abort("its beam search ended, or has all its members")
-            self._failed.append(req)
+            self.state.to_report.append(req)
         else:
             leader.beam.add(req)
         return False
 
-    def _beam_rows(self, reqs: list[Req], extend_lens: list[int] | None
+    def rows(self, reqs: list[Req], extend_lens: list[int] | None
                    ) -> list[tuple[BeamGroup, list[int]]]:
         """The beam searches with beams to step in this batch, and each one's rows of the
         hidden states (its running beams' last tokens, in the group's order).
         ``extend_lens`` None: a decode batch, a row per request."""
-        if not self.beam_groups and (extend_lens is None  # (no leader decodes)
+        if not self.state.beam_groups and (extend_lens is None  # (no leader decodes)
                                      or not any(r.beam is not None for r in reqs)):
             return []
         rows: dict[int, int] = {}
@@ -52,7 +62,7 @@ class BeamSteps:
                 groups[id(req.beam)] = req.beam
         return [(group, [rows[id(m)] for m in group.running()]) for group in groups.values()]
 
-    def _step_beams(self, hidden: torch.Tensor,
+    def step(self, hidden: torch.Tensor,
                     beam_rows: list[tuple[BeamGroup, list[int]]]) -> list[Req]:
         """Steps each beam search from its rows of ``hidden``; returns the members of
         searches that ended, beyond the batch's requests (those that never ran)."""
@@ -60,10 +70,10 @@ class BeamSteps:
         for group, rows in beam_rows:
             was_running = group.expanded
             try:
-                self._step_beam_search(group, rows, hidden)
+                self._step_one(group, rows, hidden)
             except Exception as err:  # one search's failure ends it alone, freeing it all
                 logger.exception("a beam search step failed")
-                self._abort_beam_search(group, f"beam search failed: {type(err).__name__}: "
+                self.abort(group, f"beam search failed: {type(err).__name__}: "
                                                f"{err}")
                 if not was_running:
                     ended += group.members[1:]
@@ -71,10 +81,10 @@ class BeamSteps:
             if group.search.done and not was_running:
                 ended += group.members[1:]
         if beam_rows:
-            self._note_kv_peak()
+            self.state.note_kv_peak(self.memory)
         return ended
 
-    def _step_beam_search(self, group: BeamGroup, rows: list[int],
+    def _step_one(self, group: BeamGroup, rows: list[int],
                           hidden: torch.Tensor) -> None:
         """One step of ``group`` from its rows of ``hidden``: it ends (finished, out of
         ``running``) or runs on (its members in ``running``, next to each other)."""
@@ -82,43 +92,31 @@ class BeamSteps:
         logits = self.output_processor.compute_logits(hidden.index_select(0, index))
         was_running = group.expanded
         if group.step(logits, self.memory, self.runner.kv_pool):
-            self._remove_beams(group)
+            self.remove(group)
             group.finish(self.memory)
         elif not was_running:  # the members run next to each other
-            after = self.running.index(group.leader) + 1
-            self.running[after:after] = group.members[1:]
-            self.beam_groups.append(group)
+            running = self.state.running
+            after = running.index(group.leader) + 1
+            running[after:after] = group.members[1:]
+            self.state.beam_groups.append(group)
 
-    def _shared_prefixes(self, reqs: list[Req]) -> list[tuple[int, int, int]]:
-        """The runs of ``reqs`` (a decode batch) that are one beam search's members, in
-        order, with the prompt slots they share (``ForwardBatch.shared_prefixes``)."""
-        runs = []
-        for start, req in enumerate(reqs):
-            group = req.beam
-            if group is None or req is not group.leader:
-                continue
-            members = reqs[start : start + group.width]
-            if len(members) == group.width and all(map(operator.is_, members, group.members)):
-                runs.append((start, group.width, group.base))
-        return runs
-
-    def _remove_beams(self, group: BeamGroup) -> None:
+    def remove(self, group: BeamGroup) -> None:
         """Takes the group's members out of ``running`` (and the group out of
         ``beam_groups``)."""
-        members = {id(m) for m in group.members}
-        self.running = [r for r in self.running if id(r) not in members]
-        if group in self.beam_groups:
-            self.beam_groups.remove(group)
+        state, members = self.state, {id(m) for m in group.members}
+        state.running = [r for r in state.running if id(r) not in members]
+        if group in state.beam_groups:
+            state.beam_groups.remove(group)
 
-    def _abort_beam_search(self, group: BeamGroup, message: str) -> None:
+    def abort(self, group: BeamGroup, message: str) -> None:
         """Ends every member of ``group`` with ``message``, freeing what it holds."""
-        leader = group.leader
-        if leader in self.waiting:
-            self.waiting.remove(leader)
+        state, leader = self.state, group.leader
+        if leader in state.waiting:
+            state.waiting.remove(leader)
         else:
-            if leader is self.chunked:
-                self.chunked = None
-            self._remove_beams(group)
+            if leader is state.chunked:
+                state.chunked = None
+            self.remove(group)
             group.release(self.memory)
         for member in group.members:
             if not member.finished:

@@ -1,0 +1,52 @@
+"""The forward batches of the scheduler's steps, built with their requests' KV slots.
+
+A request's ``kv_len`` advances as soon as its slots are allocated, so that if a later
+allocation or the forward pass fails, aborting the requests frees everything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.model_executor.model_runner import ModelRunner
+from radixlm.runtime.request import Req
+from radixlm.runtime.scheduler.beam_groups import shared_prefixes
+from radixlm.runtime.scheduler.request_memory import RequestMemory
+from radixlm.runtime.scheduler.scheduler_state import SchedulerState
+
+
+class StepBatches:
+    """Builds decode and extend batches over the runner's pools."""
+
+    def __init__(self, state: SchedulerState, memory: RequestMemory, runner: ModelRunner):
+        self.state = state
+        self.memory = memory
+        self.runner = runner
+
+    def decode(self, reqs: list[Req], known_inputs: bool) -> ForwardBatch:
+        """Allocates a slot for each request's next token and builds the decode batch;
+        ``known_inputs`` False: the input tokens are left for the worker to fill in."""
+        kv_lens = [r.kv_len for r in reqs]
+        input_ids = [r.output_ids[-1] for r in reqs] if known_inputs else [0] * len(reqs)
+        inputs = self.runner.decode_inputs(input_ids, kv_lens, [r.req_pool_idx for r in reqs])
+        _, positions, rows = inputs.unbind(0)
+        slots = self.memory.alloc_decode(reqs, rows, positions)
+        for req in reqs:
+            req.kv_len += 1
+        shared = shared_prefixes(reqs) if self.state.beam_groups else None
+        return self.runner.make_decode_batch(inputs, slots, kv_lens, shared)
+
+    def extend(self, reqs: list[Req], new_ids: list[list[int]]) -> ForwardBatch:
+        """Allocates KV for each request's new tokens and builds the extend batch."""
+        input_ids, positions, slots, prefix_lens, extend_lens = [], [], [], [], []
+        for req, ids in zip(reqs, new_ids):
+            slots.append(self.memory.alloc(req, len(ids)))
+            input_ids += ids
+            positions += range(req.kv_len, req.kv_len + len(ids))
+            prefix_lens.append(req.kv_len)
+            extend_lens.append(len(ids))
+            req.kv_len += len(ids)
+        return self.runner.make_forward_batch(
+            ForwardMode.EXTEND, input_ids, positions, torch.cat(slots),
+            [r.req_pool_idx for r in reqs], prefix_lens, extend_lens)
