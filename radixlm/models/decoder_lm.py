@@ -6,9 +6,8 @@ batch), the final RMSNorm and the output projection (tied to the embedding or no
 
 Layer contract: ``layer(rope, x, residual, forward_batch) -> (x, residual)``, pre-norm, the
 residual stream carried separately and added by the next norm (``residual`` is None for
-the first layer). A layer may also offer ``fused_decode()``, its decode step as one call of
-the fused CPU kernels (``layers/cpu_decode_layer.py``); where every layer does, a decode step
-runs them all as one call (``layers/cpu_decode_stack.py``), with the same result.
+the first layer). ``embed`` and ``final_norm`` are the steps around the layers, for a runner
+that runs the layers its own way (``runtime/model_executor/cpu_decode_runner.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +16,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
-from radixlm.models.layers.cpu_decode_stack import FusedDecodeStack
+from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.models.layers.layernorm import RMSNorm
 from radixlm.models.layers.rotary_embedding import RotaryEmbedding
 from radixlm.models.layers.vocab_parallel import VocabParallelEmbedding
@@ -37,8 +35,6 @@ class DecoderOnlyLM(nn.Module):
             self.make_layer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._fused_stack: FusedDecodeStack | None = None
-        self._fused_stack_built = False
         self.rotary_emb = RotaryEmbedding(
             rope_head_dim, max_position, rope_parameters(config),
             trained_context=getattr(config, "max_position_embeddings", max_position),
@@ -57,30 +53,23 @@ class DecoderOnlyLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         """input_ids, positions: (T,) -> hidden states (T, hidden)."""
+        x, rope = self.embed(input_ids, positions)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(rope, x, residual, forward_batch)
+        return self.final_norm(x, residual)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """input_ids, positions: (T,) -> the first layer's input (T, hidden) and the
+        rotary table's rows for ``positions``."""
         x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.lookup(positions, x.dtype)
-        stacked = None
-        if forward_batch.mode is ForwardMode.DECODE and not torch.compiler.is_compiling():
-            stack = self.fused_decode_stack()
-            stacked = None if stack is None else stack.run(rope, x, forward_batch)
-        if stacked is not None:
-            x, residual = stacked
-        else:
-            residual = None
-            for layer in self.layers:
-                x, residual = layer(rope, x, residual, forward_batch)
+        return x, self.rotary_emb.lookup(positions, x.dtype)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's output and residual stream -> the final hidden states."""
         x, _ = self.norm(x, residual)
         return x
-
-    def fused_decode_stack(self) -> FusedDecodeStack | None:
-        """The decoder layers' decode step as one call of the fused CPU kernels, where each
-        layer offers its own (``fused_decode``) and they agree in shape; built at the first
-        decode step."""
-        if not self._fused_stack_built:
-            self._fused_stack_built = True
-            steps = [getattr(layer, "fused_decode", lambda: None)() for layer in self.layers]
-            self._fused_stack = FusedDecodeStack.build(steps)
-        return self._fused_stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden) -> float32 logits (N, vocab); under tensor parallelism a

@@ -13,11 +13,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
+from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.models.decoder_lm import DecoderOnlyLM
 from radixlm.models.layers import tensor_parallel
 from radixlm.models.layers.attention import PagedAttention
-from radixlm.models.layers.cpu_decode_layer import FusedDecodeLayer
 from radixlm.models.layers.layernorm import RMSNorm
 from radixlm.models.layers.linear import RowParallelLinear, StackedLinear
 from radixlm.models.layers.mlp import GatedMLP
@@ -92,22 +91,14 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._fused: FusedDecodeLayer | None = None
-        self._fused_built = False
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
         residual: torch.Tensor | None, forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this block's output, the residual stream before it is added). A decode
-        step runs as one call of the fused CPU kernels where the layer and step allow it
-        (``fused_decode``), with the same result; torch.compile traces the modules. (A
-        model whose layers all have one runs them all as one call: ``DecoderOnlyLM``.)"""
-        if forward_batch.mode is ForwardMode.DECODE and not torch.compiler.is_compiling():
-            fused = self.fused_decode()
-            out = None if fused is None else fused.run(rope, x, residual, forward_batch)
-            if out is not None:
-                return out
+        """Returns (this block's output, the residual stream before it is added). (On a
+        CPU the runner may run a decode step's layers as fused kernel calls instead, with the
+        same result: ``runtime/model_executor/cpu_decode_runner.py``.)"""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -115,20 +106,6 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(rope, h, forward_batch)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
-
-    def fused_decode(self) -> FusedDecodeLayer | None:
-        """This layer's decode step as one call of the fused CPU kernels, where its parts
-        allow it (``cpu_decode_layer``); built at the first decode step."""
-        if not self._fused_built:
-            self._fused_built = True
-            attn, mlp = self.self_attn, self.mlp
-            if (type(attn) is LlamaAttention and type(mlp) is GatedMLP and attn.q_norm is None
-                    and attn.o_proj.tp.size == 1 and mlp.down_proj.tp.size == 1):
-                self._fused = FusedDecodeLayer.build(
-                    attn.attn.layer_id, self.input_layernorm, self.post_attention_layernorm,
-                    (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
-                    attn.num_heads, attn.num_kv_heads, attn.attn.scaling)
-        return self._fused
 
 
 class LlamaForCausalLM(DecoderOnlyLM):

@@ -42,6 +42,7 @@ from radixlm.runtime.model_executor.cpu_matmul_path import (
     matrix_vector_path,
     uses_matrix_vector_path,
 )
+from radixlm.runtime.model_executor.cpu_decode_runner import CpuDecodeRunner
 from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
 from radixlm.runtime.model_executor.rank_processes import LocalRanks
 from radixlm.runtime.model_executor.tensor_parallel_ranks import (
@@ -111,6 +112,8 @@ class ModelRunner:
         self.attn_backend = self._make_attention_backend()
         self.fused_moe = self._use_fused_moe()
         self.cuda_graph_runner = self._make_cuda_graph_runner()
+        self.cpu_decode_runner = (CpuDecodeRunner.build(self.model)
+                                  if self.device.type == "cpu" else None)
         self.compiled_decode = self._make_compiled_decode()
         if self.tp.size > 1 and self.tp.rank == 0:
             self.step_sender = StepSender(self.tp, self.cpu_group, self.req_to_token_pool,
@@ -141,6 +144,8 @@ class ModelRunner:
                     hidden = self._run_compiled(forward_batch)
                     if hidden is not None:
                         return hidden
+                if self.cpu_decode_runner is not None and not extend:
+                    return self.cpu_decode_runner.run(forward_batch)
                 return self.model(forward_batch.input_ids, forward_batch.positions,
                                   forward_batch)
 

@@ -30,6 +30,7 @@ from radixlm.models.layers.weight_formats import (
 from radixlm.models.layers.weight_storage import BlockedWeight
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor import cpu_matmul_path
+from radixlm.runtime.model_executor.cpu_decode_runner import fused_decode_layer
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.server_args import ServerArgs, cpu_has_native_bf16
 
@@ -134,7 +135,7 @@ def assert_fused_equals_modules(path, fused_runs, monkeypatch, prompts=PROMPTS,
     used = [p.fused_projection(len(prompts), runner.dtype).kernel for p in projections]
     fused_steps, fused_kv = generate(runner, prompts)
     layers = len(runner.model.layers)
-    stacked = runner.model.fused_decode_stack() is not None
+    stacked = runner.cpu_decode_runner.stack is not None
     assert fused_runs == {"fused": layers * DECODE_STEPS, "declined": 0,
                           "stacked": DECODE_STEPS if stacked else 0}
     monkeypatch.setattr(FusedDecodeLayer, "build", classmethod(lambda cls, *args: None))
@@ -208,8 +209,8 @@ def test_layers_whose_parts_do_not_allow_it_run_the_modules(kernels_on, tiny_mod
     runner = make_runner(tiny_model_dir(architecture, "gqa", False))
     generate(runner)
     assert fused_runs == {"fused": 0, "declined": 0, "stacked": 0}
-    assert all(layer.fused_decode() is None for layer in runner.model.layers)
-    assert runner.model.fused_decode_stack() is None
+    assert all(fused_decode_layer(layer) is None for layer in runner.model.layers)
+    assert runner.cpu_decode_runner is None
 
 
 @pytest.mark.skipif(not uses_blocked_layout("cpu", torch.bfloat16),
@@ -219,7 +220,7 @@ def test_steps_whose_products_run_on_onednn_run_the_modules(kernels_on, tiny_mod
     runner = make_runner(tiny_model_dir("LlamaForCausalLM", "gqa", False),
                          disable_cpu_weight_rows=True)  # oneDNN's layout, no kept rows
     generate(runner)
-    assert runner.model.fused_decode_stack() is not None  # built, and declines each step
+    assert runner.cpu_decode_runner.stack is not None  # built, and declines each step
     assert fused_runs == {"fused": 0, "declined": len(runner.model.layers) * DECODE_STEPS,
                           "stacked": 0}
 
@@ -227,7 +228,7 @@ def test_steps_whose_products_run_on_onednn_run_the_modules(kernels_on, tiny_mod
 def test_layers_that_differ_in_shape_or_lack_a_fused_step_are_not_stacked(kernels_on,
                                                                           tiny_model_dir):
     runner = make_runner(tiny_model_dir("LlamaForCausalLM", "gqa", False))
-    layers = [layer.fused_decode() for layer in runner.model.layers]
+    layers = [fused_decode_layer(layer) for layer in runner.model.layers]
     assert len(layers) > 1 and FusedDecodeStack.build(layers) is not None
     assert FusedDecodeStack.build([]) is None
     assert FusedDecodeStack.build([*layers[:-1], None]) is None
@@ -237,7 +238,7 @@ def test_layers_that_differ_in_shape_or_lack_a_fused_step_are_not_stacked(kernel
 
 def test_the_stack_gathers_its_operands_anew_when_a_weight_changes(kernels_on, tiny_model_dir):
     runner = make_runner(tiny_model_dir("LlamaForCausalLM", "gqa", False))
-    stack = runner.model.fused_decode_stack()
+    stack = runner.cpu_decode_runner.stack
     first = stack._operands(3, runner.dtype)
     assert first is not None and stack._operands(3, runner.dtype) is first  # kept
     norm = stack.layers[1].post_norm
