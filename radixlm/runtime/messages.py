@@ -6,17 +6,15 @@ socket carrying several kinds decodes into the right one.
 
     TokenizerManager --GenerateReq/AbortReq/ControlReq--> Scheduler
     (a batch's GenerateReqs as the frames of one ZMQ message: they arrive together)
-    Scheduler --DetokenizeBatch--> Detokenizer --TextBatch--> TokenizerManager
-    Scheduler --TokenBatch/ControlReply--> TokenizerManager
+    Scheduler --TokenBatch--> Detokenizer --OutputBatch--> TokenizerManager
+    Scheduler --ControlReply/Heartbeat--> TokenizerManager
 
-Outputs travel as deltas, one message per step and receiver, in columns (request ids, their
-new tokens end to end, and sparse maps for what few requests have: a finish, logprobs,
-changed counters): each step the Scheduler sends every request's new tokens (with their
-logprobs and the request's state) to the TokenizerManager, and the same new tokens (without
-logprobs) to the Detokenizer, which sends back only the text they add. (A request that is not
-streamed is sent at its first token, every 50 tokens and at its end.) So a stream of N
-tokens moves O(N) bytes. The TokenizerManager pairs the two: a row that carries tokens or a
-finish (a ``TokenOut``) has exactly one ``TextOut``, in the same order.
+Outputs run one way and travel as deltas, one message per step, in columns (request ids,
+their new tokens end to end, and sparse maps for what few requests have: a finish,
+logprobs, changed counters): the Scheduler sends each step's new tokens with their
+logprobs and the requests' states to the Detokenizer, which adds the text they make and
+forwards the rest as it came. (A request that is not streamed is sent at its first token,
+every 50 tokens and at its end.) So a stream of N tokens moves O(N) bytes.
 """
 
 from __future__ import annotations
@@ -102,109 +100,49 @@ class OutputState(msgspec.Struct):
     """A beam search's hypothesis: [cumulative logprob, length-normalised score]."""
 
 
+class DecodedText(msgspec.Struct):
+    """Text the Scheduler decoded itself, to match a request's stop strings and regexes: the
+    Detokenizer takes it as the request's text rather than decoding the same tokens again."""
+
+    text: str
+    """What the request's text gained since its last report (at its end, flushed whole)."""
+    before_last: int = 0
+    """The length of the whole text before the request's last token (read at its end, where a
+    stop token's own text is cut)."""
+
+
 class TokenBatch(msgspec.Struct, tag=True):
-    """One step's outputs for the TokenizerManager, as columns (a step's message costs the
+    """One step's outputs, Scheduler to Detokenizer, as columns (a step's message costs the
     Scheduler a few list appends per request, not an object): request ``rids[i]`` gained
-    ``new_ids[ends[i - 1]:ends[i]]`` (from 0 for i = 0), and ``states[i]``, where present."""
+    ``new_ids[ends[i - 1]:ends[i]]`` (from 0 for i = 0), and, where present, ``states[i]``
+    (counters, finish, logprobs), ``specs[i]`` (with the first row that brings tokens or a
+    finish) and ``texts[i]`` (for a request with stop strings or regexes)."""
 
     rids: list[str]
     ends: list[int]
     new_ids: list[int]
     states: dict[int, OutputState] = {}
+    specs: dict[int, DetokenizeSpec] = {}
+    texts: dict[int, DecodedText] = {}
+
+    def finish_reason(self, row: int) -> dict[str, Any] | None:
+        state = self.states.get(row)
+        return None if state is None else state.finish_reason
 
 
-class TokenOut(msgspec.Struct):
-    """What one request produced since its last TokenOut (deltas), and its state: a row of
-    a ``TokenBatch`` as the TokenizerManager sees it (with the counters it last received)."""
-
-    rid: str
-    new_ids: list[int]
-    finish_reason: dict[str, Any] | None
-    prompt_tokens: int
-    cached_tokens: int
-    retractions: int
-    jump_forward_tokens: int = 0
-    input_token_logprobs: list[LogprobEntry] = []
-    input_top_logprobs: list[Any] = []
-    output_token_logprobs: list[LogprobEntry] = []
-    output_top_logprobs: list[Any] = []
-    beam: list[float] | None = None
-    """As ``OutputState.beam``, with a beam search's finish."""
-
-    @property
-    def has_text(self) -> bool:
-        """True when the Detokenizer was sent this output too (and answers it with a
-        ``TextOut``): it brings tokens or ends the request."""
-        return bool(self.new_ids) or self.finish_reason is not None
-
-
-class DetokenizeOut(msgspec.Struct):
-    """A request's new tokens for the Detokenizer (a row of a ``DetokenizeBatch``)."""
-
-    rid: str
-    new_ids: list[int]
-    finish_reason: dict[str, Any] | None
-    spec: DetokenizeSpec | None = None
-    """Sent with the request's first output only."""
-
-
-class DetokenizeBatch(msgspec.Struct, tag=True):
-    """One step's new tokens for the Detokenizer, as columns: request ``rids[i]`` gained
-    ``new_ids[ends[i - 1]:ends[i]]``; ``finish_reasons[i]`` and ``specs[i]`` where present
-    (the spec with a request's first output only)."""
+class OutputBatch(msgspec.Struct, tag=True):
+    """One step's outputs, Detokenizer to TokenizerManager: a ``TokenBatch``'s columns as
+    they came, and the text each row adds (``texts[i]``, safe to show: whole characters, no
+    possible start of a stop string). On a request's last row, the text so far is first cut
+    by ``trims[i]`` characters (where present: text already shown past the stop the
+    Scheduler matched, e.g. a stop regex), then ``texts[i]`` is appended."""
 
     rids: list[str]
     ends: list[int]
     new_ids: list[int]
-    finish_reasons: dict[int, dict[str, Any]] = {}
-    specs: dict[int, DetokenizeSpec] = {}
-
-    @classmethod
-    def of(cls, outputs: list[DetokenizeOut]) -> DetokenizeBatch:
-        batch = cls([], [], [])
-        for i, out in enumerate(outputs):
-            batch.rids.append(out.rid)
-            batch.new_ids += out.new_ids
-            batch.ends.append(len(batch.new_ids))
-            if out.finish_reason is not None:
-                batch.finish_reasons[i] = out.finish_reason
-            if out.spec is not None:
-                batch.specs[i] = out.spec
-        return batch
-
-    def outputs(self) -> Iterator[DetokenizeOut]:
-        for i, (rid, new_ids) in enumerate(rows(self.rids, self.ends, self.new_ids)):
-            yield DetokenizeOut(rid, new_ids, self.finish_reasons.get(i), self.specs.get(i))
-
-
-class TextOut(msgspec.Struct):
-    """The text one ``DetokenizeOut`` adds: safe to show (complete characters, no partial
-    stop string). On the last one, the text so far is first cut by ``trim`` characters
-    (text already shown past the stop the Scheduler matched, e.g. a stop regex), then
-    ``text`` is appended."""
-
-    rid: str
-    text: str
-    trim: int = 0
-
-
-class TextBatch(msgspec.Struct, tag=True):
-    """The Detokenizer's answer to a ``DetokenizeBatch``, as columns: ``texts[i]`` for
-    ``rids[i]``, with ``trims[i]`` where it is not 0."""
-
-    rids: list[str]
+    states: dict[int, OutputState]
     texts: list[str]
     trims: dict[int, int] = {}
-
-    @classmethod
-    def of(cls, outputs: list[TextOut]) -> TextBatch:
-        return cls([out.rid for out in outputs], [out.text for out in outputs],
-                   {i: out.trim for i, out in enumerate(outputs) if out.trim})
-
-    def outputs(self) -> Iterator[TextOut]:
-        trims = self.trims
-        for i, (rid, text) in enumerate(zip(self.rids, self.texts)):
-            yield TextOut(rid, text, trims.get(i, 0))
 
 
 def rows(rids: list[str], ends: list[int], new_ids: list[int]) -> Iterator[tuple[str, list[int]]]:
@@ -245,8 +183,8 @@ class ProcessFailed(msgspec.Struct, tag=True):
 
 
 Message = (
-    GenerateReq | AbortReq | ControlReq | ControlReply | TokenBatch | DetokenizeBatch
-    | TextBatch | Heartbeat | ProcessFailed
+    GenerateReq | AbortReq | ControlReq | ControlReply | TokenBatch | OutputBatch | Heartbeat
+    | ProcessFailed
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -57,7 +57,8 @@ class Req:
     input_ids: list[int]
     sampling: SamplingParams
     detokenizer: IncrementalDetokenizer | None = None
-    """Only for requests with stop strings, which are matched on the output text."""
+    """Only for requests with stop strings, which are matched on the output text (sent on to
+    the Detokenizer, which decodes it no second time)."""
     logprobs: LogprobRequest | None = None
     created: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
@@ -86,11 +87,13 @@ class Req:
     grammar: GrammarMatcher | None = None
     jump_forward_tokens: int = 0
     """Output tokens appended by jump-forward decoding rather than sampled."""
-    # How much of the output (tokens and their logprobs; prompt logprobs) has been reported,
-    # and whether the Detokenizer has had the request's first message (its spec).
+    # How much of the output (tokens and their logprobs; prompt logprobs; text) has been
+    # reported, and whether the Detokenizer has had the request's first message (its spec).
     reported_ids: int = 0
     reported_input_logprobs: int = 0
     reported_text: bool = False
+    reported_chars: int = 0
+    """Characters of ``detokenizer.text`` reported (with a detokenizer only)."""
     reported_counters: tuple[int, int, int] | None = None
     """(cached_tokens, retractions, jump_forward_tokens) as last reported."""
     streamed: bool = True

@@ -1,12 +1,16 @@
-"""The Detokenizer's process: token ids in, text deltas out, incrementally, per request.
+"""The Detokenizer's process: a step's outputs in, the same outputs with their text out.
 
-For each ``DetokenizeOut`` it answers one ``TextOut`` carrying only the text the new tokens
-add. That text never holds a broken multi-byte character (held back until complete) nor
-the start of a stop string (held back until it is known not to be one). When a request
-ends, its text is cut at the stop the Scheduler matched: before a stop string (found
-anywhere in the text, so also across chunk boundaries), or before a stop token's own text,
-unless ``no_stop_trim``; text already sent past that point (only a stop regex can leave
-some) is taken back with ``trim``.
+For each row of a ``TokenBatch`` it adds the text the row's new tokens make, and forwards
+the tokens, logprobs and states as they came, in one ``OutputBatch`` per batch: outputs run
+Scheduler -> Detokenizer -> TokenizerManager. The text never holds a broken multi-byte
+character (held back until complete) nor the start of a stop string (held back until it is
+known not to be one). When a request ends, its text is cut at the stop the Scheduler
+matched: before a stop string (found anywhere in the text, so also across chunk
+boundaries), or before a stop token's own text, unless ``no_stop_trim``; text already sent
+past that point (only a stop regex can leave some) is taken back with a trim.
+
+Each token is decoded once: here, or, for a request with stop strings or regexes, by the
+Scheduler, which matches them on its text and sends that text along (``DecodedText``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -27,39 +31,52 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+PLAIN_SPEC = io.DetokenizeSpec([], True, True, [], False)
+"""For a request whose spec never came (one refused before it ran)."""
+
 
 @dataclass
 class DecodeState:
-    """One request's text: decoded so far, and how much of it has been sent."""
+    """One request's text: decoded so far (here, or by the Scheduler: then ``detokenizer``
+    is None and ``text`` grows by what it sent), and how much of it has been sent."""
 
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
     spec: io.DetokenizeSpec
     matcher: StopMatcher | None
+    text: str = ""
     sent: int = 0
-    """Characters of ``detokenizer.text`` already sent (a prefix of it)."""
+    """Characters of ``text`` already sent (a prefix of it)."""
 
-    def update(self, out: io.DetokenizeOut) -> io.TextOut:
-        """Feeds the new tokens; returns the text they add that is safe to show."""
+    def update(self, new_ids: list[int], finish_reason: dict[str, Any] | None,
+               decoded: io.DecodedText | None) -> tuple[str, int]:
+        """Takes the new tokens (or the Scheduler's text for them); returns the text they
+        add that is safe to show, and the characters of text already sent to take back."""
         detok = self.detokenizer
-        if out.new_ids[:-1]:
-            detok.feed(out.new_ids[:-1])
-        before_last = len(detok.text)
-        if out.new_ids:
-            detok.feed(out.new_ids[-1:])
-        if out.finish_reason is None:
-            text = detok.text
+        if detok is None:
+            if decoded is not None:
+                self.text += decoded.text
+            before_last = decoded.before_last if decoded is not None else len(self.text)
+        else:
+            if new_ids[:-1]:
+                detok.feed(new_ids[:-1])
+            before_last = len(detok.text)
+            if new_ids:
+                detok.feed(new_ids[-1:])
+            if finish_reason is not None:
+                detok.finish()
+            self.text = detok.text
+        text = self.text
+        if finish_reason is None:
             shown = len(text) - (self.matcher.held_back(text) if self.matcher else 0)
             delta = text[self.sent:shown]  # what is held back never shrinks what was shown
             self.sent = max(shown, self.sent)
-            return io.TextOut(out.rid, delta)
-        detok.finish()
-        final = self._final_length(out.finish_reason, before_last)
-        trim = max(self.sent - final, 0)
-        return io.TextOut(out.rid, detok.text[self.sent:final], trim)
+            return delta, 0
+        final = self._final_length(finish_reason, before_last)
+        return text[self.sent:final], max(self.sent - final, 0)
 
     def _final_length(self, reason: dict, before_last: int) -> int:
         """Where the text ends: before the stop, or (``no_stop_trim``) right after it."""
-        text = self.detokenizer.text
+        text = self.text
         matched = reason.get("matched")
         if reason.get("type") != "stop" or matched is None:
             return len(text)
@@ -78,29 +95,39 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
 
-    def handle(self, batch: io.DetokenizeBatch) -> io.TextBatch:
-        texts = []
-        for out in batch.outputs():
-            state = self.states.get(out.rid)
-            if state is None:
-                spec = out.spec or io.DetokenizeSpec([], True, True, [], False)
-                state = DecodeState(
-                    IncrementalDetokenizer(
-                        self.tokenizer, spec.prompt_tail, spec.skip_special_tokens,
-                        spec.spaces_between_special_tokens,
-                    ),
-                    spec,
-                    StopMatcher(spec.stop, []) if spec.stop else None,
-                )
-                self.states[out.rid] = state
-            texts.append(state.update(out))
-            if out.finish_reason is not None:
-                del self.states[out.rid]
-        return io.TextBatch.of(texts)
+    def handle(self, batch: io.TokenBatch) -> io.OutputBatch:
+        """``batch`` with the text of each row (empty for a row that brings neither tokens
+        nor a finish: prompt logprobs only)."""
+        texts: list[str] = []
+        trims: dict[int, int] = {}
+        for row, (rid, new_ids) in enumerate(io.rows(batch.rids, batch.ends, batch.new_ids)):
+            finish_reason = batch.finish_reason(row)
+            if not new_ids and finish_reason is None:
+                texts.append("")
+                continue
+            state = self.states.get(rid) or self._start(rid, batch.specs.get(row),
+                                                        row in batch.texts)
+            text, trim = state.update(new_ids, finish_reason, batch.texts.get(row))
+            texts.append(text)
+            if trim:
+                trims[row] = trim
+            if finish_reason is not None:
+                del self.states[rid]
+        return io.OutputBatch(batch.rids, batch.ends, batch.new_ids, batch.states, texts, trims)
+
+    def _start(self, rid: str, spec: io.DetokenizeSpec | None, decoded: bool) -> DecodeState:
+        spec = spec or PLAIN_SPEC
+        detokenizer = None if decoded else IncrementalDetokenizer(
+            self.tokenizer, spec.prompt_tail, spec.skip_special_tokens,
+            spec.spaces_between_special_tokens,
+        )
+        state = DecodeState(detokenizer, spec, StopMatcher(spec.stop, []) if spec.stop else None)
+        self.states[rid] = state
+        return state
 
 
 def run_detokenizer_process(tokenizer_path: str, paths, ready) -> None:
-    """Process entry point: decode TokenBatches into TextBatches until told to stop."""
+    """Process entry point: turns TokenBatches into OutputBatches until told to stop."""
     from transformers import AutoTokenizer  # loaded in the process, not by importing it
 
     context = zmq.Context()
@@ -123,7 +150,7 @@ def run_detokenizer_process(tokenizer_path: str, paths, ready) -> None:
             msg = io.decode_or_drop(inbox.recv(), "detokenizer")
             if isinstance(msg, io.ControlReq) and msg.kind == "shutdown":
                 return
-            if isinstance(msg, io.DetokenizeBatch):
+            if isinstance(msg, io.TokenBatch):
                 outbox.send(io.encode(detokenizer.handle(msg)))
     except Exception as err:
         logger.exception("the detokenizer failed")

@@ -34,6 +34,9 @@ class IncrementalDetokenizer:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     text: str = ""
+    before_last_feed: int = 0
+    """The length of ``text`` before the last ``feed`` (where a stop token's text starts,
+    when that token was fed last and alone)."""
     _ids: list[int] = field(default_factory=list)
     _prefix_offset: int = 0
     _read_offset: int = 0
@@ -44,6 +47,7 @@ class IncrementalDetokenizer:
 
     def feed(self, token_ids: list[int]) -> str:
         """Adds output tokens; returns the newly completed text (maybe empty)."""
+        self.before_last_feed = len(self.text)
         self._ids.extend(token_ids)
         return self._advance(final=False)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
@@ -40,6 +39,7 @@ from radixlm.runtime.engine.loop_bridge import (
     run_on_loop,
     run_on_loop_blocking,
 )
+from radixlm.runtime.engine.native_output import native_chunks, native_results
 from radixlm.runtime.engine.request_caps import (
     RequestCaps,
     chat_chars,
@@ -51,7 +51,7 @@ from radixlm.runtime.engine.request_inputs import (
     RequestLimits,
     build_generate_reqs,
 )
-from radixlm.runtime.engine.request_state import NativeOutput, OutputDelta
+from radixlm.runtime.engine.request_state import OutputDelta
 from radixlm.runtime.engine.runtime_processes import start_runtime_processes
 from radixlm.runtime.engine.template_render_worker import TEMPLATE_FAILURES
 from radixlm.runtime.engine.tokenizer_manager import TokenizerManager
@@ -134,9 +134,9 @@ class Engine:
                                 sampling_params=sampling_params, **options)
         reqs, batched = self._build(request)
         if request.stream:
-            deltas = iterate_on_loop(self._tm.stream(reqs), self._loop)
-            return _native_chunks(deltas, reqs, batched)
-        outputs = self._call(self._tm.collect(reqs))
+            return iterate_on_loop(native_chunks(self._tm.stream(reqs), reqs, batched),
+                                   self._loop)
+        outputs = self._call(native_results(self._tm.stream(reqs, streamed=False), reqs))
         return outputs if batched else outputs[0]
 
     async def async_generate(
@@ -157,9 +157,9 @@ class Engine:
         """``async_generate`` for a request already in its one shape (the HTTP body)."""
         reqs, batched = await self._build_off_loop(request)
         if request.stream:
-            deltas = await self._stream(reqs)
-            return _async_native_chunks(deltas, reqs, batched)
-        outputs = await run_on_loop(self._tm.collect(reqs), self._loop)
+            return self._from_loop(native_chunks(self._tm.stream(reqs), reqs, batched))
+        outputs = await run_on_loop(native_results(self._tm.stream(reqs, streamed=False), reqs),
+                                    self._loop)
         return outputs if batched else outputs[0]
 
     async def stream_deltas(
@@ -169,13 +169,13 @@ class Engine:
         position, prompt-major), for callers that stream deltas themselves (the OpenAI
         API); ``request.stream`` is ignored."""
         reqs, _ = await self._build_off_loop(request)
-        return await self._stream(reqs)
+        return self._from_loop(self._tm.stream(reqs))
 
-    async def _stream(self, reqs: list[io.GenerateReq]) -> AsyncIterator:
-        """The TokenizerManager's delta stream of ``reqs``, iterable from the caller's loop."""
+    def _from_loop(self, stream: AsyncIterator) -> AsyncIterator:
+        """``stream``, which runs on the TokenizerManager's loop, iterable from the caller's
+        (a running loop)."""
         if self._shut_down:
             raise RuntimeUnavailable("this Engine has been shut down")
-        stream = self._tm.stream(reqs)
         if asyncio.get_running_loop() is self._loop:
             return stream
         return iterate_on_loop(stream, self._loop, async_consumer=True)
@@ -389,36 +389,3 @@ async def _retire(tm: TokenizerManager, drain_s: float) -> None:
     await tm.drain(drain_s)
     tm.close("the server hosting this Engine stopped while the request ran")
 
-
-def _native_outputs(reqs: list[io.GenerateReq]) -> list[NativeOutput]:
-    return [NativeOutput(r.rid, len(r.input_ids), r.return_logprob, r.top_logprobs_num > 0,
-                         time.perf_counter()) for r in reqs]
-
-
-def _native_chunk(outputs: list[NativeOutput], index: int, delta: OutputDelta,
-                  batched: bool) -> dict[str, Any]:
-    """The native stream's chunk for ``delta``: the request's whole output so far."""
-    outputs[index].add(delta)
-    chunk = outputs[index].render()
-    if batched:
-        chunk["index"] = index
-    return chunk
-
-
-def _native_chunks(deltas: Iterator[tuple[int, OutputDelta]], reqs: list[io.GenerateReq],
-                   batched: bool) -> Iterator[dict[str, Any]]:
-    """Cumulative chunks (the native API's stream) built from a delta stream."""
-    outputs = _native_outputs(reqs)
-    with contextlib.closing(deltas):
-        for index, delta in deltas:
-            yield _native_chunk(outputs, index, delta, batched)
-
-
-async def _async_native_chunks(deltas: AsyncIterator[tuple[int, OutputDelta]],
-                               reqs: list[io.GenerateReq], batched: bool) -> AsyncIterator:
-    outputs = _native_outputs(reqs)
-    try:
-        async for index, delta in deltas:
-            yield _native_chunk(outputs, index, delta, batched)
-    finally:
-        await deltas.aclose()

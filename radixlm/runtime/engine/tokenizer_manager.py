@@ -1,11 +1,10 @@
 """The TokenizerManager: the front process's side of the runtime, on an asyncio loop.
 
 It sends validated, tokenized requests to the Scheduler, receives each request's output as
-deltas (tokens and logprobs from the Scheduler, their text from the Detokenizer), pairs
-them (``request_state.py``), and hands them on: to a streaming caller as they come, or
-folded into the whole result for a caller that waits for it. It watches the child
-processes: if one dies, every pending call fails at once with the reason, and every later
-call is refused.
+deltas from the Detokenizer (one ``OutputBatch`` per step: tokens, logprobs, states and
+text together), and hands them on to the request's caller as they come
+(``request_state.py``). It watches the child processes: if one dies, every pending call
+fails at once with the reason, and every later call is refused.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import itertools
 import subprocess
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -92,8 +90,7 @@ class TokenizerManager:
             )
         states = []
         for req in reqs:
-            state = ReqState(req.rid, len(req.input_ids), req.return_logprob,
-                             req.top_logprobs_num > 0, streamed)
+            state = ReqState(req.rid, len(req.input_ids))
             self.states[req.rid] = state
             states.append(state)
         self.trim.busy()
@@ -104,25 +101,14 @@ class TokenizerManager:
             await self.to_scheduler.send_multipart(payloads)
         return states
 
-    async def collect(self, reqs: list[io.GenerateReq]) -> list[dict[str, Any]]:
-        """Runs the requests to the end; their whole outputs (native shape), in order.
-        Cancelled (its caller left), it aborts the requests that have not finished."""
-        states = await self.submit(reqs, streamed=False)
-        try:
-            for state in states:
-                while not state.finished:
-                    await state.changed.wait()
-                    state.changed.clear()
-        finally:
-            await self._abort_unfinished(states)
-        return [state.result() for state in states]
-
-    async def stream(self, reqs: list[io.GenerateReq]) -> AsyncIterator[tuple[int, OutputDelta]]:
+    async def stream(self, reqs: list[io.GenerateReq], streamed: bool = True
+                     ) -> AsyncIterator[tuple[int, OutputDelta]]:
         """``(index, delta)`` for the output of each request (``index``: its position in
         ``reqs``) as it arrives: one delta per step, or one for all the steps that arrived
         since the consumer last looked; a request's last delta has its finish reason.
-        Unfinished requests are aborted if the consumer stops early."""
-        states = await self.submit(reqs, streamed=True)
+        Unfinished requests are aborted if the consumer stops early. ``streamed`` False: the
+        caller reads only the end, so the Scheduler reports the requests less often."""
+        states = await self.submit(reqs, streamed)
         try:
             while True:
                 for index, state in enumerate(states):
@@ -224,20 +210,15 @@ class TokenizerManager:
             data = await self.inbox.recv()
             self.received_bytes += len(data)
             msg = io.decode_or_drop(data, "tokenizer manager")
-            if isinstance(msg, (io.TokenBatch, io.Heartbeat, io.ControlReply)):
+            if isinstance(msg, (io.OutputBatch, io.Heartbeat, io.ControlReply)):
                 self.last_heartbeat = time.monotonic()
             if isinstance(msg, io.Heartbeat) and not self.states:
                 self.trim.idle()
-            if isinstance(msg, io.TokenBatch):
-                states = msg.states
+            if isinstance(msg, io.OutputBatch):
+                states, texts, trims = msg.states, msg.texts, msg.trims
                 for row, (rid, new_ids) in enumerate(io.rows(msg.rids, msg.ends, msg.new_ids)):
                     if (state := self.states.get(rid)) is not None:
-                        state.add_tokens(new_ids, states.get(row))
-                        self._retire_if_finished(state)
-            elif isinstance(msg, io.TextBatch):
-                for text in msg.outputs():
-                    if (state := self.states.get(text.rid)) is not None:
-                        state.add_text(text)
+                        state.add(new_ids, texts[row], trims.get(row, 0), states.get(row))
                         self._retire_if_finished(state)
             elif isinstance(msg, io.ControlReply):
                 future = self.control_waiters.get(msg.request_id)

@@ -254,16 +254,17 @@ class OutputProcessor:
         Stops, in order: a stop token (EOS unless ``ignore_eos``, or ``stop_token_ids``); a
         stop string or regex in the text (a stop string equal to a special token's text also
         matches that token, though such text never shows); the output budget or the context.
-        The Detokenizer trims the text at the stop.
+        The Detokenizer trims the text at the stop (the text decoded here goes to it with the
+        tokens: ``scheduler_process.report_message``).
         """
         params = req.sampling
         output_ids = req.output_ids
         output_ids.append(token)
+        detokenizer = req.detokenizer  # with stop strings: every token is decoded here, once
+        new_text = detokenizer.feed([token]) if detokenizer is not None else ""
         if token in req.stop_token_ids and len(output_ids) >= params.min_new_tokens:
             req.finish_reason = finish_stop(token)
         elif req.stop_matcher is not None:  # it comes with the request's detokenizer
-            detokenizer = req.detokenizer
-            new_text = detokenizer.feed([token])
             found = None
             if new_text:
                 found = req.stop_matcher.search(detokenizer.text, len(new_text))

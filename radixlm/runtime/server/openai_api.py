@@ -325,10 +325,10 @@ def _meta_logprobs(meta: dict[str, Any], part: str) -> Logprobs:
     return entries, meta.get(f"{part}_top_logprobs") or [None] * len(entries)
 
 
-def _delta_logprobs(tokens) -> Logprobs:
-    """The output logprobs a delta's ``TokenOut`` brings."""
-    entries = tokens.output_token_logprobs
-    return entries, tokens.output_top_logprobs or [None] * len(entries)
+def _delta_logprobs(delta: OutputDelta) -> Logprobs:
+    """The output logprobs a delta brings."""
+    entries = delta.output_token_logprobs
+    return entries, delta.output_top_logprobs or [None] * len(entries)
 
 
 def _completion_logprobs(entries: list, tops: list, offset: int,
@@ -369,9 +369,8 @@ class _ChoiceProgress:
         self.counts = (0, 0, 0)  # prompt, completion and cached tokens
 
     def advance(self, delta: OutputDelta) -> None:
-        tokens = delta.tokens
-        self.counts = (tokens.prompt_tokens, self.counts[1] + len(tokens.new_ids),
-                       tokens.cached_tokens)
+        self.counts = (delta.prompt_tokens, self.counts[1] + len(delta.new_ids),
+                       delta.cached_tokens)
 
 
 def _final_usage(progress: dict[int, _ChoiceProgress], n: int) -> Usage:
@@ -389,14 +388,13 @@ async def _completion_events(
         with_prompt = body.echo and not state.started
         state.started = True
         state.advance(delta)
-        tokens = delta.tokens
         logprobs = None
         if body.logprobs is not None:
             prompt = None
             if with_prompt:
-                entries = tokens.input_token_logprobs
-                prompt = (entries, tokens.input_top_logprobs or [None] * len(entries))
-            logprobs = _completion_logprobs(*_delta_logprobs(tokens), state.logprob_chars,
+                entries = delta.input_token_logprobs
+                prompt = (entries, delta.input_top_logprobs or [None] * len(entries))
+            logprobs = _completion_logprobs(*_delta_logprobs(delta), state.logprob_chars,
                                             prompt=prompt)
             state.logprob_chars += sum(len(token) for token in logprobs.tokens)
         choice = CompletionChoice(index=index, text=echo + delta.text, logprobs=logprobs,
@@ -421,7 +419,7 @@ async def _chat_events(deltas: AsyncIterator[tuple[int, OutputDelta]], head: dic
             continue
         choice = ChatChunkChoice(
             index=index, delta=Delta(content=delta.text or None), finish_reason=finish,
-            logprobs=_chat_logprobs(*_delta_logprobs(delta.tokens)) if body.logprobs else None,
+            logprobs=_chat_logprobs(*_delta_logprobs(delta)) if body.logprobs else None,
         )
         yield ChatCompletionChunk(**head, choices=[choice])
     if body.stream_options is not None and body.stream_options.include_usage:

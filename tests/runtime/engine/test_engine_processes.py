@@ -19,6 +19,7 @@ import radixlm
 from radixlm.runtime import messages as io
 from radixlm.runtime.detokenizer.detokenizer_process import Detokenizer
 from radixlm.runtime.engine.errors import RuntimeUnavailable
+from radixlm.runtime.engine.native_output import native_results
 
 
 def test_async_generate_runs_inside_a_running_event_loop(engine_for):
@@ -113,15 +114,19 @@ def test_a_model_that_fails_to_load_raises_naming_the_file(tmp_path, tiny_model_
 
 
 def _detokenize_out(rid, new_ids, finish=None, stop=(), no_stop_trim=False, first=False):
+    """A one-row ``TokenBatch``."""
     spec = io.DetokenizeSpec([], True, True, list(stop), no_stop_trim) if first else None
-    return io.DetokenizeOut(rid, new_ids, finish, spec)
+    states = {} if finish is None else {0: io.OutputState(0, 0, 0, finish_reason=finish)}
+    return io.TokenBatch([rid], [len(new_ids)], list(new_ids), states,
+                         {} if spec is None else {0: spec})
 
 
-def _shown_text(detokenizer: Detokenizer, out: io.DetokenizeOut, before: str) -> str:
-    """The text a client shows after ``out``: ``before``, cut by the delta's trim, plus it."""
-    [delta] = detokenizer.handle(io.DetokenizeBatch.of([out])).outputs()
-    assert delta.rid == out.rid
-    return before[: len(before) - delta.trim] + delta.text
+def _shown_text(detokenizer: Detokenizer, out: io.TokenBatch, before: str) -> str:
+    """The text a client shows after ``out``: ``before``, cut by the row's trim, plus its
+    text; the row's tokens and state are forwarded as they came."""
+    batch = detokenizer.handle(out)
+    assert (batch.rids, batch.new_ids, batch.states) == (out.rids, out.new_ids, out.states)
+    return before[: len(before) - batch.trims.get(0, 0)] + batch.texts[0]
 
 
 def test_detokenizer_finds_a_stop_string_split_across_chunks_and_holds_it_back():
@@ -166,7 +171,7 @@ def test_the_scheduler_survives_an_invalid_message(engine_for):
     of the wrong type is refused by its rid, and the scheduler keeps serving."""
     engine = engine_for()
     bad = io.GenerateReq("bad-request", [5, 6, 7], {"temperature": "hot"})
-    out = engine._call(engine._tm.collect([bad]))[0]
+    [out] = engine._call(native_results(engine._tm.stream([bad], streamed=False), [bad]))
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert "temperature" in out["meta_info"]["finish_reason"]["message"]
     assert engine.generate(PROMPTS[0], greedy(3))["meta_info"]["completion_tokens"] == 3
@@ -222,3 +227,29 @@ def test_when_the_detokenizer_dies_the_scheduler_stops_decoding_for_nobody(tiny_
         assert _cpu_seconds(scheduler) - before < 0.2  # idle, not decoding 16 requests
     finally:
         engine.shutdown()
+
+
+class _NoDecoding:
+    """A tokenizer the Detokenizer must not use."""
+
+    def decode(self, *args, **kwargs):
+        raise AssertionError("decoded twice: the Scheduler's text came with the tokens")
+
+
+def test_the_detokenizer_takes_the_schedulers_text_for_a_request_with_stop_strings():
+    """A request with stop strings is decoded once, by the Scheduler (its stop check): the
+    Detokenizer holds back a possible stop start and cuts at the stop on that text."""
+    detokenizer = Detokenizer(_NoDecoding())
+    spec = io.DetokenizeSpec([], True, True, ["STOP"], False)
+    shown = ""
+    steps = [("Hello ST", None), ("OP and more", {"type": "stop", "matched": "STOP"})]
+    for i, (text, finish) in enumerate(steps):
+        states = {} if finish is None else {0: io.OutputState(0, 0, 0, finish_reason=finish)}
+        batch = detokenizer.handle(io.TokenBatch(
+            ["r"], [1], [7 + i], states, {0: spec} if i == 0 else {},
+            {0: io.DecodedText(text, before_last=0)}))
+        shown = shown[: len(shown) - batch.trims.get(0, 0)] + batch.texts[0]
+        if finish is None:
+            assert shown == "Hello "  # "ST" could start the stop: held back
+    assert shown == "Hello "
+    assert "r" not in detokenizer.states

@@ -15,7 +15,7 @@ from live_server import LiveServer
 from runtime_checks import assert_engine_idle
 
 import radixlm
-from radixlm.runtime.engine import engine as engine_module
+from radixlm.runtime.engine.native_output import NativeOutput
 from radixlm.runtime.sampling.sampling_params import SEED_MAX
 from radixlm.runtime.server.http_server import create_app
 
@@ -161,15 +161,15 @@ def test_an_openai_stream_that_fails_inside_ends_with_an_error_and_done(server, 
 
 def test_a_native_stream_that_fails_inside_ends_with_an_error_and_done(server, monkeypatch):
     engine, url = server
-    real, calls = engine_module._native_chunk, []
+    real, calls = NativeOutput.render, []
 
-    def chunk(*args):
+    def render(output):
         calls.append(1)
         if len(calls) > 1:
             raise RuntimeError("injected fault")
-        return real(*args)
+        return real(output)
 
-    monkeypatch.setattr(engine_module, "_native_chunk", chunk)
+    monkeypatch.setattr(NativeOutput, "render", render)
     status, text = answer(url, "/generate", {"text": "hi", "stream": True, "sampling_params": {
         "max_new_tokens": 64, "ignore_eos": True}})
     sent = events(text)
