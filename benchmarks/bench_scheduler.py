@@ -5,8 +5,8 @@ directory), as the scheduler process builds it; then the model's forward pass an
 are replaced by stand-ins that return at once (zero hidden states, logits naming one
 ordinary token), so admission, KV allocation, batch building, sampling, stop checks and
 prefix caching all run for real and the time per step is theirs. The scheduler process also
-packs each step's new tokens into messages for the tokenizer manager and the detokenizer;
-that is timed too (the "+ report" column: ``report_messages`` for the step's requests and
+packs each step's new tokens into one message for the detokenizer;
+that is timed too (the "+ report" column: ``report_message`` for the step's requests and
 msgpack encoding, not the socket sends).
 
 For each batch size: the prefill steps that admit the batch (time per admitted request),
@@ -55,7 +55,7 @@ from radixlm.runtime.scheduler.scheduler_process import (  # noqa: E402
     build_scheduler,
     freeze_startup_objects,
     make_req,
-    report_messages,
+    report_message,
     thaw_startup_objects,
 )
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
@@ -123,9 +123,9 @@ def install(scheduler: Scheduler, model: NoOpModel) -> TimedSampler:
 
 
 def report(stepped: list) -> list[bytes]:
-    """What the scheduler process sends the tokenizer manager and the detokenizer after a
-    step (without sending it)."""
-    return [io.encode(message) for message in report_messages(stepped) if message is not None]
+    """What the scheduler process sends the detokenizer after a step (without sending it)."""
+    message = report_message(stepped)
+    return [] if message is None else [io.encode(message)]
 
 
 def measure(scheduler: Scheduler, model: NoOpModel, batch_size: int, steps: int,

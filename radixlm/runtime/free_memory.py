@@ -4,7 +4,7 @@ A busy spell leaves freed buffers of up to 32 MB each in malloc's arenas (glibc 
 allocations below its adaptive mmap threshold from them: attention scores of long prompts,
 logits, large request bodies), where they stay counted in the process's RSS while it
 idles. ``return_free_memory`` trims them (glibc's ``malloc_trim``; a no-op elsewhere); the
-scheduler calls it on its first idle turn after work, the TokenizerManager at its first
+scheduler calls it on its first idle turn after work, the RequestTracker at its first
 scheduler heartbeat with no request in flight.
 """
 

@@ -1,13 +1,13 @@
-"""Messages between the TokenizerManager, the Scheduler and the Detokenizer processes.
+"""Messages between the RequestTracker, the Scheduler and the Detokenizer processes.
 
 Typed msgspec structs, serialized as msgpack: a peer can only ever send data, never code
 (nothing crossing a socket is unpickled). Each struct is tagged with its class name, so a
 socket carrying several kinds decodes into the right one.
 
-    TokenizerManager --GenerateReq/AbortReq/ControlReq--> Scheduler
+    RequestTracker --GenerateReq/AbortReq/ControlReq--> Scheduler
     (a batch's GenerateReqs as the frames of one ZMQ message: they arrive together)
-    Scheduler --TokenBatch--> Detokenizer --OutputBatch--> TokenizerManager
-    Scheduler --ControlReply/Heartbeat--> TokenizerManager
+    Scheduler --TokenBatch--> Detokenizer --OutputBatch--> RequestTracker
+    Scheduler --ControlReply/Heartbeat--> RequestTracker
 
 Outputs run one way and travel as deltas, one message per step, in columns (request ids,
 their new tokens end to end, and sparse maps for what few requests have: a finish,
@@ -131,7 +131,7 @@ class TokenBatch(msgspec.Struct, tag=True):
 
 
 class OutputBatch(msgspec.Struct, tag=True):
-    """One step's outputs, Detokenizer to TokenizerManager: a ``TokenBatch``'s columns as
+    """One step's outputs, Detokenizer to RequestTracker: a ``TokenBatch``'s columns as
     they came, and the text each row adds (``texts[i]``, safe to show: whole characters, no
     possible start of a stop string). On a request's last row, the text so far is first cut
     by ``trims[i]`` characters (where present: text already shown past the stop the
@@ -158,7 +158,7 @@ class SocketPaths(msgspec.Struct):
 
     scheduler: str
     detokenizer: str
-    tokenizer_manager: str
+    request_tracker: str
 
 
 class ChildConfig(msgspec.Struct):

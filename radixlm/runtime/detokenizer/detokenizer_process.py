@@ -2,7 +2,7 @@
 
 For each row of a ``TokenBatch`` it adds the text the row's new tokens make, and forwards
 the tokens, logprobs and states as they came, in one ``OutputBatch`` per batch: outputs run
-Scheduler -> Detokenizer -> TokenizerManager. The text never holds a broken multi-byte
+Scheduler -> Detokenizer -> RequestTracker. The text never holds a broken multi-byte
 character (held back until complete) nor the start of a stop string (held back until it is
 known not to be one). When a request ends, its text is cut at the stop the Scheduler
 matched: before a stop string (found anywhere in the text, so also across chunk
@@ -136,7 +136,7 @@ def run_detokenizer_process(tokenizer_path: str, paths, ready) -> None:
         inbox = context.socket(zmq.PULL)
         inbox.bind(paths.detokenizer)
         outbox = context.socket(zmq.PUSH)
-        outbox.connect(paths.tokenizer_manager)
+        outbox.connect(paths.request_tracker)
     except Exception as err:
         ready.send_bytes(io.encode(io.ProcessFailed("detokenizer", str(err))))
         context.destroy(linger=0)

@@ -7,20 +7,20 @@
     engine.shutdown()
 
 Behind it run three processes: this one (validation, tokenization and the
-TokenizerManager), the Scheduler (the model and its KV memory) and the Detokenizer. All
+RequestTracker), the Scheduler (the model and its KV memory) and the Detokenizer. All
 requests of one ``generate`` call run together in one continuous batch, with whatever
 other calls are in flight.
 
-The TokenizerManager runs on one event loop: by default the Engine's own, in a background
-thread, so the Engine works the same in a script, in Jupyter and inside a running event
-loop (calls from other threads hop onto it). An HTTP server hosts it on its own loop instead
-(``serving_on_running_loop``), so a request handled there makes no thread hop.
+The RequestTracker runs on the Engine's own event loop, in a background thread, so the
+Engine works the same in a script, in Jupyter, inside a running event loop and under an
+HTTP server: calls from other threads and loops hop onto it (``loop_bridge.py``). Hosting
+it on a server's loop instead saved that hop and no measurable time
+(``benchmarks/bench_loop_hop.py``, figures in ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
@@ -52,15 +52,12 @@ from radixlm.runtime.engine.request_inputs import (
     build_generate_reqs,
 )
 from radixlm.runtime.engine.request_state import OutputDelta
+from radixlm.runtime.engine.request_tracker import RequestTracker
 from radixlm.runtime.engine.runtime_processes import start_runtime_processes
 from radixlm.runtime.engine.template_render_worker import TEMPLATE_FAILURES
-from radixlm.runtime.engine.tokenizer_manager import TokenizerManager
 from radixlm.runtime.grammar.factory import constraint_checker
 from radixlm.runtime.server_args import ServerArgs
 
-MOVE_DRAIN_S = 5.0
-"""How long requests still running when a hosting server stops may take to end (the aborts
-of its cancelled streams) before they fail."""
 TOKENIZE_ON_LOOP_CHARS = 50_000
 """Prompt texts longer than this (together) are tokenized off the event loop: tokenizing
 them would hold the loop long enough to delay other requests (benchmarks/RESULTS.md)."""
@@ -104,14 +101,12 @@ class Engine:
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
         self._metrics = None
-        self._own_loop = asyncio.new_event_loop()
+        self._loop = asyncio.new_event_loop()  # where the RequestTracker runs
         self._thread = threading.Thread(
-            target=self._own_loop.run_forever, name="radixlm-engine-loop", daemon=True
+            target=self._loop.run_forever, name="radixlm-engine-loop", daemon=True
         )
         self._thread.start()
-        self._loop = self._own_loop  # where the TokenizerManager runs
-        self._host_loop: asyncio.AbstractEventLoop | None = None
-        self._tm: TokenizerManager = self._call(self._make_tokenizer_manager())
+        self._tracker: RequestTracker = self._call(self._make_request_tracker())
 
     # Generation -------------------------------------------------------------------------
 
@@ -134,9 +129,9 @@ class Engine:
                                 sampling_params=sampling_params, **options)
         reqs, batched = self._build(request)
         if request.stream:
-            return iterate_on_loop(native_chunks(self._tm.stream(reqs), reqs, batched),
+            return iterate_on_loop(native_chunks(self._tracker.stream(reqs), reqs, batched),
                                    self._loop)
-        outputs = self._call(native_results(self._tm.stream(reqs, streamed=False), reqs))
+        outputs = self._call(native_results(self._tracker.stream(reqs, streamed=False), reqs))
         return outputs if batched else outputs[0]
 
     async def async_generate(
@@ -157,9 +152,9 @@ class Engine:
         """``async_generate`` for a request already in its one shape (the HTTP body)."""
         reqs, batched = await self._build_off_loop(request)
         if request.stream:
-            return self._from_loop(native_chunks(self._tm.stream(reqs), reqs, batched))
-        outputs = await run_on_loop(native_results(self._tm.stream(reqs, streamed=False), reqs),
-                                    self._loop)
+            return self._from_loop(native_chunks(self._tracker.stream(reqs), reqs, batched))
+        whole = native_results(self._tracker.stream(reqs, streamed=False), reqs)
+        outputs = await run_on_loop(whole, self._loop)
         return outputs if batched else outputs[0]
 
     async def stream_deltas(
@@ -169,10 +164,10 @@ class Engine:
         position, prompt-major), for callers that stream deltas themselves (the OpenAI
         API); ``request.stream`` is ignored."""
         reqs, _ = await self._build_off_loop(request)
-        return self._from_loop(self._tm.stream(reqs))
+        return self._from_loop(self._tracker.stream(reqs))
 
     def _from_loop(self, stream: AsyncIterator) -> AsyncIterator:
-        """``stream``, which runs on the TokenizerManager's loop, iterable from the caller's
+        """``stream``, which runs on the RequestTracker's loop, iterable from the caller's
         (a running loop)."""
         if self._shut_down:
             raise RuntimeUnavailable("this Engine has been shut down")
@@ -185,51 +180,58 @@ class Engine:
     def abort(self, rid: str | None = None) -> None:
         """Aborts the unfinished request ``rid`` (all of them when None), freeing its KV at
         once; it ends with ``finish_reason`` type ``abort``."""
-        self._call(self._tm.abort(rid))
+        self._call(self._tracker.abort(rid))
 
     async def async_abort(self, rid: str | None = None) -> None:
-        await run_on_loop(self._tm.abort(rid), self._loop)
+        await run_on_loop(self._tracker.abort(rid), self._loop)
 
     def flush_cache(self) -> bool:
         """Empties the prefix cache. Refused (returns False) while requests are in flight."""
-        return self._call(self._tm.control("flush_cache")).ok
+        return self._call(self._tracker.control("flush_cache")).ok
 
     async def async_flush_cache(self) -> bool:
-        return (await run_on_loop(self._tm.control("flush_cache"), self._loop)).ok
+        return (await run_on_loop(self._tracker.control("flush_cache"), self._loop)).ok
 
     def get_server_info(self) -> dict[str, Any]:
         """The model, the options, and the live state of the KV pool, cache and queues."""
-        return self._server_info(self._call(self._tm.control("server_info")))
+        return self._server_info(self._call(self._tracker.control("server_info")))
 
     async def async_get_server_info(self) -> dict[str, Any]:
-        return self._server_info(await run_on_loop(self._tm.control("server_info"), self._loop))
+        reply = await run_on_loop(self._tracker.control("server_info"), self._loop)
+        return self._server_info(reply)
 
     def attach_metrics(self, metrics) -> None:
         """Reports every finished request to ``metrics`` (a ``ServerMetrics``)."""
         self._metrics = metrics
-        self._tm.metrics = metrics
+        self._tracker.metrics = metrics
 
     @property
     def received_bytes(self) -> int:
-        """Bytes of the messages the TokenizerManager has received from the runtime's
+        """Bytes of the messages the RequestTracker has received from the runtime's
         processes since it started on its current loop (outputs arrive as deltas: a
         stream of N tokens costs O(N) of them)."""
-        return self._tm.received_bytes
+        return self._tracker.received_bytes
 
     def is_healthy(self) -> bool:
         """False once a runtime process has died (every call then raises), while the Engine
         drains, and while the Scheduler has shown no sign of life for ``health_timeout``
         seconds with requests waiting on it (a step that does not end)."""
-        tm = self._tm
+        tm = self._tracker
         return (not self._shut_down and tm.failure is None and tm.refusing is None
                 and tm.stalled_for() < self.server_args.health_timeout)
 
     async def async_drain(self, grace_s: float, reason: str) -> None:
         """Refuses new requests (``RuntimeUnavailable(reason)``), waits at most ``grace_s``
         seconds for those in flight, then ends the rest with ``reason`` as their error.
-        For a server about to stop: the Engine accepts requests again only once it moves
-        to another loop (the server's lifespan ends)."""
-        await run_on_loop(self._tm.drain_then_end(grace_s, reason), self._loop)
+        For a server about to stop: the Engine accepts requests again once the server's
+        lifespan ends (``async_resume``)."""
+        await run_on_loop(self._tracker.drain_then_end(grace_s, reason), self._loop)
+
+    async def async_resume(self) -> None:
+        """Accepts new requests again after ``async_drain`` (its server has stopped)."""
+        if self._shut_down:
+            return
+        await run_on_loop(self._tracker.resume(), self._loop)
 
     def apply_chat_template(self, messages: list[dict[str, str]], **template_kwargs: Any) -> str:
         """The prompt text for a chat, in the model's own chat template (``template_kwargs``:
@@ -275,34 +277,15 @@ class Engine:
                              f"context of {self.context_length} tokens")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    @contextlib.asynccontextmanager
-    async def serving_on_running_loop(self) -> AsyncIterator[None]:
-        """Runs the TokenizerManager on the calling (server's) event loop while the context
-        is open, then back on the Engine's own. Nothing may be in flight when it moves.
-        From inside the context, call the ``async_`` methods: a blocking call from that
-        loop's thread would wait on itself and raises instead."""
-        loop = asyncio.get_running_loop()
-        if self._host_loop is not None:  # another server hosts it: calls hop there
-            yield
-            return
-        await self._move_tokenizer_manager(loop)
-        self._host_loop = loop
-        try:
-            yield
-        finally:
-            self._host_loop = None
-            if not self._shut_down:
-                await self._move_tokenizer_manager(self._own_loop, drain_s=MOVE_DRAIN_S)
-
     def shutdown(self) -> None:
         """Stops the runtime processes (none is left behind) and the event loop."""
-        if self._shut_down or not hasattr(self, "_tm"):
+        if self._shut_down or not hasattr(self, "_tracker"):
             return
         self._shut_down = True
         asked = False
         try:
             if self._loop.is_running():
-                run_on_loop_blocking(self._tm.shutdown(), self._loop, timeout=2)
+                run_on_loop_blocking(self._tracker.shutdown(), self._loop, timeout=2)
                 asked = True
         except Exception:  # the loop may be gone (interpreter exit): stop the processes anyway
             pass
@@ -310,10 +293,10 @@ class Engine:
             if self.client_templates is not None:
                 self.client_templates.close()
             self._runtime.stop(graceful=asked)
-            tm, loop = self._tm, self._loop
+            tm, loop = self._tracker, self._loop
             if loop.is_running():
                 loop.call_soon_threadsafe(tm.close)
-            self._own_loop.call_soon_threadsafe(self._own_loop.stop)
+            loop.call_soon_threadsafe(loop.stop)
             self._thread.join(5)
 
     def __enter__(self) -> Engine:
@@ -323,28 +306,16 @@ class Engine:
         self.shutdown()
 
     def __del__(self) -> None:
-        if hasattr(self, "_tm"):
+        if hasattr(self, "_tracker"):
             self.shutdown()
 
     # Internals ------------------------------------------------------------------------
 
-    async def _make_tokenizer_manager(self) -> TokenizerManager:
+    async def _make_request_tracker(self) -> RequestTracker:
         queued = self.server_args.max_queued_requests
         limit = None if queued is None else self.server_args.max_running_requests + queued
-        return TokenizerManager(self._runtime.paths, self._runtime.processes, limit,
+        return RequestTracker(self._runtime.paths, self._runtime.processes, limit,
                                 self._metrics)
-
-    async def _move_tokenizer_manager(self, target: asyncio.AbstractEventLoop,
-                                      drain_s: float = 0.0) -> None:
-        """Replaces the TokenizerManager by a new one on ``target`` (same sockets). Requests
-        in flight get ``drain_s`` seconds to end; with none given, moving a busy one is an
-        error; those still running after it fail (RuntimeUnavailable)."""
-        old, old_loop = self._tm, self._loop
-        if old_loop is target:
-            return
-        await run_on_loop(_retire(old, drain_s), old_loop)
-        self._tm = await run_on_loop(self._make_tokenizer_manager(), target)
-        self._loop = target
 
     def _server_info(self, reply: io.ControlReply) -> dict[str, Any]:
         info = dict(reply.info)
@@ -352,7 +323,7 @@ class Engine:
         return info
 
     def _call(self, coroutine: Coroutine):
-        """Runs ``coroutine`` on the TokenizerManager's loop and waits for its result."""
+        """Runs ``coroutine`` on the RequestTracker's loop and waits for its result."""
         if self._shut_down:
             coroutine.close()
             raise RuntimeUnavailable("this Engine has been shut down")
@@ -380,12 +351,4 @@ def _text_chars(request: GenerateInput) -> int:
     if isinstance(text, list):
         return sum(len(t) for t in text if isinstance(t, str))
     return 0
-
-
-async def _retire(tm: TokenizerManager, drain_s: float) -> None:
-    """Closes ``tm`` once its requests have ended (see ``_move_tokenizer_manager``)."""
-    if drain_s <= 0 and tm.states:
-        raise RuntimeError("the Engine's TokenizerManager cannot move while requests run")
-    await tm.drain(drain_s)
-    tm.close("the server hosting this Engine stopped while the request ran")
 

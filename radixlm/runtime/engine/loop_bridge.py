@@ -1,6 +1,6 @@
 """Calling coroutines and async iterators that live on another thread's event loop.
 
-The TokenizerManager runs on one loop (the Engine's background thread, or a server's);
+The RequestTracker runs on one loop (the Engine's background thread, or a server's);
 callers may sit on any thread or loop. These helpers run the work on its loop and hand the
 results back, and run it directly, with no hop, when the caller is already on that loop.
 """

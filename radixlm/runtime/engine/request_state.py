@@ -1,4 +1,4 @@
-"""A request's outputs on the TokenizerManager's side: one ``OutputDelta`` per row received.
+"""A request's outputs on the RequestTracker's side: one ``OutputDelta`` per row received.
 
 Each row of the Detokenizer's ``OutputBatch`` carries everything a request gained in a step
 (its new tokens, their logprobs, its counters and finish, and the text they add), so a row
@@ -65,7 +65,7 @@ class OutputDelta:
 
 @dataclass
 class ReqState:
-    """One request in flight, as the TokenizerManager sees it.
+    """One request in flight, as the RequestTracker sees it.
 
     Invariants: ``deltas`` holds, in order, what arrived since the consumer last looked; a
     row that brings neither tokens nor a finish (a prompt chunk's logprobs) is ``held`` and

@@ -66,7 +66,7 @@ def start_runtime_processes(
     socket_dir = tempfile.mkdtemp(prefix="radixlm-")
     os.chmod(socket_dir, 0o700)
     paths = io.SocketPaths(*(f"ipc://{socket_dir}/{name}" for name in
-                             ("scheduler", "detokenizer", "tokenizer_manager")))
+                             ("scheduler", "detokenizer", "request_tracker")))
     config = msgspec.msgpack.encode(io.ChildConfig(args, model_path, tokenizer_path, paths))
     runtime = RuntimeProcesses(paths, {}, socket_dir, {})
     ready_fds = {}

@@ -1,6 +1,6 @@
 """The Scheduler's process: builds the model and its memory, then loops: take requests from
-the TokenizerManager, run one scheduler step, send its outputs to the Detokenizer (which
-adds their text and forwards them to the TokenizerManager)."""
+the RequestTracker, run one scheduler step, send its outputs to the Detokenizer (which
+adds their text and forwards them to the RequestTracker)."""
 
 from __future__ import annotations
 
@@ -142,8 +142,8 @@ class SchedulerLoop:
         self.inbox.bind(paths.scheduler)
         self.to_detokenizer = context.socket(zmq.PUSH)
         self.to_detokenizer.connect(paths.detokenizer)
-        self.to_tokenizer_manager = context.socket(zmq.PUSH)
-        self.to_tokenizer_manager.connect(paths.tokenizer_manager)
+        self.to_request_tracker = context.socket(zmq.PUSH)
+        self.to_request_tracker.connect(paths.request_tracker)
         self.by_rid: dict[str, Req] = {}
         self.parent = os.getppid()
         self.last_heartbeat = 0.0
@@ -177,18 +177,18 @@ class SchedulerLoop:
             self._report(stepped)
 
     def _check_ranks(self) -> None:
-        """Raises when a tensor-parallel rank exited: the loop ends and the TokenizerManager
+        """Raises when a tensor-parallel rank exited: the loop ends and the RequestTracker
         fails every pending request with the reason."""
         failure = self.scheduler.runner.rank_failure()
         if failure is not None:
             raise RuntimeError(failure)
 
     def _heartbeat(self) -> None:
-        """Tells the TokenizerManager the loop turns, at most every ``HEARTBEAT_S``."""
+        """Tells the RequestTracker the loop turns, at most every ``HEARTBEAT_S``."""
         now = time.monotonic()
         if now - self.last_heartbeat >= HEARTBEAT_S:
             self.last_heartbeat = now
-            self.to_tokenizer_manager.send(io.encode(io.Heartbeat()))
+            self.to_request_tracker.send(io.encode(io.Heartbeat()))
 
     def _receive(self, timeout: int) -> bool:
         """Handles every message that comes within ``timeout`` ms (and those right after
@@ -260,7 +260,7 @@ class SchedulerLoop:
             info = self.scheduler.server_info()
         else:
             ok, info = False, {"error": f"unknown control request {msg.kind!r}"}
-        self.to_tokenizer_manager.send(io.encode(io.ControlReply(msg.request_id, ok, info)))
+        self.to_request_tracker.send(io.encode(io.ControlReply(msg.request_id, ok, info)))
 
     def _report(self, reqs: list[Req]) -> None:
         """Sends what ``reqs`` produced (see ``report_message``) to the Detokenizer."""
@@ -374,7 +374,7 @@ def run_scheduler_process(args: ServerArgs, model_path: str, paths: io.SocketPat
         loop.run()
     except Exception as err:
         logger.exception("the scheduler loop failed")
-        loop.to_tokenizer_manager.send(io.encode(io.ProcessFailed("scheduler", _describe(err))))
+        loop.to_request_tracker.send(io.encode(io.ProcessFailed("scheduler", _describe(err))))
     finally:
         scheduler.shutdown()
         context.destroy(linger=100)

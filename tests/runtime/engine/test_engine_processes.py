@@ -171,7 +171,7 @@ def test_the_scheduler_survives_an_invalid_message(engine_for):
     of the wrong type is refused by its rid, and the scheduler keeps serving."""
     engine = engine_for()
     bad = io.GenerateReq("bad-request", [5, 6, 7], {"temperature": "hot"})
-    [out] = engine._call(native_results(engine._tm.stream([bad], streamed=False), [bad]))
+    [out] = engine._call(native_results(engine._tracker.stream([bad], streamed=False), [bad]))
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert "temperature" in out["meta_info"]["finish_reason"]["message"]
     assert engine.generate(PROMPTS[0], greedy(3))["meta_info"]["completion_tokens"] == 3
@@ -183,13 +183,13 @@ def test_a_malformed_frame_on_any_socket_is_dropped_and_the_engine_keeps_serving
         engine_for, frame):
     """Any local process can connect to the runtime's sockets: a frame that is not a message
     (not msgpack, truncated, or of the wrong shape) is logged and dropped by each receiver;
-    it used to end the scheduler, the detokenizer or the tokenizer manager's receive loop."""
+    it used to end the scheduler, the detokenizer or the request tracker's receive loop."""
     engine = engine_for()
     expected = engine.generate(PROMPTS[0], greedy(4))["output_ids"]
     context = zmq.Context()
     try:
         for path in (engine._runtime.paths.scheduler, engine._runtime.paths.detokenizer,
-                     engine._runtime.paths.tokenizer_manager):
+                     engine._runtime.paths.request_tracker):
             sender = context.socket(zmq.PUSH)
             sender.connect(path)
             sender.send(frame)

@@ -1,5 +1,5 @@
 """The scheduler process's reports: one message per step, in columns, that the Detokenizer
-completes with text and the TokenizerManager turns into each request's delta."""
+completes with text and the RequestTracker turns into each request's delta."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_a_request_with_stop_strings_sends_the_text_its_stop_check_decoded():
     assert last.before_last == len(tokenizer.decode(ids[:-1]))
 
 
-def test_the_tokenizer_manager_keeps_counters_between_the_rows_that_send_them():
+def test_the_request_tracker_keeps_counters_between_the_rows_that_send_them():
     state = ReqState("a", prompt_tokens=2)
     state.add([11], "x", 0, io.OutputState(cached_tokens=1, retractions=0, jump_forward_tokens=0))
     state.add([12, 13], "yz", 0, None)

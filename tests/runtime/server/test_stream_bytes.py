@@ -1,5 +1,5 @@
 """Long streams cost linear bytes inside the runtime: outputs travel as deltas from the
-scheduler to the tokenizer manager, and the OpenAI stream sends deltas on the wire, while
+scheduler to the request tracker, and the OpenAI stream sends deltas on the wire, while
 the native stream keeps SGLang's cumulative text (built at the edge).
 
 What is measured is the bytes beyond the generated text, per token inside and per event on
@@ -108,19 +108,17 @@ def test_an_openai_stream_moves_linear_bytes_inside_and_on_the_wire(server):
     assert wire[LONG] < GROWTH_BOUND * wire[SHORT], wire
 
 
-def test_a_server_hosts_the_tokenizer_manager_on_its_loop_while_it_runs(engine_for):
-    """No thread hop per request: while a server runs, the Engine's TokenizerManager lives
-    on the server's event loop; the Engine's own blocking API still works (it hops there),
-    and when the server stops the TokenizerManager returns to the Engine's loop."""
+def test_a_server_and_the_engines_own_api_share_the_engine_while_it_runs(engine_for):
+    """The RequestTracker stays on the Engine's loop: a server's handlers hop there, and the
+    Engine's blocking API works beside them, during and after the server's life."""
     engine = engine_for()
-    assert engine._loop is engine._own_loop
+    loop = engine._loop
     live = LiveServer(create_app(engine))
     try:
-        assert engine._loop is not engine._own_loop and engine._loop.is_running()
         body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4}}
         assert httpx.post(f"{live.url}/generate", json=body, timeout=60).status_code == 200
         assert engine.generate("Once upon a time", {"max_new_tokens": 4})["output_ids"]
     finally:
         live.close()
-    assert engine._loop is engine._own_loop
+    assert engine._loop is loop
     assert engine.generate("Once upon a time", {"max_new_tokens": 4})["output_ids"]

@@ -1,6 +1,8 @@
-"""The TokenizerManager: the front process's side of the runtime, on an asyncio loop.
+"""The RequestTracker: the front process's side of the runtime, on an asyncio loop.
 
-It sends validated, tokenized requests to the Scheduler, receives each request's output as
+It tracks every request in flight; it tokenizes nothing (the Engine does, in
+``request_inputs.py``, before a request reaches it). It sends validated, tokenized requests
+to the Scheduler, receives each request's output as
 deltas from the Detokenizer (one ``OutputBatch`` per step: tokens, logprobs, states and
 text together), and hands them on to the request's caller as they come
 (``request_state.py``). It watches the child processes: if one dies, every pending call
@@ -29,7 +31,7 @@ CONTROL_TIMEOUT_S = 30.0
 DRAIN_POLL_S = 0.01
 
 
-class TokenizerManager:
+class RequestTracker:
     """Runs on one event loop; every method must be called from that loop."""
 
     def __init__(self, paths: io.SocketPaths, processes: dict[str, subprocess.Popen],
@@ -42,7 +44,7 @@ class TokenizerManager:
         self.to_detokenizer = self.context.socket(zmq.PUSH)
         self.to_detokenizer.connect(paths.detokenizer)
         self.inbox = self.context.socket(zmq.PULL)
-        self.inbox.bind(paths.tokenizer_manager)
+        self.inbox.bind(paths.request_tracker)
         self.processes = processes
         self.states: dict[str, ReqState] = {}
         self.control_waiters: dict[int, asyncio.Future] = {}
@@ -171,9 +173,13 @@ class TokenizerManager:
             await self.to_scheduler.send(io.encode(io.AbortReq(state.rid)))
             state.fail(reason)
 
+    async def resume(self) -> None:
+        """Accepts new requests again (after ``drain_then_end``)."""
+        self.refusing = None
+
     def close(self, reason: str | None = None) -> None:
-        """Stops receiving and closes the sockets, so another TokenizerManager can take this
-        one's place; requests still in flight fail with ``reason`` (when given)."""
+        """Stops receiving and closes the sockets; requests still in flight fail with
+        ``reason`` (when given)."""
         if reason is not None:
             self._fail(reason)
         for task in self._tasks:
@@ -209,7 +215,7 @@ class TokenizerManager:
         while True:
             data = await self.inbox.recv()
             self.received_bytes += len(data)
-            msg = io.decode_or_drop(data, "tokenizer manager")
+            msg = io.decode_or_drop(data, "request tracker")
             if isinstance(msg, (io.OutputBatch, io.Heartbeat, io.ControlReply)):
                 self.last_heartbeat = time.monotonic()
             if isinstance(msg, io.Heartbeat) and not self.states:
