@@ -19,6 +19,7 @@ barriers (tens of ms each); ``--threads 1`` measures the algorithms without that
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -27,6 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from radixlm.kernels.cpu_ops.execution_plan import CpuExecutionPlan  # noqa: E402
 from radixlm.models.layers.cpu_weight_layout import (  # noqa: E402
     BlockedWeight,
     uses_blocked_layout,
@@ -79,7 +81,8 @@ def main() -> None:
     laid_out = None
     if uses_blocked_layout(torch.device("cpu"), dtype):
         laid_out = build_block(dtype)
-        laid_out.experts.pack_expert_weights(BlockedWeight.pack)
+        laid_out.experts.pack_expert_weights(
+            functools.partial(BlockedWeight.pack, plan=CpuExecutionPlan()))
     print(f"MoE block: hidden {HIDDEN}, {EXPERTS} experts, top-{TOP_K}, intermediate "
           f"{INTERMEDIATE}, {args.dtype}, {torch.get_num_threads()} threads")
     extra = f" {'laid out tok/s':>15} {'laid/grouped':>13}" if laid_out else ""

@@ -1,11 +1,11 @@
 """The process-wide switches that decide which kernels a CPU forward pass runs, read and
 set as one value, so that the test fixtures can hand every test the same process: a test
-that turns the fused kernels on, lets an in-process runner choose the float32 one-row path,
-or leaves a thread count behind must not change what a later test computes.
+that turns the fused kernels on or leaves a thread count behind must not change what a
+later test computes.
 
-(What the switches are is the runtime's business: ``fused_ops``' on/off, the float32 rows
-that run ``dense_matmul``, huge pages, torch's thread count and oneDNN switch. A process
-serves with one setting of each; only a test process meets several.)
+(What the switches are is the runtime's business: ``fused_ops``' on/off, huge pages,
+torch's thread count and oneDNN switch; the kernel choices are each runner's own plan. A
+process serves with one setting of each; only a test process meets several.)
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.kernels.cpu_ops import fused_ops, huge_pages
-from radixlm.models.layers import weight_formats
 
 
 @dataclass(frozen=True)
 class ProcessSettings:
     fused_kernels: bool
-    float32_one_row_kernel: bool
     huge_pages: bool
     threads: int
     onednn: bool
@@ -31,7 +29,6 @@ class ProcessSettings:
         huge = huge_pages.enable(True)
         huge_pages.enable(huge)
         return cls(fused_kernels=fused_ops.active() is not None,
-                   float32_one_row_kernel=1 in weight_formats.float32_fused_rows(),
                    huge_pages=huge, threads=torch.get_num_threads(),
                    onednn=torch.backends.mkldnn.enabled)
 
@@ -41,7 +38,6 @@ class ProcessSettings:
             fused_ops.enable()
         else:
             fused_ops.disable()
-        weight_formats.fuse_float32_matrix_vector(self.float32_one_row_kernel)
         huge_pages.enable(self.huge_pages)
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)

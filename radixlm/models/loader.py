@@ -8,8 +8,11 @@ import torch
 from torch import nn
 
 from radixlm.kernels.cpu_ops import fused_ops, huge_pages
+from radixlm.kernels.cpu_ops.execution_plan import TORCH_CHOICES, CpuExecutionPlan
 from radixlm.models.layers.cpu_weight_layout import lay_out_for_cpu, uses_blocked_layout
+from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.tensor_parallel import SINGLE, TensorParallel, building
+from radixlm.models.layers.vocab_parallel import VocabParallelEmbedding
 from radixlm.models.layers.weight_formats import PackedWeight, pack_weights
 from radixlm.models.layers.weight_storage import SIXTEEN_BIT_STORAGE, store_in_16_bits
 from radixlm.models.model_config import ModelConfig
@@ -22,7 +25,7 @@ logger = logging.getLogger(__name__)
 def load_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int,
     tp: TensorParallel = SINGLE, weight_format: str | None = None,
-    keep_weight_rows: bool = False,
+    plan: CpuExecutionPlan = TORCH_CHOICES,
 ) -> nn.Module:
     """The model of ``config.architecture`` with its checkpoint weights, in eval mode.
 
@@ -31,20 +34,24 @@ def load_model(
     does not divide the model's heads or intermediate sizes is a ``ValueError``).
     ``weight_format``: a weight-only format (``weight_formats.py``) the projections and the
     output head are packed into, from the checkpoint's float32 weights (int8 by column pairs
-    for a bfloat16 model on a CPU where ``keep_weight_rows`` and the kernels'
-    ``pair_matmul_serves``); ``SIXTEEN_BIT_STORAGE``: they are kept in 16 bits and computed
+    for a bfloat16 model on a CPU where the plan keeps kernel copies and runs column pairs);
+    ``SIXTEEN_BIT_STORAGE``: they are kept in 16 bits and computed
     in float32 (``weight_storage.py``; for a float32 ``dtype``). In a float32 ``dtype`` on a
     CPU with the fused kernels on, ``fp16wo``'s weights are stored so too, all in float16,
     and ``int8wo``'s in column blocks where they fit (their figures against rows:
     ``weight_storage.py``, ``weight_formats.py``). Without one, a bfloat16 model on a CPU
-    gets them in its kernel's layout (``cpu_weight_layout.py``), keeping their plain rows
-    too with ``keep_weight_rows`` (for the fused CPU kernels' few-row matmul).
+    gets them in its kernel's layout (``cpu_weight_layout.py``), with the fused CPU kernels'
+    own copies where the plan keeps them. ``plan``: the runner's CPU plan
+    (``kernels/cpu_ops/execution_plan.py``), which every linear layer and packed weight holds.
     """
     cls = model_class(config.architecture)
     files = safetensors_files(config.path)
     with torch.device(device), building(tp):
         model = cls(config.hf_config, max_position=max_position)
     model.load_weights(iterate_safetensors(files))
+    for module in model.modules():
+        if isinstance(module, (Linear, VocabParallelEmbedding)):
+            module.plan = plan
     float32_kernels = (dtype == torch.float32 and torch.device(device).type == "cpu"
                        and fused_ops.active() is not None)
     half_in_float32 = weight_format == "fp16wo" and float32_kernels
@@ -54,8 +61,8 @@ def load_model(
                     "exact; %d float16, rounded; %d left float32)", counts["bytes"] / 2**20,
                     counts["bfloat16"], counts["float16"], counts["float32"])
     elif weight_format is not None:
-        by_pairs = (keep_weight_rows and dtype == torch.bfloat16
-                    and torch.device(device).type == "cpu" and fused_ops.pair_matmul_serves())
+        by_pairs = (plan.keep_rows and plan.pair_kernels and dtype == torch.bfloat16
+                    and torch.device(device).type == "cpu")
         packed = pack_weights(model, weight_format, by_pairs, by_blocks=float32_kernels)
         logger.info("weights packed as %s: %.1f MiB", weight_format, packed / 2**20)
     # RoPE tables stay float32; parameters take the serving dtype, except those marked
@@ -64,7 +71,7 @@ def load_model(
         if not getattr(param, "keep_float32", False):
             param.data = param.data.to(dtype)
     if uses_blocked_layout(device, dtype, weight_format):
-        laid_out = lay_out_for_cpu(model, keep_weight_rows)
+        laid_out = lay_out_for_cpu(model, plan)
         logger.info("weights laid out for oneDNN's bfloat16 kernels: %.1f MiB", laid_out / 2**20)
     model.train(False).requires_grad_(False)
     if torch.device(device).type == "cpu":

@@ -120,6 +120,11 @@ class ServerArgs:
     num_threads: int | None = None
     """CPU threads for every forward pass; None: one thread or all of torch's, chosen per
     size of pass by measuring both as the server runs (``thread_policy.py``)."""
+    disable_adaptive_timing: bool = False
+    """Choose nothing by measuring time, so that a run repeats exactly: every CPU pass on
+    all of torch's threads (unless ``num_threads``), prompts chunked by
+    ``chunked_prefill_size`` alone (not paced by ``chunked_prefill_step_ms``), and float32
+    passes of one row on torch's product (not the one measured faster at start)."""
     trust_remote_code: bool = False
     """Allow model and tokenizer code shipped with the checkpoint to run."""
     trust_request_chat_template: bool = False

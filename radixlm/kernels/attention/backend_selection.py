@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.kernels.attention.attention_backend import AttentionBackend
+from radixlm.kernels.cpu_ops.execution_plan import TORCH_CHOICES, CpuExecutionPlan
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +108,14 @@ def resolve_backend_name(request: BackendRequest) -> str:
 def create_backend(
     name: str, device: torch.device, *, num_heads: int, num_kv_heads: int, head_dim: int,
     page_size: int, dtype: torch.dtype, scaling: float,
+    cpu_plan: CpuExecutionPlan = TORCH_CHOICES,
 ) -> AttentionBackend:
-    """Builds a resolved backend (see ``resolve_backend_name``) for a model's layers."""
+    """Builds a resolved backend (see ``resolve_backend_name``) for a model's layers
+    (``cpu_plan``: the model's CPU plan, which says where the fused kernels attend)."""
     if name == "torch_native":
         from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
 
-        return TorchNativeAttentionBackend()
+        return TorchNativeAttentionBackend(cpu_plan)
     if name == "triton":
         from radixlm.kernels.attention.triton_backend import (
             TritonAttentionBackend,

@@ -52,6 +52,7 @@ from radixlm.kernels.attention.shared_prefix_decode import (
     plan_runs,
 )
 from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.execution_plan import TORCH_CHOICES, CpuExecutionPlan
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -139,7 +140,10 @@ class TorchNativeAttentionBackend(AttentionBackend):
     supports_cuda_graph = False  # its layout and mask are built per batch, sized by the host
     uses_custom_kernels = False
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_plan: CpuExecutionPlan = TORCH_CHOICES) -> None:
+        """``cpu_plan``: the model's, which says where the fused kernels attend bfloat16
+        prompts (``CpuExecutionPlan.pair_kernels``)."""
+        self.cpu_plan = cpu_plan
         self._layout: _PaddedLayout | _InPoolExtend | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -150,7 +154,8 @@ class TorchNativeAttentionBackend(AttentionBackend):
         device = fb.input_ids.device
         kv_slots = fb.req_to_token[fb.req_pool_indices, :max_kv].contiguous()
         kernel = fused_ops.causal_prefill_attention(
-            *fb.kv_pool.get_kv(0)) if fb.mode is ForwardMode.EXTEND else None
+            *fb.kv_pool.get_kv(0), self.cpu_plan.pair_kernels
+        ) if fb.mode is ForwardMode.EXTEND else None
         if kernel is not None:
             self._layout = _InPoolExtend(kv_slots, kernel)
             return

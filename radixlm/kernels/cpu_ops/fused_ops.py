@@ -38,7 +38,7 @@ operations inside ``F.rms_norm`` (figures in benchmarks/RESULTS.md). The kernels
 - ``pair_matmul(x, pairs)`` (in ``pair_matmul.cpp``): bfloat16 rows against a weight laid
   out by column pairs (``models/layers/cpu_weight_layout.py``) on AVX-512 BF16 dot products,
   each row's products independent of the rows beside it;
-  ``pair_matmul_serves`` says where it serves; ``int8_pair_matmul(x, pairs, scales)``, the
+  ``pair_kernels_pay`` says where it serves; ``int8_pair_matmul(x, pairs, scales)``, the
   same over int8 weights by pairs (``int8wo`` there), widened to bfloat16 in registers;
   ``pair_matmul_silu(x, pairs)`` and ``int8_pair_matmul_silu(x, pairs, scales)``, a gated
   MLP's gate and up products taken straight to silu(gate) * up (``silu_mul``'s bits);
@@ -128,7 +128,6 @@ stay on the stack; ``max_value_dim`` in prefill_attention.h)."""
 _module: ModuleType | None = None
 _loaded: ModuleType | None = None  # kept across disable() / enable()
 _unavailable: str | None = None  # why they could not be built: not retried in this process
-_pair_kernels_pay = False  # see pair_matmul_serves and causal_prefill_attention
 _vectorized = False  # the kernels built on AVX2 or AVX-512 vectors (causal_prefill_attention)
 
 
@@ -146,14 +145,15 @@ def for_tensor(tensor: torch.Tensor) -> ModuleType | None:
     return _module
 
 
-def causal_prefill_attention(keys: torch.Tensor, values: torch.Tensor) -> Callable | None:
+def causal_prefill_attention(keys: torch.Tensor, values: torch.Tensor,
+                             pair_kernels: bool) -> Callable | None:
     """The kernels' ``paged_prefill_attention`` where it serves attention over ``keys`` (..., D)
     and ``values`` (..., D_v) (a KV pool's buffers), else None: the kernels on, a CPU, D even
     and D_v a multiple of 16, and
 
-    - bfloat16: D_v up to 128, a build with AVX-512 BF16 and a CPU without AMX (its flash
-      attention there runs on AMX tiles through oneDNN, and this kernel is not measured
-      there);
+    - bfloat16: D_v up to 128, where the plan runs bfloat16 on the kernels (``pair_kernels``,
+      ``execution_plan.CpuExecutionPlan``: a build with AVX-512 BF16 and a CPU without AMX,
+      whose flash attention runs on AMX tiles through oneDNN);
     - float32: D_v up to 256 and a build with AVX2 or AVX-512 vectors (the kernel in
       ``prefill_attention_float32.cpp``)."""
     module = for_tensor(keys)
@@ -163,25 +163,28 @@ def causal_prefill_attention(keys: torch.Tensor, values: torch.Tensor) -> Callab
     if dim % 2 or v_dim % 16:
         return None
     if keys.dtype == torch.bfloat16:
-        serves = _pair_kernels_pay and v_dim <= PREFILL_MAX_VALUE_DIM[torch.bfloat16]
+        serves = pair_kernels and v_dim <= PREFILL_MAX_VALUE_DIM[torch.bfloat16]
     else:
         serves = (keys.dtype == torch.float32 and _vectorized
                   and v_dim <= PREFILL_MAX_VALUE_DIM[torch.float32])
     return module.paged_prefill_attention if serves else None
 
 
-def pair_matmul_serves() -> bool:
-    """Whether the kernels' ``pair_matmul`` serves bfloat16 products here: the kernels on, a
-    build with AVX-512 BF16, and a CPU without AMX (oneDNN's kernels run on AMX tiles there,
-    and this one is not measured there)."""
-    return _module is not None and _pair_kernels_pay
+def pair_kernels_pay() -> bool:
+    """Whether the kernels' bfloat16 products by column pairs (and their bfloat16 prompt
+    attention) pay here: the kernels on, a build with AVX-512 BF16, and a CPU without AMX
+    (oneDNN's kernels run on AMX tiles there, and these are not measured there). A fact of
+    the build and the CPU, read once by the runner's plan
+    (``execution_plan.CpuExecutionPlan.pair_kernels``)."""
+    return (_module is not None and _module.prefill_attention_available()
+            and _module.pair_matmul_available() and "amx_bf16" not in _cpu_flags())
 
 
 def enable() -> bool:
     """Builds (first time on this machine) or loads the kernels and turns them on for this
     process; returns whether they are on. Where they cannot be built, one warning says why
     (once a process) and torch's operations stay."""
-    global _module, _loaded, _unavailable, _pair_kernels_pay, _vectorized
+    global _module, _loaded, _unavailable, _vectorized
     if _loaded is None and _unavailable is None:
         _unavailable = _missing_tool()
         if _unavailable is None:
@@ -195,10 +198,7 @@ def enable() -> bool:
             logger.warning("fused CPU kernels unavailable, using torch's operations: %s",
                            _unavailable)
     _module = _loaded
-    flags = _cpu_flags()
-    _pair_kernels_pay = (_module is not None and _module.prefill_attention_available()
-                         and _module.pair_matmul_available() and "amx_bf16" not in flags)
-    _vectorized = _vector_capability(flags) != ["-DCPU_CAPABILITY=DEFAULT"]
+    _vectorized = _vector_capability(_cpu_flags()) != ["-DCPU_CAPABILITY=DEFAULT"]
     return _module is not None
 
 

@@ -94,7 +94,7 @@ class FusedDecodeLayer:
         ``dtype`` (``Linear.fused_projection``), or None where one runs none of the kernels.
         Kept per (rows, dtype) while every projection holds the weight it held then (a
         weight packed or laid out anew is asked again): nothing else they depend on changes
-        between decode steps (``row_invariant_products``, which oneDNN's layout heeds, is
+        between decode steps (the plan's ``prompt_pass``, which oneDNN's layout heeds, is
         only entered for prompt passes)."""
         weights = self.weights()
         known = self._known.get((rows, dtype))

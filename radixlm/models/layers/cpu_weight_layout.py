@@ -12,23 +12,29 @@ experts of MoE layers get the layout too, one weight per expert and projection: 
 Mixtral-like experts scaled down (8 experts, hidden 1024, intermediate 2816) the gate/up
 and the down products of an expert at one row are faster laid out too.
 
-Where the runner asks (``keep_rows``: the fused CPU kernels on, and
-``disable_cpu_weight_rows`` not set), the kernels get copies of their own:
+Where the runner's plan asks (``CpuExecutionPlan.keep_rows``: the fused CPU kernels on,
+and ``disable_cpu_weight_rows`` not set), the kernels get copies of their own:
 
-- On CPUs with AVX-512 BF16 and no AMX (``fused_ops.pair_matmul_serves``), each weight whose
+- Where the plan runs bfloat16 on the kernels' column pairs (``CpuExecutionPlan.pair_kernels``:
+  AVX-512 BF16 and no AMX), each weight whose
   out features are a multiple of 16 and in features even is laid out by column pairs
   (``PairedWeight``) *instead of* oneDNN's layout, and every pass runs the kernels'
   ``pair_matmul``: on a 2-core Zen 4, all the default model's weights, 2 threads, it was
   faster than oneDNN from one row to 512, most at few rows. Its products of a row do not
   depend on the pass's other
-  rows, so prompt passes keep the property ``row_invariant_products`` asks for. A gated
+  rows, so prompt passes keep the property ``CpuExecutionPlan.prompt_pass`` asks for. A gated
   MLP's gate_up weight also serves ``gated_matmul`` (``pair_matmul_silu``).
 - Elsewhere, passes of up to ``FEW_ROWS`` rows (decode steps of small batches) run the
   kernels' ``dense_matmul`` over the plain (out, in) rows, which ask for the weights ahead
   of where they read (default model, all weights, an AMX CPU: faster than oneDNN at 1, 2
   and 4 rows, slower at 8). Those
   rows are kept beside the blocked copy, which doubles the projections' memory. Prompt
-  passes stay on oneDNN whatever their rows (``row_invariant_products``).
+  passes stay on oneDNN whatever their rows (``CpuExecutionPlan.prompt_pass``): oneDNN's
+  products do not depend on a pass's rows (bitwise equal at 1, 16 and 512), so the few new
+  tokens of a prompt after a cache hit get the hidden states, and the KV, that a pass over
+  the whole prompt computes for them. (The few-row kernel rounds its bfloat16 outputs from
+  other sums; at a tie between bfloat16 logits, which the default model's answer to a chat
+  question starts with, that was enough to change a greedy reply.)
 
 Applies to bfloat16 models on CPUs whose torch has oneDNN with bfloat16 support, when no
 weight-only format (``weight_formats.py``) packs the weights instead; float32 is left to
@@ -39,9 +45,7 @@ change; the layout is opaque, so nothing may read a laid-out layer's ``weight``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.execution_plan import CpuExecutionPlan
 from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.models.layers.column_layouts import (
     by_column_pairs,
@@ -64,7 +69,6 @@ from radixlm.models.layers.weight_formats import (
 )
 
 FEW_ROWS = 4  # the most rows a pass multiplies over kept rows
-_few_row_kernels = True  # False inside row_invariant_products()
 
 
 def uses_blocked_layout(device: torch.device | str, dtype: torch.dtype,
@@ -78,30 +82,34 @@ def uses_blocked_layout(device: torch.device | str, dtype: torch.dtype,
 
 @dataclass(eq=False)
 class BlockedWeight(PackedWeight):
-    """A bfloat16 (out, in) weight in oneDNN's blocked layout (an opaque tensor), and
-    optionally its plain rows for passes of up to ``FEW_ROWS`` rows, which the fused CPU
-    kernels' ``dense_matmul`` multiplies faster where they are on (outside
-    ``row_invariant_products``: not in prompt passes)."""
+    """A bfloat16 (out, in) weight in oneDNN's blocked layout (an opaque tensor), and, where
+    the plan keeps them, its plain rows for passes of up to ``FEW_ROWS`` rows, which the
+    fused CPU kernels' ``dense_matmul`` multiplies faster where they are on (not in prompt
+    passes: ``CpuExecutionPlan.prompt_pass``)."""
 
     weight: torch.Tensor  # (out, in), layout torch._mkldnn
+    plan: CpuExecutionPlan
     rows: torch.Tensor | None = None  # (out, in) bfloat16, contiguous
     rows_hint = 1  # the batch size oneDNN picks the blocking for: decode's one row
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, keep_rows: bool = False) -> BlockedWeight:
+    def pack(cls, weight: torch.Tensor, plan: CpuExecutionPlan) -> BlockedWeight:
         weight = weight.detach()
         blocked = torch.ops.mkldnn._reorder_linear_weight(weight, cls.rows_hint)
-        return cls(blocked, weight.contiguous() if keep_rows else None)
+        return cls(blocked, plan, weight.contiguous() if plan.keep_rows else None)
+
+    def _few_rows(self, rows: int) -> bool:
+        return self.rows is not None and rows <= FEW_ROWS and not self.plan.prompt_pass
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows is not None and x.shape[0] <= FEW_ROWS and _few_row_kernels:
+        if self._few_rows(x.shape[0]):
             kernels = fused_ops.for_tensor(x)
             if kernels is not None:
                 return kernels.dense_matmul(x, self.rows)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
 
     def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
-        if self.rows is not None and rows <= FEW_ROWS and _few_row_kernels:
+        if self._few_rows(rows):
             return FusedProjection.of(ProjectionKernel.DENSE, self.rows)
         return None  # oneDNN's product: not one of the kernels'
 
@@ -155,39 +163,20 @@ class PairedWeight(PackedWeight):
         return self.pairs.numel() * self.pairs.element_size()
 
 
-@contextlib.contextmanager
-def row_invariant_products(active: bool = True) -> Iterator[None]:
-    """While ``active``, passes over laid-out weights all run on oneDNN, whose products do
-    not depend on a pass's number of rows (bitwise equal at 1, 16 and 512), so the few new
-    tokens of a prompt after a cache hit get the hidden states, and the KV, that a pass over
-    the whole prompt computes for them: the runner runs prompt (extend) passes so. (The
-    few-row kernel rounds its bfloat16 outputs from other sums; at a tie between bfloat16
-    logits, which the default model's answer to a chat question starts with, that was enough
-    to change a greedy reply.) Process-wide: forward passes must not overlap."""
-    global _few_row_kernels
-    before = _few_row_kernels
-    _few_row_kernels = before and not active
-    try:
-        yield
-    finally:
-        _few_row_kernels = before
-
-
-def lay_out_for_cpu(model: nn.Module, keep_rows: bool = False) -> int:
+def lay_out_for_cpu(model: nn.Module, plan: CpuExecutionPlan) -> int:
     """Reorders the projections' and the output head's bfloat16 weights into oneDNN's
     layout, and the MoE layers' routed experts too (``uses_blocked_layout`` must hold);
-    ``keep_rows``: the fused kernels' own copies, column pairs instead of oneDNN's layout
-    where ``pair_matmul`` serves and the weight fits (``PairedWeight``), else plain rows
-    beside it for few-row passes (``BlockedWeight``). Returns their bytes (a tied head's
-    rows are the embedding's own, counted once more)."""
+    where ``plan.keep_rows``, the fused kernels get their own copies: column pairs instead
+    of oneDNN's layout where the plan runs them (``plan.pair_kernels``) and the weight fits
+    (``PairedWeight``), else plain rows beside it for few-row passes (``BlockedWeight``).
+    Returns their bytes (a tied head's rows are the embedding's own, counted once more)."""
     experts = [m for m in model.modules() if isinstance(m, StackedExperts)]
-    pairs = keep_rows and fused_ops.pair_matmul_serves()
-    pack = functools.partial(_pack, pairs=pairs, keep_rows=keep_rows)
+    pack = functools.partial(_pack, plan=plan)
     return pack_each_weight(model, pack) + sum(
         module.pack_expert_weights(pack) for module in experts)
 
 
-def _pack(weight: torch.Tensor, pairs: bool, keep_rows: bool) -> PackedWeight:
-    if pairs and PairedWeight.fits(weight):
+def _pack(weight: torch.Tensor, plan: CpuExecutionPlan) -> PackedWeight:
+    if plan.keep_rows and plan.pair_kernels and PairedWeight.fits(weight):
         return PairedWeight.pack(weight)
-    return BlockedWeight.pack(weight, keep_rows=keep_rows)
+    return BlockedWeight.pack(weight, plan)

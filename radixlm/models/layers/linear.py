@@ -8,7 +8,8 @@ holds the matching slice of the next projection's columns and sums the partial o
 After loading, a weight-only format (``weight_formats.py``) may replace a layer's weight
 with a packed one; the layer then multiplies through it. An unpacked layer multiplies
 through ``weight_formats.plain_matmul`` (``F.linear``, or on CPUs the fused kernels for
-float32 passes of a few rows).
+float32 passes of a few rows). Every layer holds the model's CPU plan (``plan``, set by the
+loader: ``kernels/cpu_ops/execution_plan.py``), which says which kernel multiplies what.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import itertools
 import torch
 from torch import nn
 
+from radixlm.kernels.cpu_ops.execution_plan import TORCH_CHOICES, CpuExecutionPlan
 from radixlm.models.layers.compiled_ops import packed_matmul
 from radixlm.models.layers.tensor_parallel import TensorParallel
 from radixlm.models.layers.weight_formats import (
@@ -37,18 +39,20 @@ class Linear(nn.Linear):
     packed: PackedWeight | None = None
     packed_key: int = -1
     """The packed weight's key in a compiled pass's table (``compiled_ops.compiled_pass``)."""
+    plan: CpuExecutionPlan = TORCH_CHOICES
+    """The model's CPU plan (the loader sets it; a packed weight got it when packed)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> (T, out)."""
         if self.packed is None:
-            return plain_matmul(x, self.weight, self.bias)
+            return plain_matmul(x, self.weight, self.bias, self.plan.float32_fused_rows)
         y = self.project(x)
         return y if self.bias is None else y + self.bias
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> x @ weight.T (T, out), without the bias."""
         if self.packed is None:
-            return plain_matmul(x, self.weight)
+            return plain_matmul(x, self.weight, fused_rows=self.plan.float32_fused_rows)
         if torch.compiler.is_compiling():
             return packed_matmul(x, self.packed_key, self.out_features)
         return self.packed.matmul(x)
@@ -58,7 +62,8 @@ class Linear(nn.Linear):
         ``dtype`` while the fused CPU kernels are on (for their ``decode_layer``), or None
         where it takes a path that one does not have (``PackedWeight.fused_projection``)."""
         if self.packed is None:
-            return plain_fused_projection(self.weight, rows, dtype)
+            return plain_fused_projection(self.weight, rows, dtype,
+                                          self.plan.float32_fused_rows)
         return self.packed.fused_projection(rows, dtype)
 
     def pack_weight(self, packer) -> int:

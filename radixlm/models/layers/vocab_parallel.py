@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.kernels.cpu_ops.execution_plan import TORCH_CHOICES, CpuExecutionPlan
 from radixlm.models.layers import tensor_parallel
 from radixlm.models.layers.weight_formats import PackedWeight, plain_matmul
 
@@ -24,6 +25,8 @@ class VocabParallelEmbedding(nn.Module):
     (through ``packed``, a weight-only copy of the matrix, when one was made)."""
 
     packed: PackedWeight | None = None
+    plan: CpuExecutionPlan = TORCH_CHOICES
+    """The model's CPU plan (the loader sets it)."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
@@ -46,7 +49,8 @@ class VocabParallelEmbedding(nn.Module):
         """hidden (N, hidden) -> float32 logits (N, vocab_size), on every rank (a
         collective: every rank calls it with the same rows)."""
         if self.packed is None:
-            local = plain_matmul(hidden, self.weight)  # (N, vocab / tp)
+            local = plain_matmul(hidden, self.weight,  # (N, vocab / tp)
+                                 fused_rows=self.plan.float32_fused_rows)
         else:
             local = self.packed.matmul(hidden)
         if self.tp.size > 1:

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.execution_plan import FLOAT32_FUSED_ROWS
 from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.models.layers.column_layouts import (
     by_column_blocks,
@@ -75,9 +76,6 @@ between passes as a decode step would) were faster on the kernel up to 160 token
 slower from 192; decode steps of 33-64 requests, which widened every weight at the former
 limit of 32 rows, and the output head at 64 and 128 rows, faster. Figures in
 benchmarks/RESULTS.md."""
-FLOAT32_FUSED_ROWS = range(3, 17)
-FLOAT32_FUSED_ROWS_FROM_ONE = range(1, 17)
-_float32_fused_rows = FLOAT32_FUSED_ROWS  # see fuse_float32_matrix_vector
 INT8_KERNEL_MAX_ROWS = 32
 INT8_KERNEL_MAX_ROWS_BF16 = 16
 INT8_FUSED_MAX_ROWS_FLOAT32 = 128
@@ -97,23 +95,20 @@ def half_fused_max_rows(dtype: torch.dtype) -> int:
     return HALF_FUSED_MAX_ROWS_FLOAT32 if dtype == torch.float32 else HALF_FUSED_MAX_ROWS
 
 
-def plain_matmul(x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+def plain_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 fused_rows: range = FLOAT32_FUSED_ROWS) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for an unpacked weight, x (T, in): float32 passes of
-    ``FLOAT32_FUSED_ROWS`` rows on a CPU run the fused kernels' ``dense_matmul`` where they
-    are on, else ``F.linear``. torch's float32 GEMM is slow for 3-16 rows (on a 2-core AMX
-    CPU slower than the kernel from 4 to 16 rows, faster at 32; a whole float32 decode step
-    at batch 4 and 16 a fifth faster on the kernel). At one row torch's matrix-vector kernel
-    is the faster there, at two they are even; on a 2-core Zen 4 it is the slower, by about
-    half at one row and more at two, so the runner measures which
-    (``fuse_float32_matrix_vector``). Figures in benchmarks/RESULTS.md."""
+    ``fused_rows`` rows (the layer's plan's ``float32_fused_rows``) on a CPU run the fused
+    kernels' ``dense_matmul`` where they are on, else ``F.linear``. torch's float32 GEMM is
+    slow for 3-16 rows; at one and two rows which is faster differs between CPUs, so the
+    runner measures it (``execution_plan``). Figures in benchmarks/RESULTS.md."""
     kernels = fused_ops.for_tensor(x)  # (None while torch.compile traces: reads no shape)
     if (kernels is None and torch.compiler.is_compiling() and fused_ops.active() is not None
             and x.device.type == "cpu"):
-        out = kernel_matmul(x, weight)  # (an opaque call: the kernels decide when it runs)
+        out = kernel_matmul(x, weight, fused_rows.start)  # (the kernels decide when it runs)
         return out if bias is None else out + bias
     if (kernels is not None and x.dtype == torch.float32 and x.dim() == 2
-            and x.shape[0] in _float32_fused_rows
+            and x.shape[0] in fused_rows
             and weight.dtype == torch.float32 and weight.is_contiguous()):
         out = kernels.dense_matmul(x, weight)
         return out if bias is None else out.add_(bias)
@@ -121,14 +116,16 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor,
 
 
 @torch.library.custom_op("radixlm::kernel_matmul", mutates_args=())
-def kernel_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``plain_matmul(x, weight)`` as one operator a graph traced by torch.compile holds as
-    a call (``compiled_ops.py``): x (T, in), weight (out, in) -> (T, out), contiguous."""
-    return plain_matmul(x, weight).contiguous()
+def kernel_matmul(x: torch.Tensor, weight: torch.Tensor, first_fused_row: int) -> torch.Tensor:
+    """``plain_matmul(x, weight)`` with float32 passes of ``first_fused_row`` to 16 rows on
+    the kernels, as one operator a graph traced by torch.compile holds as a call
+    (``compiled_ops.py``): x (T, in), weight (out, in) -> (T, out), contiguous."""
+    fused_rows = range(first_fused_row, FLOAT32_FUSED_ROWS.stop)
+    return plain_matmul(x, weight, fused_rows=fused_rows).contiguous()
 
 
 @kernel_matmul.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, first_fused_row: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -146,26 +143,13 @@ class FusedProjection(NamedTuple):
         return cls(kernel, weight, weight.new_empty(0) if scales is None else scales)
 
 
-def plain_fused_projection(weight: torch.Tensor, rows: int,
-                           dtype: torch.dtype) -> FusedProjection:
+def plain_fused_projection(weight: torch.Tensor, rows: int, dtype: torch.dtype,
+                           fused_rows: range) -> FusedProjection:
     """What ``plain_matmul`` runs for ``rows`` rows of ``dtype`` with the kernels on."""
-    if (dtype == torch.float32 and rows in _float32_fused_rows
+    if (dtype == torch.float32 and rows in fused_rows
             and weight.dtype == torch.float32 and weight.is_contiguous()):
         return FusedProjection.of(ProjectionKernel.DENSE, weight)
     return FusedProjection.of(ProjectionKernel.TORCH_LINEAR, weight)
-
-
-def fuse_float32_matrix_vector(active: bool) -> None:
-    """Whether float32 passes of one and two rows run the kernels' ``dense_matmul`` too
-    (``FLOAT32_FUSED_ROWS_FROM_ONE``), not torch's matrix-vector kernel: the CPU runner sets
-    it by measuring both (``cpu_matmul_path.choose_float32_matrix_vector``). Process-wide."""
-    global _float32_fused_rows
-    _float32_fused_rows = FLOAT32_FUSED_ROWS_FROM_ONE if active else FLOAT32_FUSED_ROWS
-
-
-def float32_fused_rows() -> range:
-    """The row counts of float32 passes that run ``dense_matmul`` (kernels on)."""
-    return _float32_fused_rows
 
 
 def int8_kernel_max_rows(dtype: torch.dtype, fused: bool) -> int:

@@ -12,8 +12,9 @@ bfloat16 without a weight-only format) oneDNN is faster for one row too, and not
 bypassed (default model, AMX CPU, 2 threads: a bf16 decode step is faster without the
 bypass than with it, and both faster than before the layout).
 
-The switch is torch's process-wide ``torch.backends.mkldnn.enabled``: forward passes of a
-runner must not overlap (the scheduler runs them one at a time).
+The switch is torch's process-wide ``torch.backends.mkldnn.enabled``, flipped for a pass by
+the plan's ``pass_scope``: forward passes of a runner must not overlap (the scheduler runs
+them one at a time).
 
 A float32 pass of one or two rows (batch-1 and -2 decode) runs either torch's matrix-vector
 kernel (MKL's) or the fused kernels' ``dense_matmul``, whichever is the faster here, which
@@ -21,21 +22,26 @@ differs between CPUs: on a 2-core AMX CPU torch's, on a 2-core Zen 4 the kernels
 kernel took no less time on two threads than on one there; figures in
 benchmarks/RESULTS.md).
 ``choose_float32_matrix_vector`` measures both once a process, on a weight larger than the
-CPU's caches, and sets the weights' path (``weight_formats.fuse_float32_matrix_vector``).
+CPU's caches.
+
+``build_cpu_plan`` puts these choices, and the CPU's, into the runner's
+``CpuExecutionPlan`` (``kernels/cpu_ops/execution_plan.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from radixlm.kernels.cpu_ops import fused_ops
-from radixlm.models.layers import weight_formats
+from radixlm.kernels.cpu_ops.execution_plan import (
+    FLOAT32_FUSED_ROWS,
+    FLOAT32_FUSED_ROWS_FROM_ONE,
+    CpuExecutionPlan,
+)
 from radixlm.models.layers.cpu_weight_layout import uses_blocked_layout
 
 logger = logging.getLogger(__name__)
@@ -58,25 +64,29 @@ def uses_matrix_vector_path(device: torch.device, dtype: torch.dtype,
             and torch.backends.mkldnn.is_available())
 
 
-@contextlib.contextmanager
-def matrix_vector_path(active: bool) -> Iterator[None]:
-    """Runs the block with oneDNN disabled when ``active`` (then restores the setting)."""
-    if not active or not torch.backends.mkldnn.enabled:
-        yield
-        return
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = True
+def build_cpu_plan(device: torch.device, dtype: torch.dtype, weight_format: str | None,
+                   kernels_on: bool, keep_rows: bool, measure: bool) -> CpuExecutionPlan:
+    """The plan of a model's CPU passes: the kernels' column pairs where they pay on this CPU,
+    their own weight copies where ``keep_rows`` (and the kernels are on), the one-row oneDNN
+    bypass, and, in float32 where ``measure``, the one-row product measured faster here
+    (else torch's)."""
+    if device.type != "cpu":
+        return CpuExecutionPlan()
+    one_row_kernel = (kernels_on and measure and dtype == torch.float32
+                      and choose_float32_matrix_vector())
+    return CpuExecutionPlan(
+        pair_kernels=kernels_on and fused_ops.pair_kernels_pay(),
+        keep_rows=kernels_on and keep_rows,
+        float32_fused_rows=FLOAT32_FUSED_ROWS_FROM_ONE if one_row_kernel else FLOAT32_FUSED_ROWS,
+        one_row_bypass=uses_matrix_vector_path(device, dtype, weight_format),
+    )
 
 
 def choose_float32_matrix_vector() -> bool:
     """Measures (once a process; later calls return the first answer) whether the fused
     kernels' ``dense_matmul`` multiplies one float32 row faster than torch's ``F.linear``
-    here, by a clear margin (``KERNEL_MARGIN``), and sets float32 passes of one and two rows
-    to run on it if so; returns the choice. False, without measuring, where the kernels are
-    off."""
+    here, by a clear margin (``KERNEL_MARGIN``). False, without measuring, where the kernels
+    are off."""
     global _float32_choice
     if _float32_choice is None:
         kernels = fused_ops.active()
@@ -87,7 +97,6 @@ def choose_float32_matrix_vector() -> bool:
         logger.info("float32 one-row matmul, %d x %d weight: torch %.2f ms, fused kernel "
                     "%.2f ms: %s's", *PROBE_SHAPE, torch_s * 1e3, kernel_s * 1e3,
                     "the kernel" if _float32_choice else "torch")
-    weight_formats.fuse_float32_matrix_vector(_float32_choice)
     return _float32_choice
 
 

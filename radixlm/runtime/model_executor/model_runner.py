@@ -27,7 +27,6 @@ from radixlm.kv_cache.memory_pool import (
     index_copy_rows,
 )
 from radixlm.models.layers.attention import PagedAttention
-from radixlm.models.layers.cpu_weight_layout import row_invariant_products
 from radixlm.models.layers.moe_experts import StackedExperts
 from radixlm.models.layers.tensor_parallel import SINGLE
 from radixlm.models.layers.weight_storage import SIXTEEN_BIT_STORAGE
@@ -37,12 +36,8 @@ from radixlm.runtime.model_executor.compiled_decode import (
     CompiledDecodeRunner,
     compile_decode,
 )
-from radixlm.runtime.model_executor.cpu_matmul_path import (
-    choose_float32_matrix_vector,
-    matrix_vector_path,
-    uses_matrix_vector_path,
-)
 from radixlm.runtime.model_executor.cpu_decode_runner import CpuDecodeRunner
+from radixlm.runtime.model_executor.cpu_matmul_path import build_cpu_plan
 from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
 from radixlm.runtime.model_executor.rank_processes import LocalRanks
 from radixlm.runtime.model_executor.tensor_parallel_ranks import (
@@ -82,7 +77,8 @@ class ModelRunner:
         self._fixed_threads = args.num_threads
         if args.tp_size > 1 and self._fixed_threads is None:
             self._fixed_threads = threads_per_rank(args.tp_size, args.nnodes)
-        if self._fixed_threads is None and self.device.type == "cpu":
+        if (self._fixed_threads is None and self.device.type == "cpu"
+                and not args.disable_adaptive_timing):
             self.thread_policy = ThreadPolicy(PROCESS_THREADS)
         self.context_length = args.context_length or model_config.max_position_embeddings
         self.tp, self.cpu_group = SINGLE, None
@@ -91,14 +87,14 @@ class ModelRunner:
         if args.tp_size > 1:
             self._join_ranks(model_config, rank)
         self.weight_format = args.weight_format()
-        self._one_row_bypass = uses_matrix_vector_path(self.device, self.dtype,
-                                                       self.weight_format)
         self.fused_cpu_kernels = self._use_fused_cpu_kernels()
-        if self.fused_cpu_kernels and self.dtype == torch.float32:
-            choose_float32_matrix_vector()
+        self.cpu_plan = build_cpu_plan(
+            self.device, self.dtype, self.weight_format, self.fused_cpu_kernels,
+            keep_rows=not args.disable_cpu_weight_rows, measure=not args.disable_adaptive_timing)
+        """Which kernel runs each CPU product (``kernels/cpu_ops/execution_plan.py``)."""
         self.model = load_model(model_config, self.dtype, self.device, self.context_length,
                                 self.tp, self.weight_format or self._auto_weight_storage(),
-                                self.fused_cpu_kernels and not args.disable_cpu_weight_rows)
+                                self.cpu_plan)
         self.max_total_tokens = self._kv_pool_tokens()
         if self.cpu_group is not None:
             self.max_total_tokens = agree_on_pool_size(self.max_total_tokens, self.cpu_group)
@@ -134,12 +130,11 @@ class ModelRunner:
             self.step_sender.send_step(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         compiled = self.compiled_decode is not None and self.compiled_decode.can_run(forward_batch)
-        one_row = self._one_row_bypass and len(forward_batch.input_ids) == 1
         extend = forward_batch.mode is ForwardMode.EXTEND
 
         def run() -> torch.Tensor:
-            with (torch.inference_mode(), matrix_vector_path(one_row),
-                  row_invariant_products(extend)):
+            with (torch.inference_mode(),
+                  self.cpu_plan.pass_scope(len(forward_batch.input_ids), prompt=extend)):
                 if compiled:  # (at the thread count it was compiled for)
                     hidden = self._run_compiled(forward_batch)
                     if hidden is not None:
@@ -218,8 +213,7 @@ class ModelRunner:
         """hidden (N, H) -> float32 logits (N, vocab) (with the other ranks' shares)."""
         if self.step_sender is not None:
             self.step_sender.send_logits(hidden)
-        one_row = self._one_row_bypass and hidden.shape[0] == 1
-        with torch.inference_mode(), matrix_vector_path(one_row):
+        with torch.inference_mode(), self.cpu_plan.pass_scope(hidden.shape[0], prompt=False):
             return self.model.compute_logits(hidden)
 
     def make_forward_batch(
@@ -328,6 +322,7 @@ class ModelRunner:
             self.attention_backend_name, self.device, num_heads=layer.num_heads,
             num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
             page_size=self.args.page_size, dtype=self.dtype, scaling=layer.scaling,
+            cpu_plan=self.cpu_plan,
         )
 
     def _use_fused_cpu_kernels(self) -> bool:

@@ -85,7 +85,7 @@ class Scheduler:
         self.state = state = SchedulerState(sampler.new_batch(runner.device),
                                             args.init_new_token_ratio)
         self.grammar_queue = GrammarQueue(sampler.grammar_backend)
-        step_ms = args.chunked_prefill_step_ms
+        step_ms = None if args.disable_adaptive_timing else args.chunked_prefill_step_ms
         self.prefill_pace = PrefillPace(args.chunked_prefill_size,
                                         None if step_ms is None else step_ms / 1000)
         self.batches = StepBatches(state, memory, runner)

@@ -17,6 +17,7 @@ from radixlm.kernels.attention.torch_native_backend import (
     _InPoolExtend,
 )
 from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.execution_plan import CpuExecutionPlan
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
 from radixlm.kv_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
@@ -220,7 +221,10 @@ def test_extends_attend_through_the_prefill_kernel(case, dtype, layout_choice):
     was_on = fused_ops.active() is not None
     enable_or_skip()
     try:
-        if fused_ops.causal_prefill_attention(*batch.kv_pool.get_kv(LAYER)) is None:
+        plan = CpuExecutionPlan(pair_kernels=fused_ops.pair_kernels_pay())  # the runner's
+        batch.attn_backend.cpu_plan = plan
+        if fused_ops.causal_prefill_attention(*batch.kv_pool.get_kv(LAYER),
+                                              plan.pair_kernels) is None:
             pytest.skip("the prefill kernel does not serve on this CPU")
         before_k = batch.kv_pool.k_buffers[LAYER].clone()
         before_v = batch.kv_pool.v_buffers[LAYER].clone()

@@ -141,9 +141,9 @@ def test_the_int8_kernel_rejects_arguments_that_do_not_fit(kernel, kernels):
 
 def test_it_serves_where_amx_does_not_run_onednn(kernel):
     """With the kernels on, on a CPU without AMX (oneDNN's own kernels run on its tiles)."""
-    assert fused_ops.pair_matmul_serves() == ("amx_bf16" not in fused_ops._cpu_flags())
+    assert fused_ops.pair_kernels_pay() == ("amx_bf16" not in fused_ops._cpu_flags())
     fused_ops.disable()
     try:
-        assert not fused_ops.pair_matmul_serves()
+        assert not fused_ops.pair_kernels_pay()
     finally:
         fused_ops.enable()

@@ -166,16 +166,19 @@ def test_the_backend_takes_them_only_where_they_serve(kernels):
     keys = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
     in_bfloat16 = (kernels.prefill_attention_available() and kernels.pair_matmul_available()
                    and "amx_bf16" not in flags)
-    assert (fused_ops.causal_prefill_attention(keys, keys) is not None) == in_bfloat16
+    assert fused_ops.pair_kernels_pay() == in_bfloat16
+    pays = fused_ops.pair_kernels_pay()
+    assert (fused_ops.causal_prefill_attention(keys, keys, pays) is not None) == in_bfloat16
+    assert fused_ops.causal_prefill_attention(keys, keys, False) is None  # the plan says no
     vectorized = fused_ops._vector_capability(flags) != ["-DCPU_CAPABILITY=DEFAULT"]
     wide = keys.float()
-    assert (fused_ops.causal_prefill_attention(wide, wide) is not None) == vectorized
-    assert fused_ops.causal_prefill_attention(keys.half(), keys.half()) is None
-    assert fused_ops.causal_prefill_attention(keys, wide) is None
+    assert (fused_ops.causal_prefill_attention(wide, wide, pays) is not None) == vectorized
+    assert fused_ops.causal_prefill_attention(keys.half(), keys.half(), pays) is None
+    assert fused_ops.causal_prefill_attention(keys, wide, pays) is None
     for pool in (keys, wide):
-        assert fused_ops.causal_prefill_attention(pool, pool[..., :40]) is None
+        assert fused_ops.causal_prefill_attention(pool, pool[..., :40], pays) is None
         latent = torch.zeros(8, 1, 576, dtype=pool.dtype)  # MLA: values of 512 dims
-        assert fused_ops.causal_prefill_attention(latent, latent[..., :512]) is None
+        assert fused_ops.causal_prefill_attention(latent, latent[..., :512], pays) is None
 
 
 # (new tokens, all keys) of each sequence of a paged batch: fresh prompts, prompts after

@@ -63,8 +63,9 @@ def test_a_packed_projection_inside_a_compiled_pass_is_its_eager_call():
 
 def test_the_kernel_matmul_is_plain_matmul():
     x, weight = torch.randn(4, 24), torch.randn(8, 24)
-    out = kernel_matmul(x, weight)
-    assert out.is_contiguous() and torch.equal(out, plain_matmul(x, weight))
+    for first in (1, 3):
+        out = kernel_matmul(x, weight, first)
+        assert out.is_contiguous() and torch.equal(out, plain_matmul(x, weight))
 
 
 def test_outside_a_compiled_pass_the_operators_refuse():

@@ -12,6 +12,11 @@ import torch
 from fused_kernels import enable_or_skip
 
 from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.execution_plan import (
+    FLOAT32_FUSED_ROWS_FROM_ONE,
+    TORCH_CHOICES,
+    CpuExecutionPlan,
+)
 from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.kernels.forward_batch import ForwardMode
 from radixlm.models.layers.cpu_decode_layer import FusedDecodeLayer
@@ -24,8 +29,6 @@ from radixlm.models.layers.weight_formats import (
     ConversionBuffer,
     HalfWeight,
     Int8Weight,
-    float32_fused_rows,
-    fuse_float32_matrix_vector,
 )
 from radixlm.models.layers.weight_storage import BlockedWeight
 from radixlm.models.model_config import ModelConfig
@@ -45,7 +48,7 @@ def kernels_on():
 
 @pytest.fixture(scope="module")
 def pairs_serve(kernels_on):
-    if not fused_ops.pair_matmul_serves():
+    if not fused_ops.pair_kernels_pay():
         pytest.skip("the fused kernels' pair_matmul does not serve on this CPU")
 
 
@@ -183,8 +186,7 @@ def test_fused_steps_of_other_formats_equal_the_module_path_to_the_bit(
             PROMPTS[-requests:], dtype=dtype, quantization=quantization)
     finally:
         cpu_matmul_path._float32_choice = measured
-        fuse_float32_matrix_vector(bool(measured))
-    if kernel is ProjectionKernel.INT8_PAIRS and not fused_ops.pair_matmul_serves():
+    if kernel is ProjectionKernel.INT8_PAIRS and not fused_ops.pair_kernels_pay():
         kernel = ProjectionKernel.INT8
     assert used == [kernel] * 4
 
@@ -252,9 +254,10 @@ def test_the_stack_gathers_its_operands_anew_when_a_weight_changes(kernels_on, t
 def test_a_projection_names_the_kernel_its_matmul_runs():
     linear = Linear(32, 48, bias=False)
     weight = linear.weight.detach()
-    one_row = (ProjectionKernel.DENSE if 1 in float32_fused_rows()
-               else ProjectionKernel.TORCH_LINEAR)  # as measured (cpu_matmul_path)
-    assert linear.fused_projection(1, torch.float32).kernel is one_row
+    assert linear.plan is TORCH_CHOICES  # no runner planned it: torch's one-row product
+    assert linear.fused_projection(1, torch.float32).kernel is ProjectionKernel.TORCH_LINEAR
+    linear.plan = CpuExecutionPlan(float32_fused_rows=FLOAT32_FUSED_ROWS_FROM_ONE)
+    assert linear.fused_projection(1, torch.float32).kernel is ProjectionKernel.DENSE
     assert linear.fused_projection(3, torch.float32).kernel is ProjectionKernel.DENSE
     assert linear.fused_projection(17, torch.float32).kernel is ProjectionKernel.TORCH_LINEAR
     assert linear.fused_projection(3, torch.bfloat16).kernel is ProjectionKernel.TORCH_LINEAR

@@ -6,6 +6,8 @@ as transformers' bfloat16 does."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,11 +15,11 @@ from fused_kernels import enable_or_skip
 from tiny_models import reference_model
 
 from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.execution_plan import CpuExecutionPlan
 from radixlm.models.layers.cpu_weight_layout import (
     FEW_ROWS,
     BlockedWeight,
     PairedWeight,
-    row_invariant_products,
     uses_blocked_layout,
 )
 from radixlm.models.layers.linear import Linear
@@ -55,7 +57,7 @@ def test_a_laid_out_weight_multiplies_as_f_linear_does(kernels_on, rows, keep_ro
     """Through oneDNN, or (kept rows, up to FEW_ROWS) the fused kernels' dense_matmul."""
     torch.manual_seed(rows)
     weight = (torch.randn(192, 160) * 0.05).bfloat16()
-    blocked = BlockedWeight.pack(weight, keep_rows=keep_rows)
+    blocked = BlockedWeight.pack(weight, CpuExecutionPlan(keep_rows=keep_rows))
     assert torch.equal(blocked.dequantized(), weight.float())
     assert blocked.nbytes() == 192 * 160 * 2 * (2 if keep_rows else 1)
     assert (blocked.rows is not None) == keep_rows
@@ -68,23 +70,29 @@ def test_a_laid_out_weight_multiplies_as_f_linear_does(kernels_on, rows, keep_ro
 
 
 def test_prompt_passes_leave_the_kept_rows_alone(kernels_on):
-    """Inside ``row_invariant_products`` (the runner's prompt passes) a few-row pass reads
-    oneDNN's layout, outside it the kept rows; the setting is restored after, also nested.
-    (The kept rows are zeroed here so that the two paths tell apart.)"""
+    """In a prompt pass of the plan (the runner's ``pass_scope``) a few-row pass reads
+    oneDNN's layout, outside it the kept rows; the plan is restored after, even when the pass
+    fails. (The kept rows are zeroed here so that the two paths tell apart.)"""
     torch.manual_seed(0)
     weight = (torch.randn(64, 32) * 0.05).bfloat16()
-    blocked = BlockedWeight.pack(weight, keep_rows=True)
+    plan = CpuExecutionPlan(keep_rows=True)
+    blocked = BlockedWeight.pack(weight, plan)
     blocked.rows = torch.zeros_like(weight)
     x = torch.randn(2, 32).bfloat16()
     expected = F.linear(x, weight)
     assert not blocked.matmul(x).any()  # the kept (zeroed) rows
-    with row_invariant_products():
+    with plan.pass_scope(2, prompt=True):
         torch.testing.assert_close(blocked.matmul(x), expected, atol=1e-2, rtol=1e-2)
-        with row_invariant_products(False):  # an inner decode pass does not undo it
-            assert blocked.matmul(x).any()
-    with row_invariant_products(False):
+        assert blocked.fused_projection(2, torch.bfloat16) is None  # oneDNN's: no kernel
+    with plan.pass_scope(2, prompt=False):
         assert not blocked.matmul(x).any()
+    with pytest.raises(RuntimeError, match="boom"), plan.pass_scope(2, prompt=True):
+        raise RuntimeError("boom")
     assert not blocked.matmul(x).any()
+    other = BlockedWeight.pack(weight, CpuExecutionPlan(keep_rows=True))
+    other.rows = torch.zeros_like(weight)
+    with plan.pass_scope(2, prompt=True):  # another model's plan: not in a pass
+        assert not other.matmul(x).any()
 
 
 @pytest.fixture
@@ -100,7 +108,7 @@ def kernels_off():
 @pytest.fixture
 def pairs_on(kernels_on):
     """The fused CPU kernels on, where their pair_matmul serves (else the test skips)."""
-    if not fused_ops.pair_matmul_serves():
+    if not fused_ops.pair_kernels_pay():
         pytest.skip("pair_matmul does not serve here (no AVX-512 BF16, or an AMX CPU)")
 
 
@@ -118,7 +126,7 @@ def test_a_paired_weight_multiplies_as_f_linear_does(pairs_on, rows):
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
     torch.testing.assert_close(got.float(), F.linear(x, weight).float(), atol=1e-2, rtol=1e-2)
     assert torch.equal(got, fused_ops.active().pair_matmul(x, paired.pairs))
-    with row_invariant_products():
+    with CpuExecutionPlan(keep_rows=True, pair_kernels=True).pass_scope(rows, prompt=True):
         assert torch.equal(paired.matmul(x), got)
     fused_ops.disable()
     try:
@@ -160,9 +168,13 @@ def test_only_weights_that_fit_are_paired():
     assert not PairedWeight.fits(torch.zeros(48, 63))  # odd in features
 
 
-def _load(path, dtype, weight_format=None, keep_weight_rows=False) -> torch.nn.Module:
+def _load(path, dtype, weight_format=None, keep_rows=False) -> torch.nn.Module:
+    """The model loaded as a runner with the kernels' own copies (``keep_rows``, the plan's
+    pairs where they pay here) or without would load it."""
+    plan = CpuExecutionPlan(keep_rows=keep_rows,
+                            pair_kernels=keep_rows and fused_ops.pair_kernels_pay())
     return load_model(ModelConfig.from_path(str(path)), dtype, CPU, 128,
-                      weight_format=weight_format, keep_weight_rows=keep_weight_rows)
+                      weight_format=weight_format, plan=plan)
 
 
 def test_a_bfloat16_model_gets_the_layout_on_its_projections_and_head(tiny_model_dir):
@@ -182,10 +194,10 @@ def test_a_bfloat16_model_gets_the_layout_on_its_projections_and_head(tiny_model
 
 
 def test_kept_rows_are_the_weights_themselves(tiny_model_dir, kernels_off):
-    """With ``keep_weight_rows`` and no pairs each laid-out weight keeps its plain (out, in)
+    """With kept rows and no pairs each laid-out weight keeps its plain (out, in)
     rows; a tied head's are the embedding's own tensor, not a copy."""
     path = tiny_model_dir("Qwen2ForCausalLM", "gqa", True)
-    model = _load(path, torch.bfloat16, keep_weight_rows=True)
+    model = _load(path, torch.bfloat16, keep_rows=True)
     for module in model.modules():
         if isinstance(module, Linear):
             assert module.packed.rows.is_contiguous()
@@ -197,7 +209,7 @@ def test_kept_rows_are_the_weights_themselves(tiny_model_dir, kernels_off):
 def test_where_pairs_serve_they_replace_onednns_layout(tiny_model_dir, pairs_on):
     """Projections, the tied head (the lookup keeps its rows) and each routed expert."""
     model = _load(tiny_model_dir("Qwen2MoeForCausalLM", "gqa", True), torch.bfloat16,
-                  keep_weight_rows=True)
+                  keep_rows=True)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(m.packed, PairedWeight) for m in linears)
     head = model.embed_tokens
@@ -230,7 +242,8 @@ def test_laid_out_experts_compute_what_their_stacked_weights_do():
     topk_ids = torch.stack([torch.randperm(4)[:2] for _ in range(12)])  # (12, 2), distinct
     topk_weights = torch.rand(12, 2)
     expected = experts(x, topk_weights, topk_ids)
-    nbytes = experts.pack_expert_weights(BlockedWeight.pack)
+    nbytes = experts.pack_expert_weights(
+        functools.partial(BlockedWeight.pack, plan=CpuExecutionPlan()))
     assert experts.w13 is None and nbytes == 4 * (2 * 96 * 64 + 64 * 96) * 2
     got = experts(x, topk_weights, topk_ids)
     assert got.dtype == torch.bfloat16 and got.shape == (12, 64)

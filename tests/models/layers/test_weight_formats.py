@@ -11,11 +11,14 @@ from fused_kernels import enable_or_skip
 from tiny_models import reference_model
 
 from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.execution_plan import (
+    FLOAT32_FUSED_ROWS,
+    FLOAT32_FUSED_ROWS_FROM_ONE,
+)
 from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.tensor_parallel import SINGLE
 from radixlm.models.layers.weight_formats import (
-    FLOAT32_FUSED_ROWS_FROM_ONE,
     HALF_FUSED_MAX_ROWS,
     HALF_FUSED_MAX_ROWS_FLOAT32,
     HALF_GEMV_MAX_ROWS,
@@ -25,8 +28,6 @@ from radixlm.models.layers.weight_formats import (
     ConversionBuffer,
     HalfWeight,
     Int8Weight,
-    float32_fused_rows,
-    fuse_float32_matrix_vector,
     pack_weights,
     plain_matmul,
 )
@@ -81,37 +82,35 @@ def test_passes_in_bfloat16_multiply_by_the_weight_they_stand_for(weight_format,
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.fixture(params=[False, True], ids=["torch-matrix-vector", "kernel-matrix-vector"])
-def one_row_on_the_kernel(request):
-    """Float32 passes of one and two rows set to run on the kernels or not (as the runner's
-    measurement would), and set back."""
-    before = float32_fused_rows()
-    fuse_float32_matrix_vector(request.param)
-    yield request.param
-    fuse_float32_matrix_vector(before == FLOAT32_FUSED_ROWS_FROM_ONE)
+@pytest.fixture(params=[FLOAT32_FUSED_ROWS, FLOAT32_FUSED_ROWS_FROM_ONE],
+                ids=["torch-matrix-vector", "kernel-matrix-vector"])
+def fused_rows(request):
+    """The float32 rows a plan runs on the kernels (one and two rows or not, as the runner's
+    measurement would choose)."""
+    return request.param
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])
 @pytest.mark.parametrize("biased", [False, True])
 def test_plain_float32_passes_compute_what_f_linear_computes(rows, biased, cpu_kernels,
-                                                             one_row_on_the_kernel):
+                                                             fused_rows):
     """Unpacked float32 weights: 3-16 rows (1-16 where the kernel is set to serve one row) on
     the fused kernels where they are on, others (and a weight that is not contiguous) on
     F.linear; the same to float32 rounding."""
-    assert (1 in float32_fused_rows()) == one_row_on_the_kernel
-    assert 3 in float32_fused_rows() and 17 not in float32_fused_rows()
+    assert 3 in fused_rows and 17 not in fused_rows
     torch.manual_seed(rows)
     weight, x = torch.randn(96, 64) * 0.05, torch.randn(rows, 64)
     bias = torch.randn(96) if biased else None
     expected = F.linear(x, weight, bias)
-    got = plain_matmul(x, weight, bias)
+    got = plain_matmul(x, weight, bias, fused_rows)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     kernels = fused_ops.active()
     taken = (kernels.dense_matmul(x, weight) + (0 if bias is None else bias)
-             if kernels is not None and rows in float32_fused_rows() else expected)
+             if kernels is not None and rows in fused_rows else expected)
     assert torch.equal(got, taken)  # the path the rows call for, bit for bit
     strided = torch.randn(64, 96).T * 0.05  # (96, 64), not contiguous
-    torch.testing.assert_close(plain_matmul(x, strided, bias), F.linear(x, strided, bias),
+    torch.testing.assert_close(plain_matmul(x, strided, bias, fused_rows),
+                               F.linear(x, strided, bias),
                                atol=1e-5, rtol=1e-5)
 
 

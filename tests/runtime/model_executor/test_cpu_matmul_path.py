@@ -2,7 +2,8 @@
 the weights are in oneDNN's layout: the switch applies only where it should, gives the same
 products and is always restored. A bfloat16 runner gives the fused kernels their own copies
 of its weights unless told not to. Float32 one-row passes take the kernel measured faster,
-measured once a process."""
+measured once a process, unless adaptive timing is off. All of it lands in the runner's
+``CpuExecutionPlan``."""
 
 from __future__ import annotations
 
@@ -12,18 +13,22 @@ import torch.nn.functional as F
 from fused_kernels import enable_or_skip
 
 from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.cpu_ops.execution_plan import (
+    FLOAT32_FUSED_ROWS,
+    FLOAT32_FUSED_ROWS_FROM_ONE,
+    CpuExecutionPlan,
+)
 from radixlm.models.layers.cpu_weight_layout import (
     BlockedWeight,
     PairedWeight,
     uses_blocked_layout,
 )
 from radixlm.models.layers.linear import Linear
-from radixlm.models.layers.weight_formats import float32_fused_rows
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor import cpu_matmul_path
 from radixlm.runtime.model_executor.cpu_matmul_path import (
+    build_cpu_plan,
     choose_float32_matrix_vector,
-    matrix_vector_path,
     uses_matrix_vector_path,
 )
 from radixlm.runtime.model_executor.model_runner import ModelRunner
@@ -52,8 +57,8 @@ def test_a_row_times_a_weight_is_the_same_either_way(dtype):
     weight = (torch.randn(384, 256) * 0.05).to(dtype)
     x = torch.randn(1, 256).to(dtype)
     default = F.linear(x, weight)
-    with matrix_vector_path(True):
-        assert not torch.backends.mkldnn.enabled
+    with CpuExecutionPlan(one_row_bypass=True).pass_scope(1, prompt=False):
+        assert torch.backends.mkldnn.enabled != torch.backends.mkldnn.is_available()
         bypassed = F.linear(x, weight)
     assert torch.backends.mkldnn.enabled  # restored
     torch.testing.assert_close(bypassed.float(), default.float(), atol=2e-2, rtol=2e-2)
@@ -62,10 +67,14 @@ def test_a_row_times_a_weight_is_the_same_either_way(dtype):
 
 def test_the_setting_is_restored_even_when_the_pass_fails():
     before = torch.backends.mkldnn.enabled
-    with pytest.raises(RuntimeError, match="boom"), matrix_vector_path(True):
+    plan = CpuExecutionPlan(one_row_bypass=True)
+    with pytest.raises(RuntimeError, match="boom"), plan.pass_scope(1, prompt=True):
+        assert plan.prompt_pass and not torch.backends.mkldnn.enabled
         raise RuntimeError("boom")
-    assert torch.backends.mkldnn.enabled == before
-    with matrix_vector_path(False):
+    assert torch.backends.mkldnn.enabled == before and not plan.prompt_pass
+    with plan.pass_scope(2, prompt=False):  # two rows: no bypass
+        assert torch.backends.mkldnn.enabled == before
+    with CpuExecutionPlan().pass_scope(1, prompt=False):  # no bypass planned
         assert torch.backends.mkldnn.enabled == before
 
 
@@ -85,7 +94,7 @@ def test_a_bfloat16_runner_gives_the_kernels_their_copies_unless_told_not_to(tin
         assert runner.fused_cpu_kernels
         packed = [m.packed for m in runner.model.modules() if isinstance(m, Linear)]
         assert packed
-        if not drop_rows and fused_ops.pair_matmul_serves():
+        if not drop_rows and fused_ops.pair_kernels_pay():
             assert all(isinstance(weight, PairedWeight) for weight in packed)
         else:
             assert all(isinstance(weight, BlockedWeight) and (weight.rows is None) == drop_rows
@@ -109,8 +118,30 @@ def test_float32_one_row_passes_take_the_kernel_measured_faster(monkeypatch):
     assert len(timed) == 1 and all(seconds > 0 for seconds in timed[0])
     torch_s, kernel_s = timed[0]
     assert chosen == (kernel_s < cpu_matmul_path.KERNEL_MARGIN * torch_s)
-    assert (1 in float32_fused_rows()) == chosen and 3 in float32_fused_rows()
     assert choose_float32_matrix_vector() == chosen and len(timed) == 1  # once a process
+    plan = build_cpu_plan(CPU, torch.float32, None, True, True, measure=True)
+    assert plan.float32_fused_rows == (FLOAT32_FUSED_ROWS_FROM_ONE if chosen
+                                       else FLOAT32_FUSED_ROWS)
+    assert len(timed) == 1
+
+
+def test_without_adaptive_timing_nothing_is_measured_and_torch_takes_one_row(monkeypatch):
+    enable_or_skip()
+    monkeypatch.setattr(cpu_matmul_path, "_float32_choice", None)
+    monkeypatch.setattr(cpu_matmul_path, "_time_one_row", None)  # not to be called
+    plan = build_cpu_plan(CPU, torch.float32, None, True, True, measure=False)
+    assert plan.float32_fused_rows == FLOAT32_FUSED_ROWS
+
+
+def test_the_plan_follows_the_cpu_and_the_options():
+    enable_or_skip()
+    plan = build_cpu_plan(CPU, torch.bfloat16, None, True, keep_rows=True, measure=False)
+    assert plan.pair_kernels == fused_ops.pair_kernels_pay() and plan.keep_rows
+    assert plan.one_row_bypass == uses_matrix_vector_path(CPU, torch.bfloat16)
+    off = build_cpu_plan(CPU, torch.bfloat16, None, False, keep_rows=True, measure=False)
+    assert not off.pair_kernels and not off.keep_rows  # the kernels off: no copies for them
+    meta = build_cpu_plan(torch.device("meta"), torch.bfloat16, None, True, True, True)
+    assert not (meta.pair_kernels or meta.keep_rows or meta.one_row_bypass)
 
 
 def test_without_the_kernels_nothing_is_measured(monkeypatch):

@@ -325,3 +325,18 @@ def test_a_pass_on_a_thread_count_under_trial_does_not_set_the_pace(scheduler_fo
         run(scheduler, [random_ids(20 + seed, 100)], [greedy(1)])
     assert trials == [False, True, False, False]  # all threads tried, then one, then chosen
     assert observed == [100, 100, 100]
+
+
+def test_without_adaptive_timing_nothing_is_chosen_by_the_clock(scheduler_for):
+    """``disable_adaptive_timing``: chunks cut by ``chunked_prefill_size`` alone whatever the
+    passes took, and every pass on the same threads (no thread policy), so a run repeats."""
+    size = 1024
+    scheduler = scheduler_for(disable_adaptive_timing=True, chunked_prefill_size=size)
+    assert scheduler.runner.thread_policy is None
+    pace = scheduler.prefill_pace
+    pace.observe(size, 30.0)  # a very slow pass would shorten a paced chunk
+    assert pace.chunk_tokens() == pace.chunk_tokens(alone=True) == size
+    paced = scheduler_for(chunked_prefill_size=size)
+    assert paced.runner.thread_policy is not None
+    paced.prefill_pace.observe(size, 30.0)
+    assert paced.prefill_pace.chunk_tokens() < size  # (the test can fail)
