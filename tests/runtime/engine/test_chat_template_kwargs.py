@@ -27,10 +27,10 @@ ENDLESS_TEMPLATES = {
     "loops over a variable": "{% set r = range(100000) %}{% for i in r %}{% for j in r %}"
                              "{% for k in r %}{{ '' }}{% endfor %}{% endfor %}{% endfor %}x",
 }
-PRINTING_TEMPLATES = {  # past the worker's memory cap long before its time limit
+PRINTING_TEMPLATES = {  # past the worker's memory cap in a few hundred steps of 10 MB
     "prints": "{% for i in range(100000) %}{% for j in range(100000) %}"
-              "{{ 'x' * 100000 }}{% endfor %}{% endfor %}",
-    "joins": "{% set r = range(100000) %}{{ r | join('x' * 100000) }}{{ r | join('y') }}",
+              "{{ 'x' * 10000000 }}{% endfor %}{% endfor %}",
+    "joins": "{% set r = range(100000) %}{{ r | join('x' * 10000000) }}{{ r | join('y') }}",
 }
 
 
