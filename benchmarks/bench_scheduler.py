@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny_models import write_tiny_model  # noqa: E402
 
-from radixlm.runtime import messages as io  # noqa: E402
+from radixlm.runtime import messages as wire  # noqa: E402
 from radixlm.runtime.sampling.sampling_params import SamplingParams  # noqa: E402
 from radixlm.runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from radixlm.runtime.scheduler.scheduler_process import (  # noqa: E402
@@ -115,8 +115,8 @@ class TimedSampler:
 def install(scheduler: Scheduler, model: NoOpModel) -> TimedSampler:
     scheduler.runner.forward = model.forward
     scheduler.runner.compute_logits = model.compute_logits
-    # The output processor holds the LM head it was built with.
-    scheduler.output_processor.compute_logits = model.compute_logits
+    # The sampling step holds the LM head it was built with.
+    scheduler.sampling_step.compute_logits = model.compute_logits
     timed = TimedSampler(scheduler.sampler.sample)
     scheduler.sampler.sample = timed
     return timed
@@ -125,14 +125,14 @@ def install(scheduler: Scheduler, model: NoOpModel) -> TimedSampler:
 def report(stepped: list) -> list[bytes]:
     """What the scheduler process sends the detokenizer after a step (without sending it)."""
     message = report_message(stepped)
-    return [] if message is None else [io.encode(message)]
+    return [] if message is None else [wire.encode(message)]
 
 
 def measure(scheduler: Scheduler, model: NoOpModel, batch_size: int, steps: int,
             seed: int) -> dict[str, float]:
     """Admits ``batch_size`` requests, then times ``steps`` decode steps of them all."""
     rng = random.Random(seed)
-    tokenizer = scheduler.output_processor.tokenizer
+    tokenizer = scheduler.sampling_step.tokenizer
     vocab = len(tokenizer)
     sampling = SamplingParams.from_dict(
         {"max_new_tokens": steps + 2, "temperature": 0.0, "ignore_eos": True}
@@ -140,7 +140,7 @@ def measure(scheduler: Scheduler, model: NoOpModel, batch_size: int, steps: int,
     reqs = []
     for i in range(batch_size):
         prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)]
-        reqs.append(make_req(io.GenerateReq(f"{seed}-{i}", prompt, sampling), tokenizer, {}))
+        reqs.append(make_req(wire.GenerateReq(f"{seed}-{i}", prompt, sampling), tokenizer, {}))
     stats = scheduler.state.stats
     for req in reqs:
         scheduler.add_request(req)
@@ -212,7 +212,7 @@ def main() -> None:
         scheduler = build_scheduler(server_args, str(directory))
         config = scheduler.runner.model_config
         model = NoOpModel(config.hidden_size, config.vocab_size,
-                          (3, len(scheduler.output_processor.tokenizer)))
+                          (3, len(scheduler.sampling_step.tokenizer)))
         install(scheduler, model)
         benches[mode] = scheduler, model
     freeze_startup_objects()  # as the scheduler process does once it is built

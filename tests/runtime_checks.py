@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 
 import radixlm
-from radixlm.runtime import messages as io
+from radixlm.runtime import messages as wire
 from radixlm.runtime.engine.request_caps import RequestCaps
 from radixlm.runtime.engine.request_inputs import RequestLimits
 from radixlm.runtime.grammar.factory import constraint_checker
@@ -45,8 +45,8 @@ def scheduler_req(scheduler: Scheduler, input_ids: list[int], sampling: dict | N
                   rid: str | None = None, **fields) -> Req:
     """A request for ``scheduler`` as the Engine would send it."""
     params = SamplingParams.from_dict(sampling)
-    message = io.GenerateReq(rid or uuid.uuid4().hex, list(input_ids), params, **fields)
-    return make_req(message, scheduler.output_processor.tokenizer, {})
+    message = wire.GenerateReq(rid or uuid.uuid4().hex, list(input_ids), params, **fields)
+    return make_req(message, scheduler.sampling_step.tokenizer, {})
 
 
 def beam_reqs(scheduler: Scheduler, input_ids: list[int], sampling: dict,
@@ -58,9 +58,9 @@ def beam_reqs(scheduler: Scheduler, input_ids: list[int], sampling: dict,
     leaders: dict[str, Req] = {}
     reqs = []
     for j in range(params.n):
-        message = io.GenerateReq(f"{rid}-{j}", list(input_ids), params,
+        message = wire.GenerateReq(f"{rid}-{j}", list(input_ids), params,
                                  prefill_leader=f"{rid}-0" if j else None)
-        reqs.append(make_req(message, scheduler.output_processor.tokenizer, leaders))
+        reqs.append(make_req(message, scheduler.sampling_step.tokenizer, leaders))
         leaders[reqs[-1].rid] = reqs[-1]
     return reqs
 

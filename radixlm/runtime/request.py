@@ -98,7 +98,7 @@ class Req:
     """(cached_tokens, retractions, jump_forward_tokens) as last reported."""
     streamed: bool = True
     """Whether its caller takes the output step by step (``GenerateReq.streamed``)."""
-    # Set by ``OutputProcessor.prepare`` when the request enters the scheduler:
+    # Set by ``SamplingStep.prepare`` when the request enters the scheduler:
     stop_token_ids: frozenset[int] = frozenset()
     """The tokens that end the request (``stop_token_ids``, plus EOS unless ``ignore_eos``)."""
     output_limit: int = 0

@@ -22,7 +22,10 @@
 
 namespace radixlm_matmul {
 
-constexpr int64_t kBlockColumns = 16;
+#ifndef RADIXLM_BLOCK_COLUMNS
+#error "build through fused_ops.py, which defines RADIXLM_BLOCK_COLUMNS"
+#endif
+constexpr int64_t kBlockColumns = RADIXLM_BLOCK_COLUMNS;
 constexpr int kBlockVectors = kBlockColumns / kWidth;  // 2 on AVX2, 1 on AVX-512
 static_assert(kBlockColumns % kWidth == 0, "a block's row must be whole vectors");
 

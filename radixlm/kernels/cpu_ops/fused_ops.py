@@ -120,6 +120,11 @@ class ProjectionKernel(enum.IntEnum):
     INT8_BLOCKED = 6  # blocked_int8_matmul(x, weight, scales), int8 column blocks
 
 
+PAIR_COLUMNS = 16
+"""Out features of one group of a weight laid out by column pairs (``pair_matmul``): one
+512-bit vector of float32 sums."""
+BLOCK_COLUMNS = 16
+"""Out features of one column block of a weight (``blocked_matmul``)."""
 PREFILL_MAX_VALUE_DIM = {torch.bfloat16: 128, torch.float32: 256}
 """The widest D_v ``paged_prefill_attention`` takes in each dtype (its rows' sums of values
 stay on the stack; ``max_value_dim`` in prefill_attention.h)."""
@@ -236,13 +241,15 @@ def compile_defines() -> list[str]:
 
 def _shared_constants() -> list[str]:
     """The constants defined here that the kernels use, as -D flags, so that each has one
-    definition: ``ProjectionKernel``'s values (``RADIXLM_PROJECTION_<NAME>``) and
-    ``PREFILL_MAX_VALUE_DIM``'s (``RADIXLM_PREFILL_MAX_VALUE_DIM_<DTYPE>``)."""
+    definition: ``ProjectionKernel``'s values (``RADIXLM_PROJECTION_<NAME>``),
+    ``PREFILL_MAX_VALUE_DIM``'s (``RADIXLM_PREFILL_MAX_VALUE_DIM_<DTYPE>``) and the column
+    layouts' widths (``RADIXLM_PAIR_COLUMNS``, ``RADIXLM_BLOCK_COLUMNS``)."""
     projections = [f"-DRADIXLM_PROJECTION_{kernel.name}={kernel.value}"
                    for kernel in ProjectionKernel]
     value_dims = [f"-DRADIXLM_PREFILL_MAX_VALUE_DIM_{str(dtype).removeprefix('torch.').upper()}"
                   f"={dim}" for dtype, dim in PREFILL_MAX_VALUE_DIM.items()]
-    return [*projections, *value_dims]
+    widths = [f"-DRADIXLM_PAIR_COLUMNS={PAIR_COLUMNS}", f"-DRADIXLM_BLOCK_COLUMNS={BLOCK_COLUMNS}"]
+    return [*projections, *value_dims, *widths]
 
 
 def _build() -> ModuleType:

@@ -48,7 +48,11 @@ namespace radixlm_pairs {
 
 #define RADIXLM_INLINE __attribute__((always_inline))
 
-constexpr int64_t kGroup = 16;  // output columns of one vector of sums
+#ifndef RADIXLM_PAIR_COLUMNS
+#error "build through fused_ops.py, which defines RADIXLM_PAIR_COLUMNS"
+#endif
+constexpr int64_t kGroup = RADIXLM_PAIR_COLUMNS;  // output columns of one vector of sums
+static_assert(kGroup == 16, "a group's sums are one 512-bit vector of float32");
 
 struct Shape {
   int64_t M, K, N;

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import torch
 
-PAIR_COLUMNS = 16  # out features of one group of a weight laid out by column pairs
-BLOCK_COLUMNS = 16
-"""Out features of a column block (``kBlockColumns`` in blocked_matmul.cpp)."""
+from radixlm.kernels.cpu_ops.fused_ops import BLOCK_COLUMNS, PAIR_COLUMNS
 
 
 def fits_column_pairs(weight: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from radixlm.runtime import messages as io
+from radixlm.runtime import messages as wire
 from radixlm.runtime.detokenizer.incremental_detokenizer import IncrementalDetokenizer
 from radixlm.runtime.detokenizer.stop_matcher import StopMatcher
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PLAIN_SPEC = io.DetokenizeSpec([], True, True, [], False)
+PLAIN_SPEC = wire.DetokenizeSpec([], True, True, [], False)
 """For a request whose spec never came (one refused before it ran)."""
 
 
@@ -41,14 +41,14 @@ class DecodeState:
     is None and ``text`` grows by what it sent), and how much of it has been sent."""
 
     detokenizer: IncrementalDetokenizer | None
-    spec: io.DetokenizeSpec
+    spec: wire.DetokenizeSpec
     matcher: StopMatcher | None
     text: str = ""
     sent: int = 0
     """Characters of ``text`` already sent (a prefix of it)."""
 
     def update(self, new_ids: list[int], finish_reason: dict[str, Any] | None,
-               decoded: io.DecodedText | None) -> tuple[str, int]:
+               decoded: wire.DecodedText | None) -> tuple[str, int]:
         """Takes the new tokens (or the Scheduler's text for them); returns the text they
         add that is safe to show, and the characters of text already sent to take back."""
         detok = self.detokenizer
@@ -95,12 +95,12 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
 
-    def handle(self, batch: io.TokenBatch) -> io.OutputBatch:
+    def handle(self, batch: wire.TokenBatch) -> wire.OutputBatch:
         """``batch`` with the text of each row (empty for a row that brings neither tokens
         nor a finish: prompt logprobs only)."""
         texts: list[str] = []
         trims: dict[int, int] = {}
-        for row, (rid, new_ids) in enumerate(io.rows(batch.rids, batch.ends, batch.new_ids)):
+        for row, (rid, new_ids) in enumerate(wire.rows(batch.rids, batch.ends, batch.new_ids)):
             finish_reason = batch.finish_reason(row)
             if not new_ids and finish_reason is None:
                 texts.append("")
@@ -113,9 +113,9 @@ class Detokenizer:
                 trims[row] = trim
             if finish_reason is not None:
                 del self.states[rid]
-        return io.OutputBatch(batch.rids, batch.ends, batch.new_ids, batch.states, texts, trims)
+        return wire.OutputBatch(batch.rids, batch.ends, batch.new_ids, batch.states, texts, trims)
 
-    def _start(self, rid: str, spec: io.DetokenizeSpec | None, decoded: bool) -> DecodeState:
+    def _start(self, rid: str, spec: wire.DetokenizeSpec | None, decoded: bool) -> DecodeState:
         spec = spec or PLAIN_SPEC
         detokenizer = None if decoded else IncrementalDetokenizer(
             self.tokenizer, spec.prompt_tail, spec.skip_special_tokens,
@@ -138,22 +138,22 @@ def run_detokenizer_process(tokenizer_path: str, paths, ready) -> None:
         outbox = context.socket(zmq.PUSH)
         outbox.connect(paths.request_tracker)
     except Exception as err:
-        ready.send_bytes(io.encode(io.ProcessFailed("detokenizer", str(err))))
+        ready.send_bytes(wire.encode(wire.ProcessFailed("detokenizer", str(err))))
         context.destroy(linger=0)
         return
-    ready.send_bytes(io.encode(io.ControlReply(0, True)))
+    ready.send_bytes(wire.encode(wire.ControlReply(0, True)))
     parent = os.getppid()
     try:
         while os.getppid() == parent:
             if not inbox.poll(500):
                 continue
-            msg = io.decode_or_drop(inbox.recv(), "detokenizer")
-            if isinstance(msg, io.ControlReq) and msg.kind == "shutdown":
+            msg = wire.decode_or_drop(inbox.recv(), "detokenizer")
+            if isinstance(msg, wire.ControlReq) and msg.kind == "shutdown":
                 return
-            if isinstance(msg, io.TokenBatch):
-                outbox.send(io.encode(detokenizer.handle(msg)))
+            if isinstance(msg, wire.TokenBatch):
+                outbox.send(wire.encode(detokenizer.handle(msg)))
     except Exception as err:
         logger.exception("the detokenizer failed")
-        outbox.send(io.encode(io.ProcessFailed("detokenizer", str(err))))
+        outbox.send(wire.encode(wire.ProcessFailed("detokenizer", str(err))))
     finally:
         context.destroy(linger=100)

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from radixlm.models.default_model import resolve_model_path
 from radixlm.models.model_config import ModelConfig
 from radixlm.models.registry import model_class
-from radixlm.runtime import messages as io
+from radixlm.runtime import messages as wire
 from radixlm.runtime.engine.chat_template_kwargs import check_template_kwargs
 from radixlm.runtime.engine.client_template_renderer import ClientTemplateRenderer
 from radixlm.runtime.engine.errors import RuntimeUnavailable
@@ -317,7 +317,7 @@ class Engine:
         return RequestTracker(self._runtime.paths, self._runtime.processes, limit,
                                 self._metrics)
 
-    def _server_info(self, reply: io.ControlReply) -> dict[str, Any]:
+    def _server_info(self, reply: wire.ControlReply) -> dict[str, Any]:
         info = dict(reply.info)
         info["model_path"] = str(self.model_config.path)
         return info
@@ -329,7 +329,7 @@ class Engine:
             raise RuntimeUnavailable("this Engine has been shut down")
         return run_on_loop_blocking(coroutine, self._loop)
 
-    async def _build_off_loop(self, request: GenerateInput) -> tuple[list[io.GenerateReq], bool]:
+    async def _build_off_loop(self, request: GenerateInput) -> tuple[list[wire.GenerateReq], bool]:
         """``_build`` for a caller on an event loop: a request with long texts is
         tokenized in a worker thread (the tokenizer releases the GIL), so the loop keeps
         serving everyone else meanwhile."""
@@ -337,7 +337,7 @@ class Engine:
             return self._build(request)
         return await asyncio.to_thread(self._build, request)
 
-    def _build(self, request: GenerateInput) -> tuple[list[io.GenerateReq], bool]:
+    def _build(self, request: GenerateInput) -> tuple[list[wire.GenerateReq], bool]:
         if self._shut_down:
             raise RuntimeUnavailable("this Engine has been shut down")
         return build_generate_reqs(request, self.tokenizer, self._limits)

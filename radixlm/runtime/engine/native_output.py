@@ -12,14 +12,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from radixlm.runtime import messages as io
+from radixlm.runtime import messages as wire
 from radixlm.runtime.engine.request_state import OutputDelta
 
 
 class NativeOutput:
     """A request's output in the native shape, built up from its deltas."""
 
-    def __init__(self, req: io.GenerateReq):
+    def __init__(self, req: wire.GenerateReq):
         self.rid = req.rid
         self.prompt_tokens = len(req.input_ids)
         self.return_logprob = req.return_logprob
@@ -71,7 +71,7 @@ class NativeOutput:
 
 
 async def native_results(deltas: AsyncIterator[tuple[int, OutputDelta]],
-                         reqs: list[io.GenerateReq]) -> list[dict[str, Any]]:
+                         reqs: list[wire.GenerateReq]) -> list[dict[str, Any]]:
     """The whole output of each of ``reqs``, in order, from their ``(index, delta)``
     stream (closed when this ends, so a cancelled call aborts what is unfinished)."""
     outputs = [NativeOutput(req) for req in reqs]
@@ -84,7 +84,8 @@ async def native_results(deltas: AsyncIterator[tuple[int, OutputDelta]],
 
 
 async def native_chunks(deltas: AsyncIterator[tuple[int, OutputDelta]],
-                        reqs: list[io.GenerateReq], batched: bool) -> AsyncIterator[dict[str, Any]]:
+                        reqs: list[wire.GenerateReq],
+                        batched: bool) -> AsyncIterator[dict[str, Any]]:
     """The native stream: one chunk per delta, the request's whole output so far (with its
     prompt's ``index`` when ``batched``). Closing it closes ``deltas``."""
     outputs = [NativeOutput(req) for req in reqs]

@@ -17,7 +17,7 @@ import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from radixlm.kv_cache.allocator import pages_for
-from radixlm.runtime import messages as io
+from radixlm.runtime import messages as wire
 from radixlm.runtime.engine.request_caps import RequestCaps
 from radixlm.runtime.sampling.sampling_params import SamplingParams
 
@@ -81,7 +81,7 @@ class RequestLimits:
 
 def build_generate_reqs(
     request: GenerateInput, tokenizer: PreTrainedTokenizerBase, limits: RequestLimits,
-) -> tuple[list[io.GenerateReq], bool]:
+) -> tuple[list[wire.GenerateReq], bool]:
     """The scheduler's messages for ``request`` (one per sample: ``n`` per prompt), and
     whether the caller gets a list back.
 
@@ -128,7 +128,7 @@ def build_generate_reqs(
             if params.sampling_seed is not None and sample > 0:
                 sampling = msgspec.structs.replace(params,
                                                    sampling_seed=params.sampling_seed + sample)
-            messages.append(io.GenerateReq(
+            messages.append(wire.GenerateReq(
                 rid=rid if params.n == 1 else f"{rid}-{sample}",
                 input_ids=ids,
                 sampling=sampling,

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.runtime import messages as io
+from radixlm.runtime import messages as wire
 
 
 @dataclass
@@ -32,9 +32,9 @@ class OutputDelta:
     retractions: int
     jump_forward_tokens: int = 0
     trim: int = 0
-    input_token_logprobs: list[io.LogprobEntry] = field(default_factory=list)
+    input_token_logprobs: list[wire.LogprobEntry] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)
-    output_token_logprobs: list[io.LogprobEntry] = field(default_factory=list)
+    output_token_logprobs: list[wire.LogprobEntry] = field(default_factory=list)
     output_top_logprobs: list[Any] = field(default_factory=list)
     beam: list[float] | None = None
     """A beam search's hypothesis, with its finish: [cumulative logprob, score]."""
@@ -84,14 +84,15 @@ class ReqState:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     deltas: deque[OutputDelta] = field(default_factory=deque)
     held: OutputDelta | None = None
-    counters: io.OutputState = field(default_factory=lambda: io.OutputState(0, 0, 0))
+    counters: wire.OutputState = field(default_factory=lambda: wire.OutputState(0, 0, 0))
     """The counters last received (their finish and logprobs are not this state's)."""
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
-    def add(self, new_ids: list[int], text: str, trim: int, update: io.OutputState | None) -> None:
+    def add(self, new_ids: list[int], text: str, trim: int,
+            update: wire.OutputState | None) -> None:
         """A row of an ``OutputBatch``: the request's new tokens, their text and, where sent,
         its new counters, finish and logprobs."""
         if update is not None:

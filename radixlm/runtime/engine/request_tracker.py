@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from radixlm.runtime import messages as io
+from radixlm.runtime import messages as wire
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
 from radixlm.runtime.engine.request_state import OutputDelta, ReqState
 from radixlm.runtime.free_memory import IdleTrim
@@ -34,7 +34,7 @@ DRAIN_POLL_S = 0.01
 class RequestTracker:
     """Runs on one event loop; every method must be called from that loop."""
 
-    def __init__(self, paths: io.SocketPaths, processes: dict[str, subprocess.Popen],
+    def __init__(self, paths: wire.SocketPaths, processes: dict[str, subprocess.Popen],
                  max_in_flight: int | None = None, metrics=None):
         """``max_in_flight``: unfinished requests accepted at once (None: no limit);
         ``metrics``: a ``ServerMetrics`` told of every finished request (or None)."""
@@ -67,7 +67,7 @@ class RequestTracker:
 
     # Requests --------------------------------------------------------------------------
 
-    async def submit(self, reqs: list[io.GenerateReq], streamed: bool) -> list[ReqState]:
+    async def submit(self, reqs: list[wire.GenerateReq], streamed: bool) -> list[ReqState]:
         """Registers and sends ``reqs``; raises (registering none of them) for a rid in use
         or given twice, a full queue, or a request that cannot be encoded."""
         self._check_alive()
@@ -81,7 +81,7 @@ class RequestTracker:
         for req in reqs:
             req.streamed = streamed
         try:
-            payloads = [io.encode(req) for req in reqs]
+            payloads = [wire.encode(req) for req in reqs]
         except UnicodeEncodeError as err:  # a lone surrogate in some string (rid, stop, ...)
             raise ValueError(f"the request holds text that is not valid Unicode: {err.reason} "
                              f"in {err.object[max(err.start - 20, 0):err.end + 20]!r}") from None
@@ -103,7 +103,7 @@ class RequestTracker:
             await self.to_scheduler.send_multipart(payloads)
         return states
 
-    async def stream(self, reqs: list[io.GenerateReq], streamed: bool = True
+    async def stream(self, reqs: list[wire.GenerateReq], streamed: bool = True
                      ) -> AsyncIterator[tuple[int, OutputDelta]]:
         """``(index, delta)`` for the output of each request (``index``: its position in
         ``reqs``) as it arrives: one delta per step, or one for all the steps that arrived
@@ -126,19 +126,19 @@ class RequestTracker:
 
     async def abort(self, rid: str | None) -> None:
         self._check_alive()
-        await self.to_scheduler.send(io.encode(io.AbortReq(rid)))
+        await self.to_scheduler.send(wire.encode(wire.AbortReq(rid)))
 
     async def _abort_unfinished(self, states: list[ReqState]) -> None:
         for state in states:
             if not state.finished and self.failure is None:
                 await self.abort(state.rid)
 
-    async def control(self, kind: str) -> io.ControlReply:
+    async def control(self, kind: str) -> wire.ControlReply:
         self._check_alive()
         request_id = next(self._control_ids)
         future = asyncio.get_running_loop().create_future()
         self.control_waiters[request_id] = future
-        await self.to_scheduler.send(io.encode(io.ControlReq(kind, request_id)))
+        await self.to_scheduler.send(wire.encode(wire.ControlReq(kind, request_id)))
         try:
             return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
         finally:
@@ -146,7 +146,7 @@ class RequestTracker:
 
     async def shutdown(self) -> None:
         for socket in (self.to_scheduler, self.to_detokenizer):
-            await socket.send(io.encode(io.ControlReq("shutdown")))
+            await socket.send(wire.encode(wire.ControlReq("shutdown")))
         self._fail("the runtime was shut down")
         for task in self._tasks:
             task.cancel()
@@ -170,7 +170,7 @@ class RequestTracker:
         leftover = list(self.states.values())
         self.states.clear()
         for state in leftover:
-            await self.to_scheduler.send(io.encode(io.AbortReq(state.rid)))
+            await self.to_scheduler.send(wire.encode(wire.AbortReq(state.rid)))
             state.fail(reason)
 
     async def resume(self) -> None:
@@ -215,22 +215,22 @@ class RequestTracker:
         while True:
             data = await self.inbox.recv()
             self.received_bytes += len(data)
-            msg = io.decode_or_drop(data, "request tracker")
-            if isinstance(msg, (io.OutputBatch, io.Heartbeat, io.ControlReply)):
+            msg = wire.decode_or_drop(data, "request tracker")
+            if isinstance(msg, (wire.OutputBatch, wire.Heartbeat, wire.ControlReply)):
                 self.last_heartbeat = time.monotonic()
-            if isinstance(msg, io.Heartbeat) and not self.states:
+            if isinstance(msg, wire.Heartbeat) and not self.states:
                 self.trim.idle()
-            if isinstance(msg, io.OutputBatch):
+            if isinstance(msg, wire.OutputBatch):
                 states, texts, trims = msg.states, msg.texts, msg.trims
-                for row, (rid, new_ids) in enumerate(io.rows(msg.rids, msg.ends, msg.new_ids)):
+                for row, (rid, new_ids) in enumerate(wire.rows(msg.rids, msg.ends, msg.new_ids)):
                     if (state := self.states.get(rid)) is not None:
                         state.add(new_ids, texts[row], trims.get(row, 0), states.get(row))
                         self._retire_if_finished(state)
-            elif isinstance(msg, io.ControlReply):
+            elif isinstance(msg, wire.ControlReply):
                 future = self.control_waiters.get(msg.request_id)
                 if future is not None and not future.done():
                     future.set_result(msg)
-            elif isinstance(msg, io.ProcessFailed):
+            elif isinstance(msg, wire.ProcessFailed):
                 self._fail(f"the {msg.process} process failed: {msg.message}")
 
     def _retire_if_finished(self, state: ReqState) -> None:
@@ -262,7 +262,7 @@ class RequestTracker:
         self.failure = reason
         for state in self.states.values():
             with contextlib.suppress(zmq.ZMQError):  # a closed socket: nothing to tell
-                sent = self.to_scheduler.send(io.encode(io.AbortReq(state.rid)),
+                sent = self.to_scheduler.send(wire.encode(wire.AbortReq(state.rid)),
                                               flags=zmq.NOBLOCK)
                 sent.add_done_callback(lambda done: done.exception())  # a full queue: dropped
             state.fail(reason)

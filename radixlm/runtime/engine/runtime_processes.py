@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from radixlm.runtime import messages as io
+from radixlm.runtime import messages as wire
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ ROLES = ("scheduler", "detokenizer")
 
 @dataclass
 class RuntimeProcesses:
-    paths: io.SocketPaths
+    paths: wire.SocketPaths
     processes: dict[str, subprocess.Popen]
     socket_dir: str
     scheduler_info: dict[str, Any]
@@ -65,9 +65,9 @@ def start_runtime_processes(
         logger.warning(warning)
     socket_dir = tempfile.mkdtemp(prefix="radixlm-")
     os.chmod(socket_dir, 0o700)
-    paths = io.SocketPaths(*(f"ipc://{socket_dir}/{name}" for name in
+    paths = wire.SocketPaths(*(f"ipc://{socket_dir}/{name}" for name in
                              ("scheduler", "detokenizer", "request_tracker")))
-    config = msgspec.msgpack.encode(io.ChildConfig(args, model_path, tokenizer_path, paths))
+    config = msgspec.msgpack.encode(wire.ChildConfig(args, model_path, tokenizer_path, paths))
     runtime = RuntimeProcesses(paths, {}, socket_dir, {})
     ready_fds = {}
     try:
@@ -96,7 +96,7 @@ def start_runtime_processes(
     return runtime
 
 
-def _wait_ready(role: str, fd: int, process: subprocess.Popen) -> io.ControlReply:
+def _wait_ready(role: str, fd: int, process: subprocess.Popen) -> wire.ControlReply:
     """Reads the child's ready message (the pipe closes after it)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     data = b""
@@ -114,8 +114,8 @@ def _wait_ready(role: str, fd: int, process: subprocess.Popen) -> io.ControlRepl
     if not data:
         raise RuntimeError(f"the {role} process exited while starting "
                            f"(exit code {process.poll()})")
-    reply = io.decode(data)
-    if isinstance(reply, io.ProcessFailed):
+    reply = wire.decode(data)
+    if isinstance(reply, wire.ProcessFailed):
         raise ValueError(reply.message)
     return reply
 
@@ -141,7 +141,7 @@ ONEDNN_PRIMITIVE_CACHE = 256
 def child_main(role: str, ready_fd: str) -> None:
     """A child process's entry point (importing ``radixlm`` on the way here applied
     ``radixlm.openmp_policy`` before torch loads)."""
-    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=io.ChildConfig)
+    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=wire.ChildConfig)
     args, paths = config.server_args, config.paths
     ready = _ReadyPipe(int(ready_fd))
     if role == "scheduler":

@@ -48,7 +48,7 @@ class BeamGroup:
     """
 
     def __init__(self, leader: Req, page_size: int):
-        """``leader``: a request that ``OutputProcessor.prepare`` has seen (its stop tokens
+        """``leader``: a request that ``SamplingStep.prepare`` has seen (its stop tokens
         and output limit are the search's EOS tokens and budget)."""
         params = leader.sampling
         self.leader = leader

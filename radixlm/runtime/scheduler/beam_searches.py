@@ -11,8 +11,8 @@ from radixlm.host_to_device import to_device
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.scheduler.beam_groups import BeamGroup
-from radixlm.runtime.scheduler.output_processor import OutputProcessor
 from radixlm.runtime.scheduler.request_memory import RequestMemory
+from radixlm.runtime.scheduler.sampling_step import SamplingStep
 from radixlm.runtime.scheduler.scheduler_state import SchedulerState
 
 logger = logging.getLogger(__name__)
@@ -23,11 +23,11 @@ class BeamSearches:
     end."""
 
     def __init__(self, state: SchedulerState, memory: RequestMemory, runner: ModelRunner,
-                 output_processor: OutputProcessor):
+                 sampling_step: SamplingStep):
         self.state = state
         self.memory = memory
         self.runner = runner
-        self.output_processor = output_processor
+        self.sampling_step = sampling_step
 
     def join(self, req: Req) -> bool:
         """Makes ``req`` a beam search's leader (True: it queues) or adds it to its
@@ -89,7 +89,7 @@ class BeamSearches:
         """One step of ``group`` from its rows of ``hidden``: it ends (finished, out of
         ``running``) or runs on (its members in ``running``, next to each other)."""
         index = to_device(rows, torch.int64, hidden.device)
-        logits = self.output_processor.compute_logits(hidden.index_select(0, index))
+        logits = self.sampling_step.compute_logits(hidden.index_select(0, index))
         was_running = group.expanded
         if group.step(logits, self.memory, self.runner.kv_pool):
             self.remove(group)

@@ -48,12 +48,12 @@ class DecodeInFlight:
 class DecodeWorker:
     """Runs decode steps' forward passes and sampling in order on one worker thread."""
 
-    def __init__(self, runner, output_processor, sampler: Sampler,
+    def __init__(self, runner, sampling_step, sampler: Sampler,
                  sampling_batch: SamplingBatch):
-        """``runner.forward(batch) -> hidden`` and ``output_processor.compute_logits(hidden)
+        """``runner.forward(batch) -> hidden`` and ``sampling_step.compute_logits(hidden)
         -> logits`` are looked up at each step (a benchmark's stand-ins replace them)."""
         self.runner = runner
-        self.output_processor = output_processor
+        self.sampling_step = sampling_step
         self.sampler = sampler
         self.sampling_batch = sampling_batch
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="radixlm-decode")
@@ -94,7 +94,7 @@ class DecodeWorker:
             tokens, *_ = previous.tokens.result()  # done: this thread ran it
             batch.input_ids = tokens if keep is None else tokens.index_select(0, keep)
         hidden = self.runner.forward(batch)
-        logits = self.output_processor.compute_logits(hidden)  # (B, V)
+        logits = self.sampling_step.compute_logits(hidden)  # (B, V)
         if self.sampling_batch.uses(GRAMMAR):
             host_ready.wait()  # the matchers have accepted the previous step's tokens
         next_ids = self.sampler.sample(logits, self.sampling_batch)  # (B,)

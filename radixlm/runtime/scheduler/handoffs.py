@@ -20,9 +20,9 @@ from collections.abc import Callable
 from radixlm.runtime.disaggregation.decode_handoff import DecodeHandoff
 from radixlm.runtime.disaggregation.prefill_handoff import PrefillHandoff
 from radixlm.runtime.request import Req, finish_abort
-from radixlm.runtime.scheduler.output_processor import OutputProcessor
 from radixlm.runtime.scheduler.prefill_adder import decode_reserve
 from radixlm.runtime.scheduler.request_memory import RequestMemory
+from radixlm.runtime.scheduler.sampling_step import SamplingStep
 from radixlm.runtime.scheduler.scheduler_state import SchedulerState
 
 
@@ -31,12 +31,12 @@ class Handoffs:
     server that does both halves)."""
 
     def __init__(self, state: SchedulerState, memory: RequestMemory,
-                 output_processor: OutputProcessor, drain: Callable[[], None],
+                 sampling_step: SamplingStep, drain: Callable[[], None],
                  prefill: PrefillHandoff | None = None, decode: DecodeHandoff | None = None):
         """``drain``: ends the decode step in flight (before requests join ``running``)."""
         self.state = state
         self.memory = memory
-        self.output_processor = output_processor
+        self.sampling_step = sampling_step
         self.drain = drain
         self.prefill, self.decode = prefill, decode
 
@@ -108,7 +108,7 @@ class Handoffs:
         """Appends each request's first token (stop checks, grammar and jump-forward as for
         any sampled token) and runs the requests it does not end."""
         for req, first_token in joined:
-            if self.output_processor.append_tokens([req], [first_token], None):
+            if self.sampling_step.append_tokens([req], [first_token], None):
                 self.memory.release(req)
             else:  # (its sampling row is built from its outputs, jumped tokens included)
                 self.state.running.append(req)

@@ -45,8 +45,8 @@ from __future__ import annotations
 from radixlm.kv_cache.allocator import pages_for
 from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler.decode_worker import DecodeInFlight, DecodeWorker
-from radixlm.runtime.scheduler.output_processor import OutputProcessor
 from radixlm.runtime.scheduler.request_memory import RequestMemory
+from radixlm.runtime.scheduler.sampling_step import SamplingStep
 from radixlm.runtime.scheduler.scheduler_state import SchedulerState
 from radixlm.runtime.scheduler.step_batches import StepBatches
 from radixlm.runtime.server_args import ServerArgs
@@ -56,12 +56,12 @@ class Overlap:
     """The scheduler's steps with a decode step in flight (``SchedulerState.in_flight``)."""
 
     def __init__(self, state: SchedulerState, memory: RequestMemory,
-                 output_processor: OutputProcessor, args: ServerArgs, batches: StepBatches,
+                 sampling_step: SamplingStep, args: ServerArgs, batches: StepBatches,
                  worker: DecodeWorker | None):
         """``worker`` None: decode steps are never queued ahead (no overlap)."""
         self.state = state
         self.memory = memory
-        self.output_processor = output_processor
+        self.sampling_step = sampling_step
         self.args = args
         self.batches = batches
         self.worker = worker
@@ -125,7 +125,7 @@ class Overlap:
             raise
         reqs = flight.reqs
         if found is not None:  # (a request that jumps wants no logprobs)
-            self.output_processor.add_output_logprobs(
+            self.sampling_step.add_output_logprobs(
                 [(reqs[row], i) for i, row in enumerate(flight.logprob_rows)
                  if not reqs[row].finished], found)
         if flight.jumped:  # their tokens are discarded (see the module)
@@ -135,7 +135,7 @@ class Overlap:
         stepped = [r for r in reqs if not r.finished]
         # The worker may own the sampling batch: jumped tokens are not recorded in it.
         jumped: list[Req] = []
-        for req in self.output_processor.append_tokens(reqs, tokens, None, jumped):
+        for req in self.sampling_step.append_tokens(reqs, tokens, None, jumped):
             state.running.remove(req)
             self.memory.release(req)
         if state.in_flight is not None:

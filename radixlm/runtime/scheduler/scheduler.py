@@ -28,7 +28,7 @@ step then returns the requests of the decode step before it.
 
 A beam search (``beam_groups.py``) is admitted as its leader, counting a row and a
 reservation per beam; once its prompt is prefilled, its beams run as its members, which
-the output processor does not sample: the group steps them itself. While a beam search
+the sampling step does not sample: the group steps them itself. While a beam search
 runs, decode steps take the plain loop (a step's forks need the host).
 
 The ``Scheduler`` composes typed components over one ``SchedulerState`` (the queues, the
@@ -57,11 +57,11 @@ from radixlm.runtime.scheduler.beam_searches import BeamSearches
 from radixlm.runtime.scheduler.decode_worker import DecodeWorker
 from radixlm.runtime.scheduler.grammar_queue import GrammarQueue
 from radixlm.runtime.scheduler.handoffs import Handoffs
-from radixlm.runtime.scheduler.output_processor import OutputProcessor
 from radixlm.runtime.scheduler.overlap import Overlap
 from radixlm.runtime.scheduler.prefill_adder import PrefillAdder
 from radixlm.runtime.scheduler.prefill_pace import PrefillPace
 from radixlm.runtime.scheduler.request_memory import RequestMemory
+from radixlm.runtime.scheduler.sampling_step import SamplingStep
 from radixlm.runtime.scheduler.scheduler_info import describe
 from radixlm.runtime.scheduler.scheduler_state import SchedulerState
 from radixlm.runtime.scheduler.step_batches import StepBatches
@@ -73,13 +73,13 @@ class Scheduler:
     ``SchedulerState``'s)."""
 
     def __init__(self, runner: ModelRunner, memory: RequestMemory,
-                 output_processor: OutputProcessor, sampler: Sampler, args: ServerArgs,
+                 sampling_step: SamplingStep, sampler: Sampler, args: ServerArgs,
                  prefill_handoff: PrefillHandoff | None = None,
                  decode_handoff: DecodeHandoff | None = None):
         """The hand-offs: on a prefill or a decode server (``handoffs.py``)."""
         self.runner = runner
         self.memory = memory
-        self.output_processor = output_processor
+        self.sampling_step = sampling_step
         self.sampler = sampler
         self.args = args
         self.state = state = SchedulerState(sampler.new_batch(runner.device),
@@ -91,18 +91,18 @@ class Scheduler:
         self.batches = StepBatches(state, memory, runner)
         worker = None
         if args.overlap_schedule():
-            worker = DecodeWorker(runner, output_processor, sampler, state.sampling_batch)
-        self.overlap = Overlap(state, memory, output_processor, args, self.batches, worker)
-        self.handoffs = Handoffs(state, memory, output_processor, self.overlap.drain,
+            worker = DecodeWorker(runner, sampling_step, sampler, state.sampling_batch)
+        self.overlap = Overlap(state, memory, sampling_step, args, self.batches, worker)
+        self.handoffs = Handoffs(state, memory, sampling_step, self.overlap.drain,
                                  prefill_handoff, decode_handoff)
         self.admission = Admission(state, memory, args, self.grammar_queue,
                                    self.prefill_pace, self.handoffs)
-        self.beams = BeamSearches(state, memory, runner, output_processor)
+        self.beams = BeamSearches(state, memory, runner, sampling_step)
 
     def add_request(self, req: Req) -> None:
         """Queues ``req``; a constrained one waits for its grammar first (a failed
         grammar finishes it, reported at the next step)."""
-        self.output_processor.prepare(req)
+        self.sampling_step.prepare(req)
         if req.sampling.use_beam_search and not self.beams.join(req):
             return
         if req.handoff in ("send", "fake"):  # a prefill server's part ends at one token
@@ -268,7 +268,7 @@ class Scheduler:
                                                                   hidden.device))
             finished = []
             if sampled:
-                finished = self.output_processor.process_decode(
+                finished = self.sampling_step.process_decode(
                     sampled, sampled_hidden, self.sampler, state.sampling_batch)
             for req in finished:
                 state.running.remove(req)
@@ -276,7 +276,7 @@ class Scheduler:
             state.sampling_batch.remove(finished)
             return reqs + self.beams.step(hidden, beam_rows)
         extend_lens = batch.extend_seq_lens_list
-        self.output_processor.process(reqs, hidden, prefix_lens, extend_lens, self.sampler,
+        self.sampling_step.process(reqs, hidden, prefix_lens, extend_lens, self.sampler,
                                       state.sampling_batch)
         finished = []
         for req, extend in zip(reqs, extend_lens):

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from radixlm.kv_cache.no_cache import NoPrefixCache
 from radixlm.kv_cache.radix_tree import RadixCache
 from radixlm.models.model_config import ModelConfig
-from radixlm.runtime import messages as io
+from radixlm.runtime import messages as wire
 from radixlm.runtime.detokenizer.incremental_detokenizer import (
     CONTEXT_TOKENS,
     IncrementalDetokenizer,
@@ -31,8 +31,8 @@ from radixlm.runtime.grammar.jump_forward import JumpForward
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.request import LogprobRequest, Req, finish_abort
 from radixlm.runtime.sampling.sampler import Sampler
-from radixlm.runtime.scheduler.output_processor import OutputProcessor
 from radixlm.runtime.scheduler.request_memory import RequestMemory
+from radixlm.runtime.scheduler.sampling_step import SamplingStep
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
 
@@ -68,7 +68,7 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
     )
     sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, args.random_seed,
                       grammar_backend)
-    processor = OutputProcessor(
+    processor = SamplingStep(
         tokenizer, runner.compute_logits, model_config.eos_token_ids, runner.context_length,
         jump_forward=None if args.disable_jump_forward else JumpForward(tokenizer),
     )
@@ -95,7 +95,7 @@ def thaw_startup_objects() -> None:
     gc.unfreeze()
 
 
-def make_req(msg: io.GenerateReq, tokenizer, leaders: dict[str, Req],
+def make_req(msg: wire.GenerateReq, tokenizer, leaders: dict[str, Req],
              disaggregation_mode: str = "null", transfer_backend: str = "tcp") -> Req:
     params = msg.sampling  # validated where the request entered
     handoff = None
@@ -135,7 +135,7 @@ class SchedulerLoop:
     of a request that is not streamed, less often: ``UNSTREAMED_REPORT_TOKENS``)."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, context: zmq.Context,
-                 paths: io.SocketPaths):
+                 paths: wire.SocketPaths):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.inbox = context.socket(zmq.PULL)
@@ -188,7 +188,7 @@ class SchedulerLoop:
         now = time.monotonic()
         if now - self.last_heartbeat >= HEARTBEAT_S:
             self.last_heartbeat = now
-            self.to_request_tracker.send(io.encode(io.Heartbeat()))
+            self.to_request_tracker.send(wire.encode(wire.Heartbeat()))
 
     def _receive(self, timeout: int) -> bool:
         """Handles every message that comes within ``timeout`` ms (and those right after
@@ -198,17 +198,17 @@ class SchedulerLoop:
             timeout = 0
             for frame in self.inbox.recv_multipart():
                 msg = self._decode(frame)
-                if isinstance(msg, io.GenerateReq):
+                if isinstance(msg, wire.GenerateReq):
                     self._add(msg)
-                elif isinstance(msg, io.AbortReq):
+                elif isinstance(msg, wire.AbortReq):
                     self._abort(msg.rid)
-                elif isinstance(msg, io.ControlReq):
+                elif isinstance(msg, wire.ControlReq):
                     if msg.kind == "shutdown":
                         return False
                     self._control(msg)
         return os.getppid() == self.parent
 
-    def _add(self, msg: io.GenerateReq) -> None:
+    def _add(self, msg: wire.GenerateReq) -> None:
         try:
             args = self.scheduler.args
             req = make_req(msg, self.tokenizer, self.by_rid, args.disaggregation_mode,
@@ -221,14 +221,14 @@ class SchedulerLoop:
 
     def _refuse(self, rid: str, message: str) -> None:
         """Ends a request that never ran, with ``message`` as its abort reason."""
-        state = io.OutputState(0, 0, 0, finish_reason=finish_abort(message))
-        self.to_detokenizer.send(io.encode(io.TokenBatch([rid], [0], [], {0: state})))
+        state = wire.OutputState(0, 0, 0, finish_reason=finish_abort(message))
+        self.to_detokenizer.send(wire.encode(wire.TokenBatch([rid], [0], [], {0: state})))
 
-    def _decode(self, data: bytes) -> io.Message | None:
+    def _decode(self, data: bytes) -> wire.Message | None:
         """The message, or None for one that does not decode (a request among them is
         refused by its rid, so its caller does not wait forever)."""
         try:
-            return io.decode(data)
+            return wire.decode(data)
         except (msgspec.ValidationError, msgspec.DecodeError) as err:
             try:
                 raw = msgspec.msgpack.decode(data)
@@ -251,7 +251,7 @@ class SchedulerLoop:
                     for m in r.beam.members if id(m) not in named]
         self._report(victims)
 
-    def _control(self, msg: io.ControlReq) -> None:
+    def _control(self, msg: wire.ControlReq) -> None:
         info: dict[str, Any] = {}
         ok = True
         if msg.kind == "flush_cache":
@@ -260,7 +260,7 @@ class SchedulerLoop:
             info = self.scheduler.server_info()
         else:
             ok, info = False, {"error": f"unknown control request {msg.kind!r}"}
-        self.to_request_tracker.send(io.encode(io.ControlReply(msg.request_id, ok, info)))
+        self.to_request_tracker.send(wire.encode(wire.ControlReply(msg.request_id, ok, info)))
 
     def _report(self, reqs: list[Req]) -> None:
         """Sends what ``reqs`` produced (see ``report_message``) to the Detokenizer."""
@@ -269,10 +269,10 @@ class SchedulerLoop:
             if req.finished:
                 self.by_rid.pop(req.rid, None)
         if batch is not None:
-            self.to_detokenizer.send(io.encode(batch))
+            self.to_detokenizer.send(wire.encode(batch))
 
 
-def report_message(reqs: list[Req]) -> io.TokenBatch | None:
+def report_message(reqs: list[Req]) -> wire.TokenBatch | None:
     """What ``reqs`` produced since they were last reported (and marks it reported): tokens,
     logprobs, states, and the text of requests whose stop strings the Scheduler matched on
     text it decoded (None when there is nothing to send). A request that is not streamed and
@@ -286,9 +286,9 @@ def report_message(reqs: list[Req]) -> io.TokenBatch | None:
     rids: list[str] = []
     ends: list[int] = []
     new_ids: list[int] = []
-    states: dict[int, io.OutputState] = {}
-    specs: dict[int, io.DetokenizeSpec] = {}
-    texts: dict[int, io.DecodedText] = {}
+    states: dict[int, wire.OutputState] = {}
+    specs: dict[int, wire.DetokenizeSpec] = {}
+    texts: dict[int, wire.DecodedText] = {}
     for req in reqs:
         output_ids = req.output_ids
         reported = req.reported_ids
@@ -316,12 +316,12 @@ def report_message(reqs: list[Req]) -> io.TokenBatch | None:
         req.reported_ids = len(output_ids)
     if not rids:
         return None
-    return io.TokenBatch(rids, ends, new_ids, states, specs, texts)
+    return wire.TokenBatch(rids, ends, new_ids, states, specs, texts)
 
 
-def _output_state(req: Req, counters: tuple[int, int, int]) -> io.OutputState:
+def _output_state(req: Req, counters: tuple[int, int, int]) -> wire.OutputState:
     """``req``'s counters, finish and unreported logprobs (marked reported)."""
-    state = io.OutputState(*counters, finish_reason=req.finish_reason)
+    state = wire.OutputState(*counters, finish_reason=req.finish_reason)
     if req.beam_score is not None:
         state.beam = [req.cumulative_logprob, req.beam_score]
     req.reported_counters = counters
@@ -334,11 +334,11 @@ def _output_state(req: Req, counters: tuple[int, int, int]) -> io.OutputState:
     return state
 
 
-def _detokenize_spec(req: Req) -> io.DetokenizeSpec:
+def _detokenize_spec(req: Req) -> wire.DetokenizeSpec:
     """How the Detokenizer turns ``req``'s tokens into text (sent once; marked sent)."""
     params = req.sampling
     req.reported_text = True
-    return io.DetokenizeSpec(
+    return wire.DetokenizeSpec(
         prompt_tail=req.input_ids[-CONTEXT_TOKENS:],
         skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
@@ -347,34 +347,35 @@ def _detokenize_spec(req: Req) -> io.DetokenizeSpec:
     )
 
 
-def _decoded_text(req: Req) -> io.DecodedText:
+def _decoded_text(req: Req) -> wire.DecodedText:
     """The text ``req``'s detokenizer made since the last report (flushed at its end; marked
     reported)."""
     detokenizer = req.detokenizer
     if req.finished:
         detokenizer.finish()
     text = detokenizer.text
-    decoded = io.DecodedText(text[req.reported_chars:], detokenizer.before_last_feed)
+    decoded = wire.DecodedText(text[req.reported_chars:], detokenizer.before_last_feed)
     req.reported_chars = len(text)
     return decoded
 
 
-def run_scheduler_process(args: ServerArgs, model_path: str, paths: io.SocketPaths, ready) -> None:
+def run_scheduler_process(args: ServerArgs, model_path: str, paths: wire.SocketPaths,
+                          ready) -> None:
     """Process entry point. ``ready.send_bytes`` gets the scheduler's facts or an error."""
     context = zmq.Context()
     try:
         scheduler = build_scheduler(args, model_path)
-        loop = SchedulerLoop(scheduler, scheduler.output_processor.tokenizer, context, paths)
+        loop = SchedulerLoop(scheduler, scheduler.sampling_step.tokenizer, context, paths)
         freeze_startup_objects()
     except Exception as err:
-        ready.send_bytes(io.encode(io.ProcessFailed("scheduler", _describe(err))))
+        ready.send_bytes(wire.encode(wire.ProcessFailed("scheduler", _describe(err))))
         return
-    ready.send_bytes(io.encode(io.ControlReply(0, True, scheduler.server_info())))
+    ready.send_bytes(wire.encode(wire.ControlReply(0, True, scheduler.server_info())))
     try:
         loop.run()
     except Exception as err:
         logger.exception("the scheduler loop failed")
-        loop.to_request_tracker.send(io.encode(io.ProcessFailed("scheduler", _describe(err))))
+        loop.to_request_tracker.send(wire.encode(wire.ProcessFailed("scheduler", _describe(err))))
     finally:
         scheduler.shutdown()
         context.destroy(linger=100)

@@ -29,7 +29,7 @@ class SchedulerState:
     and the sampled one before them, after a jump-forward); the ``chunked`` request (if
     any) holds a row and the KV of its first ``kv_len`` prompt tokens; waiting, finished
     and grammar-queued requests hold neither. ``sampling_batch`` holds a row for each
-    ``running`` request, in the same order (the output processor adds a request's row when
+    ``running`` request, in the same order (the sampling step adds a request's row when
     it first samples it; finishing, aborting and retracting remove it).
 
     While a decode step is in flight (``in_flight``), its requests hold the KV of all their

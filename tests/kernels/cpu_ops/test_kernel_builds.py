@@ -16,6 +16,15 @@ def test_every_projection_kernel_reaches_the_sources_as_a_define():
         assert f"RADIXLM_PROJECTION_{kernel.name}," in decode_layer  # an enumerator's value
     for name, dim in [("BFLOAT16", 128), ("FLOAT32", 256)]:
         assert f"-DRADIXLM_PREFILL_MAX_VALUE_DIM_{name}={dim}" in defines
+    assert f"-DRADIXLM_PAIR_COLUMNS={fused_ops.PAIR_COLUMNS}" in defines
+    assert f"-DRADIXLM_BLOCK_COLUMNS={fused_ops.BLOCK_COLUMNS}" in defines
+
+
+def test_the_column_layouts_use_the_kernels_widths():
+    from radixlm.models.layers import column_layouts
+
+    assert column_layouts.PAIR_COLUMNS is fused_ops.PAIR_COLUMNS
+    assert column_layouts.BLOCK_COLUMNS is fused_ops.BLOCK_COLUMNS
 
 
 def test_a_new_build_removes_the_earlier_ones_but_a_locked_one(tmp_path):

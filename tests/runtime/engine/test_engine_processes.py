@@ -16,7 +16,7 @@ from tiny_models import tiny_tokenizer
 from workloads import PROMPTS, greedy
 
 import radixlm
-from radixlm.runtime import messages as io
+from radixlm.runtime import messages as wire
 from radixlm.runtime.detokenizer.detokenizer_process import Detokenizer
 from radixlm.runtime.engine.errors import RuntimeUnavailable
 from radixlm.runtime.engine.native_output import native_results
@@ -115,13 +115,13 @@ def test_a_model_that_fails_to_load_raises_naming_the_file(tmp_path, tiny_model_
 
 def _detokenize_out(rid, new_ids, finish=None, stop=(), no_stop_trim=False, first=False):
     """A one-row ``TokenBatch``."""
-    spec = io.DetokenizeSpec([], True, True, list(stop), no_stop_trim) if first else None
-    states = {} if finish is None else {0: io.OutputState(0, 0, 0, finish_reason=finish)}
-    return io.TokenBatch([rid], [len(new_ids)], list(new_ids), states,
+    spec = wire.DetokenizeSpec([], True, True, list(stop), no_stop_trim) if first else None
+    states = {} if finish is None else {0: wire.OutputState(0, 0, 0, finish_reason=finish)}
+    return wire.TokenBatch([rid], [len(new_ids)], list(new_ids), states,
                          {} if spec is None else {0: spec})
 
 
-def _shown_text(detokenizer: Detokenizer, out: io.TokenBatch, before: str) -> str:
+def _shown_text(detokenizer: Detokenizer, out: wire.TokenBatch, before: str) -> str:
     """The text a client shows after ``out``: ``before``, cut by the row's trim, plus its
     text; the row's tokens and state are forwarded as they came."""
     batch = detokenizer.handle(out)
@@ -170,7 +170,7 @@ def test_the_scheduler_survives_an_invalid_message(engine_for):
     """Requests are validated where they enter; one that reaches the scheduler with a value
     of the wrong type is refused by its rid, and the scheduler keeps serving."""
     engine = engine_for()
-    bad = io.GenerateReq("bad-request", [5, 6, 7], {"temperature": "hot"})
+    bad = wire.GenerateReq("bad-request", [5, 6, 7], {"temperature": "hot"})
     [out] = engine._call(native_results(engine._tracker.stream([bad], streamed=False), [bad]))
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert "temperature" in out["meta_info"]["finish_reason"]["message"]
@@ -240,14 +240,14 @@ def test_the_detokenizer_takes_the_schedulers_text_for_a_request_with_stop_strin
     """A request with stop strings is decoded once, by the Scheduler (its stop check): the
     Detokenizer holds back a possible stop start and cuts at the stop on that text."""
     detokenizer = Detokenizer(_NoDecoding())
-    spec = io.DetokenizeSpec([], True, True, ["STOP"], False)
+    spec = wire.DetokenizeSpec([], True, True, ["STOP"], False)
     shown = ""
     steps = [("Hello ST", None), ("OP and more", {"type": "stop", "matched": "STOP"})]
     for i, (text, finish) in enumerate(steps):
-        states = {} if finish is None else {0: io.OutputState(0, 0, 0, finish_reason=finish)}
-        batch = detokenizer.handle(io.TokenBatch(
+        states = {} if finish is None else {0: wire.OutputState(0, 0, 0, finish_reason=finish)}
+        batch = detokenizer.handle(wire.TokenBatch(
             ["r"], [1], [7 + i], states, {0: spec} if i == 0 else {},
-            {0: io.DecodedText(text, before_last=0)}))
+            {0: wire.DecodedText(text, before_last=0)}))
         shown = shown[: len(shown) - batch.trims.get(0, 0)] + batch.texts[0]
         if finish is None:
             assert shown == "Hello "  # "ST" could start the stop: held back

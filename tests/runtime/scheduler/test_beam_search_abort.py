@@ -9,7 +9,7 @@ from beam_reference import beam
 from runtime_checks import assert_pool_idle, beam_reqs
 from workloads import random_ids
 
-from radixlm.runtime import messages as io
+from radixlm.runtime import messages as wire
 from radixlm.runtime.sampling.sampling_params import SamplingParams
 from radixlm.runtime.scheduler.scheduler_process import make_req
 
@@ -49,11 +49,11 @@ def test_a_search_waits_for_its_members_and_a_late_one_is_refused(scheduler_for)
     assert leader.req_pool_idx is None and not leader.output_ids
     scheduler.abort(leader)
     assert leader.finished and not scheduler.state.waiting
-    late = io.GenerateReq("late-1", leader.input_ids, SamplingParams.from_dict(beam(3, 8)),
+    late = wire.GenerateReq("late-1", leader.input_ids, SamplingParams.from_dict(beam(3, 8)),
                           prefill_leader=leader.rid)
     with pytest.raises(ValueError, match="no beam search"):
-        make_req(late, scheduler.output_processor.tokenizer, {})  # (the loop forgot it)
-    straggler = make_req(late, scheduler.output_processor.tokenizer, {leader.rid: leader})
+        make_req(late, scheduler.sampling_step.tokenizer, {})  # (the loop forgot it)
+    straggler = make_req(late, scheduler.sampling_step.tokenizer, {leader.rid: leader})
     scheduler.add_request(straggler)
     assert straggler.finish_reason["type"] == "abort"
     assert straggler in scheduler.step()  # reported at the next step

@@ -90,7 +90,7 @@ def test_beams_equal_transformers_however_the_scheduler_runs_them(
     scheduler = scheduler_for(**BASE, **options)
     scheduler.flush_cache()
     directory = tiny_model_dir()
-    searches = workload(directory, scheduler.output_processor.tokenizer.eos_token_id, 50)
+    searches = workload(directory, scheduler.sampling_step.tokenizer.eos_token_id, 50)
     requests = ordinary_requests(3, 950, 20, 60)
     alone = run_alone(scheduler_for(**BASE), requests)
     groups, plain = run_together(scheduler, searches, requests)
@@ -110,7 +110,7 @@ def test_other_architectures_fork_pages_and_chunk_prompts_as_llama_does(
     options = {"page_size": 4, "chunked_prefill_size": 16}
     scheduler = scheduler_for(architecture, kv, **BASE, **options)
     directory = tiny_model_dir(architecture, kv)
-    searches = workload(directory, scheduler.output_processor.tokenizer.eos_token_id, 30)
+    searches = workload(directory, scheduler.sampling_step.tokenizer.eos_token_id, 30)
     requests = ordinary_requests(2, 970, 20, 40)
     alone = run_alone(scheduler_for(architecture, kv, **BASE), requests)
     groups, plain = run_together(scheduler, searches, requests)
@@ -129,7 +129,7 @@ def test_a_retracted_search_starts_over_and_still_equals_transformers(
     scheduler = scheduler_for(**BASE, max_total_tokens=512, **BOLD)
     scheduler.flush_cache()
     directory = tiny_model_dir()
-    searches = workload(directory, scheduler.output_processor.tokenizer.eos_token_id, 100)
+    searches = workload(directory, scheduler.sampling_step.tokenizer.eos_token_id, 100)
     requests = ordinary_requests(2, 960, 60, 90)
     alone = run_alone(scheduler_for(**BASE), requests)
     before = scheduler.state.stats.retractions
@@ -183,6 +183,6 @@ def test_a_width_8_search_over_512_tokens_holds_the_prompt_once(
     assert_pool_idle(info)
     assert info["cache_tokens"] <= round_up(prompt + new, page_size), info["cache_tokens"]
     assert info["peak_kv_tokens"] <= round_up(prompt, page_size) + width * (new + 1) + slack
-    eos = [scheduler.output_processor.tokenizer.eos_token_id]
+    eos = [scheduler.sampling_step.tokenizer.eos_token_id]
     check_beams(outputs(reqs), reference_beams(tiny_model_dir(), ids, width, new, 1.0,
                                                "never", eos), 1.0, eos, new)

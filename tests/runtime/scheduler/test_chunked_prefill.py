@@ -245,16 +245,16 @@ def test_prompt_logprobs_of_a_long_unchunked_prefill_go_through_the_lm_head_in_s
     """A step owing many prompt logprobs never holds rows x vocabulary logits at once: the
     LM head sees at most ``PROMPT_LOGPROB_SLICE_ROWS`` rows per call, and the sliced
     results equal those of one pass (the whole prompt fits a single slice here)."""
-    from radixlm.runtime.scheduler import output_processor
+    from radixlm.runtime.scheduler import sampling_step
 
     whole = scheduler_for(chunked_prefill_size=None)
     prompts = [random_ids(20, 300), random_ids(21, 90)]
     fields = dict(return_logprob=True, logprob_start=0, top_logprobs_num=2)
-    monkeypatch.setattr(output_processor, "PROMPT_LOGPROB_SLICE_ROWS", 1024)
+    monkeypatch.setattr(sampling_step, "PROMPT_LOGPROB_SLICE_ROWS", 1024)
     want = run(whole, prompts, [greedy(4), greedy(4)], **fields)
-    monkeypatch.setattr(output_processor, "PROMPT_LOGPROB_SLICE_ROWS", 64)
+    monkeypatch.setattr(sampling_step, "PROMPT_LOGPROB_SLICE_ROWS", 64)
     head_rows: list[int] = []
-    processor = whole.output_processor
+    processor = whole.sampling_step
     compute = processor.compute_logits
 
     def recording_compute(hidden):

@@ -43,7 +43,7 @@ SAMPLING = [
 
 
 def text_of(scheduler, req: Req) -> str:
-    return scheduler.output_processor.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+    return scheduler.sampling_step.tokenizer.decode(req.output_ids, skip_special_tokens=True)
 
 
 def assert_valid(scheduler, req: Req, kind: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tiny_models import tiny_tokenizer
 
-from radixlm.runtime import messages as io
+from radixlm.runtime import messages as wire
 from radixlm.runtime.engine.request_state import ReqState
 from radixlm.runtime.request import finish_length
 from radixlm.runtime.sampling.sampling_params import SamplingParams
@@ -18,11 +18,11 @@ from radixlm.runtime.scheduler.scheduler_process import (
 
 def _req(rid: str, prompt: list[int], **message) -> object:
     sampling = SamplingParams.from_dict({"max_new_tokens": 8})
-    return make_req(io.GenerateReq(rid, prompt, sampling, **message), tiny_tokenizer(), {})
+    return make_req(wire.GenerateReq(rid, prompt, sampling, **message), tiny_tokenizer(), {})
 
 
 def _over_the_wire(message):
-    return None if message is None else io.decode(io.encode(message))
+    return None if message is None else wire.decode(wire.encode(message))
 
 
 def test_a_step_is_one_message_with_sparse_extras():
@@ -37,7 +37,7 @@ def test_a_step_is_one_message_with_sparse_extras():
     batch = _over_the_wire(report_message([plain, ended, prompt_only]))
 
     assert batch.rids == ["a", "b", "c"]
-    assert list(io.rows(batch.rids, batch.ends, batch.new_ids)) == [
+    assert list(wire.rows(batch.rids, batch.ends, batch.new_ids)) == [
         ("a", [11]), ("b", [12, 13]), ("c", [])]
     assert batch.states[0].cached_tokens == 1  # a first report carries the counters
     assert batch.states[1].finish_reason == finish_length(2)
@@ -63,11 +63,11 @@ def test_a_request_with_stop_strings_sends_the_text_its_stop_check_decoded():
     tokenizer = tiny_tokenizer()
     ids = tokenizer.encode("The quick brown fox")
     sampling = SamplingParams.from_dict({"max_new_tokens": 8, "stop": ["zzz"]})
-    req = make_req(io.GenerateReq("s", [5, 6], sampling), tokenizer, {})
+    req = make_req(wire.GenerateReq("s", [5, 6], sampling), tokenizer, {})
     sent = ""
     for token in ids:
         req.output_ids.append(token)
-        req.detokenizer.feed([token])  # as OutputProcessor does, token by token
+        req.detokenizer.feed([token])  # as SamplingStep does, token by token
         sent += _over_the_wire(report_message([req])).texts[0].text
     req.finish_reason = finish_length(len(ids))
     last = _over_the_wire(report_message([req])).texts[0]
@@ -77,9 +77,9 @@ def test_a_request_with_stop_strings_sends_the_text_its_stop_check_decoded():
 
 def test_the_request_tracker_keeps_counters_between_the_rows_that_send_them():
     state = ReqState("a", prompt_tokens=2)
-    state.add([11], "x", 0, io.OutputState(cached_tokens=1, retractions=0, jump_forward_tokens=0))
+    state.add([11], "x", 0, wire.OutputState(cached_tokens=1, retractions=0, jump_forward_tokens=0))
     state.add([12, 13], "yz", 0, None)
-    state.add([], "", 0, io.OutputState(1, 0, 1, finish_reason=finish_length(3)))
+    state.add([], "", 0, wire.OutputState(1, 0, 1, finish_reason=finish_length(3)))
 
     delta = state.take_deltas()
     assert delta.new_ids == [11, 12, 13] and delta.text == "xyz"
@@ -89,7 +89,7 @@ def test_the_request_tracker_keeps_counters_between_the_rows_that_send_them():
 
 def test_a_row_of_prompt_logprobs_only_goes_out_with_the_next_row():
     state = ReqState("a", prompt_tokens=3)
-    state.add([], "", 0, io.OutputState(0, 0, 0, input_token_logprobs=[[None, 8, None]]))
+    state.add([], "", 0, wire.OutputState(0, 0, 0, input_token_logprobs=[[None, 8, None]]))
     assert state.take_deltas() is None and not state.changed.is_set()
     state.add([11], "x", 0, None)
     delta = state.take_deltas()
@@ -109,7 +109,7 @@ def test_a_request_that_is_not_streamed_reports_its_first_token_its_50th_and_its
         if step == UNSTREAMED_REPORT_TOKENS + 3:
             whole.finish_reason = finish_length(step)
         batch = _over_the_wire(report_message([whole, streamed]))
-        for rid, ids in io.rows(batch.rids, batch.ends, batch.new_ids):
+        for rid, ids in wire.rows(batch.rids, batch.ends, batch.new_ids):
             sent[rid].append(len(ids))
     assert sent["s"] == [1] * (UNSTREAMED_REPORT_TOKENS + 3)
     assert sent["w"] == [1, UNSTREAMED_REPORT_TOKENS, 2]

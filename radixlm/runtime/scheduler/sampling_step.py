@@ -17,7 +17,7 @@ PROMPT_LOGPROB_SLICE_ROWS = 128
 vocabulary makes 25 MB of float32 logits per slice)."""
 
 
-class OutputProcessor:
+class SamplingStep:
     """Turns a batch's hidden states into each request's next token and finish state.
 
     Only the rows that matter go through the LM head: each request's last new token (to
