@@ -11,9 +11,9 @@ packs weights by it, to each linear layer and to the attention backend, and runs
 inside ``pass_scope``. Reading a layer's ``plan`` tells which kernel runs and why.
 
 Invariants: the plan's choices are fixed once built; only ``pass_scope`` changes the per-pass
-state (``prompt_pass`` and torch's oneDNN switch), for one pass at a time (a runner's passes
-never overlap). A layer given no plan holds ``TORCH_CHOICES``, which asks for no kernel copy,
-bypass or one-row kernel (and is never in a pass).
+state (``prompt_pass`` and torch's oneDNN switch), restoring it on the way out, even on an
+error (a runner's passes never overlap). A layer given no plan holds ``TORCH_CHOICES``,
+which asks for no kernel copy, bypass or one-row kernel (and is never in a pass).
 """
 
 from __future__ import annotations
@@ -56,15 +56,17 @@ class CpuExecutionPlan:
 
     @contextlib.contextmanager
     def pass_scope(self, rows: int, prompt: bool) -> Iterator[None]:
-        """Runs one pass of ``rows`` rows (a prompt pass where ``prompt``) under this plan."""
+        """Runs one pass of ``rows`` rows (a prompt pass where ``prompt``) under this plan; a
+        pass inside a prompt pass (its logits, say) stays a prompt pass, and each scope
+        restores what it found."""
         bypass = self.one_row_bypass and rows == 1 and torch.backends.mkldnn.enabled
-        self.prompt_pass = prompt
+        outer, self.prompt_pass = self.prompt_pass, prompt or self.prompt_pass
         if bypass:
             torch.backends.mkldnn.enabled = False
         try:
             yield
         finally:
-            self.prompt_pass = False
+            self.prompt_pass = outer
             if bypass:
                 torch.backends.mkldnn.enabled = True
 

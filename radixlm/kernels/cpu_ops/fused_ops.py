@@ -83,6 +83,7 @@ import logging
 import os
 import platform
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -120,6 +121,8 @@ class ProjectionKernel(enum.IntEnum):
     INT8_BLOCKED = 6  # blocked_int8_matmul(x, weight, scales), int8 column blocks
 
 
+OLD_BUILD_DAYS = 30
+"""A build no process has loaded for this long is removed by the next new build."""
 PAIR_COLUMNS = 16
 """Out features of one group of a weight laid out by column pairs (``pair_matmul``): one
 512-bit vector of float32 sums."""
@@ -255,8 +258,9 @@ def _shared_constants() -> list[str]:
 def _build() -> ModuleType:
     """Builds (or finds built) and loads the module. Builders take turns on a lock the
     system drops with a process that dies, so a build killed half-way cannot leave the lock
-    file of torch's builder behind to stall every later start. A new build removes the
-    earlier ones (``_remove_old_builds``)."""
+    file of torch's builder behind to stall every later start. Each load marks its build as
+    used (the lock's time); a new build removes builds unused for ``OLD_BUILD_DAYS``
+    (``_remove_old_builds``)."""
     import fcntl
 
     from torch.utils.cpp_extension import load
@@ -273,7 +277,8 @@ def _build() -> ModuleType:
             fcntl.flock(turn, fcntl.LOCK_EX)
             if not _is_same_file(turn, lock_path):
                 continue  # removed as an old build while this process waited: make it again
-            fresh = not (directory / f"{name}.so").exists()
+            os.utime(lock_path)  # used now
+            fresh = not any(directory.glob(f"{name}*.so"))  # (torch adds _v1... on rebuilds)
             (directory / "lock").unlink(missing_ok=True)  # torch's, left by a killed build
             # torch's builder runs ninja, which recompiles the sources (and headers) changed
             # since the last build.
@@ -298,16 +303,21 @@ def _is_same_file(opened, path: Path) -> bool:
 
 
 def _remove_old_builds(root: Path, keep: Path) -> None:
-    """Removes the builds in ``root`` other than ``keep``: those of earlier torch or Python
-    versions, or of another CPU's flags. One whose lock another process holds (building it
-    now) is left."""
+    """Removes the builds in ``root`` other than ``keep`` that no process has loaded for
+    ``OLD_BUILD_DAYS`` (earlier torch or Python versions, another CPU's flags): builds in
+    use by another environment sharing the directory stay. One whose lock another process
+    holds (building it now) is left too."""
     import fcntl
 
+    unused_since = time.time() - OLD_BUILD_DAYS * 86400
     for old in root.glob(f"{BUILD_PREFIX}*"):
         if old == keep or old.is_symlink() or not old.is_dir():
             continue
+        lock_path = old / "radixlm.lock"
         try:
-            with open(old / "radixlm.lock", "a") as turn:
+            if lock_path.exists() and lock_path.stat().st_mtime > unused_since:
+                continue  # loaded lately, by another torch, Python or CPU sharing the cache
+            with open(lock_path, "a") as turn:
                 fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 shutil.rmtree(old)
         except OSError as error:  # locked by a builder, or not ours to remove

@@ -80,9 +80,16 @@ class ClientTemplateRenderer:
         return reply["text"]
 
     def close(self) -> None:
-        """Stops the worker (renders under way fail)."""
+        """Stops the worker (a render under way fails: its thread sees the pipe close and
+        cleans up after it)."""
         self._closed = True
-        self._stop()
+        if self._turn.acquire(blocking=False):
+            try:
+                self._stop()
+            finally:
+                self._turn.release()
+        elif (worker := self._worker) is not None:
+            worker.kill()
 
     # Internals --------------------------------------------------------------------------
 
@@ -144,10 +151,11 @@ class ClientTemplateRenderer:
             reply = msgspec.json.decode(reply_line, type=dict[str, str | bool])
         except msgspec.DecodeError:
             reply = {}
-        if not any(isinstance(reply.get(key), kind) for key, kind in REPLY_FIELDS):
+        if not any(isinstance(reply.get(key), kind) for key, kind in REPLY_FIELDS[what]):
             self._stop()
             raise ValueError("the chat template failed: its renderer sent a malformed reply")
         return reply
 
 
-REPLY_FIELDS = (("ready", bool), ("text", str), ("error", str))
+REPLY_FIELDS = {"start": (("ready", bool),), "render": (("text", str), ("error", str))}
+"""What a reply must hold in each phase (one of them, of its type)."""

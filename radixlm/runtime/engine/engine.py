@@ -208,8 +208,8 @@ class Engine:
     @property
     def received_bytes(self) -> int:
         """Bytes of the messages the RequestTracker has received from the runtime's
-        processes since it started on its current loop (outputs arrive as deltas: a
-        stream of N tokens costs O(N) of them)."""
+        processes since the Engine started (outputs arrive as deltas: a stream of N tokens
+        costs O(N) of them)."""
         return self._tracker.received_bytes
 
     def is_healthy(self) -> bool:

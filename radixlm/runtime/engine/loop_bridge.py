@@ -1,8 +1,9 @@
 """Calling coroutines and async iterators that live on another thread's event loop.
 
-The RequestTracker runs on one loop (the Engine's background thread, or a server's);
-callers may sit on any thread or loop. These helpers run the work on its loop and hand the
-results back, and run it directly, with no hop, when the caller is already on that loop.
+The RequestTracker runs on one loop, the Engine's own, in its background thread; callers
+may sit on any thread or loop (a server's among them). These helpers run the work on its
+loop and hand the results back, and run it directly, with no hop, when the caller is
+already on that loop.
 """
 
 from __future__ import annotations

@@ -1,23 +1,22 @@
 """The state the scheduler's components share between steps (``scheduler.py`` composes them).
 
-Every component (admission, overlap, hand-offs, beam searches) gets this one object and
-the parts it needs (the memory, the runner...) at construction; nothing else is shared.
+Every component (admission, overlap, hand-offs, beam searches, the step batches) gets this
+one object at construction, with the parts of the runtime it uses (the memory, the runner,
+the sampling step, and the few other components it calls: admission the hand-offs, the
+hand-offs the overlap's ``drain``); what the components share between steps is here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.sampling_batch import SamplingBatch
+from radixlm.runtime.scheduler.beam_groups import BeamGroup
+from radixlm.runtime.scheduler.decode_worker import DecodeInFlight
 from radixlm.runtime.scheduler.prefill_adder import decode_reserve
 from radixlm.runtime.scheduler.request_memory import RequestMemory
 from radixlm.runtime.scheduler.scheduler_info import SchedulerStats
-
-if TYPE_CHECKING:  # (the modules of these types import this one)
-    from radixlm.runtime.scheduler.beam_groups import BeamGroup
-    from radixlm.runtime.scheduler.decode_worker import DecodeInFlight
 
 
 @dataclass

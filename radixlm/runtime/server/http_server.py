@@ -55,8 +55,10 @@ def create_app(
     the model named ``served_model_name`` (default: the model directory's name)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        yield
-        await engine.async_resume()  # a drain (graceful_shutdown.py) ends with its server
+        try:
+            yield
+        finally:
+            await engine.async_resume()  # a drain (graceful_shutdown.py) ends with its server
 
     app = FastAPI(title="radixlm", description="SGLang's native API and the OpenAI API",
                   lifespan=lifespan)

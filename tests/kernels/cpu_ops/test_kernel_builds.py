@@ -27,20 +27,27 @@ def test_the_column_layouts_use_the_kernels_widths():
     assert column_layouts.BLOCK_COLUMNS is fused_ops.BLOCK_COLUMNS
 
 
-def test_a_new_build_removes_the_earlier_ones_but_a_locked_one(tmp_path):
+def test_a_new_build_removes_the_unused_ones_but_a_locked_or_recent_one(tmp_path):
+    """Builds unused for OLD_BUILD_DAYS go; one another environment loaded lately (another
+    torch or CPU sharing the directory) and one being built now stay."""
     import fcntl
+    import os
+    import time
 
     builds = {name: tmp_path / f"{fused_ops.BUILD_PREFIX}{name}"
-              for name in ("current", "old", "building")}
-    for directory in builds.values():
+              for name in ("current", "old", "building", "recent")}
+    long_ago = time.time() - (fused_ops.OLD_BUILD_DAYS + 1) * 86400
+    for name, directory in builds.items():
         directory.mkdir()
         (directory / "module.so").write_text("")
+        (directory / "radixlm.lock").write_text("")
+        if name != "recent":
+            os.utime(directory / "radixlm.lock", (long_ago, long_ago))
     unrelated = tmp_path / "another_extension"
     unrelated.mkdir()
-    with open(builds["building"] / "radixlm.lock", "w") as turn:
+    with open(builds["building"] / "radixlm.lock", "a") as turn:
         fcntl.flock(turn, fcntl.LOCK_EX)  # another builder's turn
         fused_ops._remove_old_builds(tmp_path, keep=builds["current"])
     assert not builds["old"].exists()
-    assert (builds["current"] / "module.so").exists()
-    assert (builds["building"] / "module.so").exists()
+    assert all((builds[name] / "module.so").exists() for name in ("current", "building", "recent"))
     assert unrelated.exists()

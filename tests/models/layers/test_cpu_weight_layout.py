@@ -86,6 +86,10 @@ def test_prompt_passes_leave_the_kept_rows_alone(kernels_on):
         assert blocked.fused_projection(2, torch.bfloat16) is None  # oneDNN's: no kernel
     with plan.pass_scope(2, prompt=False):
         assert not blocked.matmul(x).any()
+    with plan.pass_scope(2, prompt=True):
+        with plan.pass_scope(1, prompt=False):  # (logits inside a prompt pass, say)
+            assert blocked.matmul(x).any()  # still the prompt pass's products
+        assert blocked.matmul(x).any()  # restored, not reset
     with pytest.raises(RuntimeError, match="boom"), plan.pass_scope(2, prompt=True):
         raise RuntimeError("boom")
     assert not blocked.matmul(x).any()
