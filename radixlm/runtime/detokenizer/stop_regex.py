@@ -29,7 +29,8 @@ import functools
 import re
 from collections.abc import Callable
 
-from radixlm.runtime.detokenizer.regex_parser import (
+from radixlm.runtime.detokenizer.regex_parser import parse_stop_regex
+from radixlm.runtime.detokenizer.regex_syntax import (
     AnyChar,
     Begin,
     Branch,
@@ -40,7 +41,6 @@ from radixlm.runtime.detokenizer.regex_parser import (
     Literal,
     Node,
     Repeat,
-    parse_stop_regex,
 )
 
 MAX_PROGRAM_SIZE = 2000
