@@ -7,6 +7,8 @@ and the worker's death fails that request alone."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -174,5 +176,47 @@ def test_renders_past_the_waiting_limit_are_refused(chat_model_dir):
         assert isinstance(results["refused"], QueueFull)
         assert isinstance(results["endless"], ValueError)
         assert results["queued"] == "[hi]"
+    finally:
+        renderer.close()
+
+
+def test_closing_during_a_render_fails_it_and_stops_the_worker(chat_model_dir):
+    renderer = ClientTemplateRenderer(str(chat_model_dir), timeout_s=30.0)
+    outcome = {}
+
+    def render() -> None:
+        try:
+            renderer.render([{"role": "user", "content": "hi"}],
+                            {"chat_template": ENDLESS_TEMPLATES["loops"]}, 1000)
+        except ValueError as err:
+            outcome["error"] = str(err)
+
+    thread = threading.Thread(target=render)
+    thread.start()
+    time.sleep(3)  # the worker has started and is rendering
+    worker = renderer._worker
+    started = time.monotonic()
+    renderer.close()
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - started < 10
+    assert "renderer stopped" in outcome["error"]
+    assert worker.poll() is not None  # killed, and reaped by the render's thread
+    with pytest.raises(QueueFull, match="shutting down"):
+        renderer.render([{"role": "user", "content": "hi"}], {"chat_template": "x"}, 10)
+
+
+def test_a_reply_of_the_wrong_kind_is_refused(chat_model_dir, tmp_path):
+    """A worker (the client's template runs there) that answers a render with a start
+    message, or with no text, fails the request with a 400-style error, not a crash."""
+    liar = tmp_path / "worker.py"
+    liar.write_text("import sys\nprint('{\"ready\": true}', flush=True)\n"
+                    "for line in sys.stdin:\n    print('{\"ready\": true}', flush=True)\n")
+    renderer = ClientTemplateRenderer(str(chat_model_dir))
+    try:
+        renderer._stop()
+        renderer._worker = subprocess.Popen([sys.executable, str(liar)], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE)
+        with pytest.raises(ValueError, match="malformed reply"):
+            renderer.render([{"role": "user", "content": "hi"}], {"chat_template": "x"}, 10)
     finally:
         renderer.close()
