@@ -25,16 +25,14 @@ import asyncio
 import contextlib
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from live_server import free_port  # noqa: E402
+from live_server import LiveServer  # noqa: E402
 
 import radixlm  # noqa: E402
 from radixlm.runtime.engine.loop_bridge import run_on_loop  # noqa: E402
@@ -68,24 +66,6 @@ async def hosted_on_server_loop(engine: radixlm.Engine):
         engine._tracker.close()
         engine._loop = own_loop
         engine._tracker = await run_on_loop(engine._make_request_tracker(), own_loop)
-
-
-class Server:
-    """uvicorn in a background thread."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 def one_request(client: httpx.Client, url: str, tokens: int, stream: bool) -> float:
@@ -140,7 +120,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             variants = ["hosted", "hop"] if round_ % 2 == 0 else ["hop", "hosted"]
             for variant in variants:
-                server = Server(apps[variant])
+                server = LiveServer(apps[variant])
                 try:
                     hosted = engine._loop is not own_loop
                     assert hosted == (variant == "hosted"), "the lifespan did not move it"

@@ -45,8 +45,7 @@ class ClientTemplateRenderer:
         self.headroom_bytes = headroom_bytes
         self.max_waiting = max_waiting
         self._turn = threading.Lock()  # held for one render
-        self._count_lock = threading.Lock()
-        self._waiting = 0
+        self._places = threading.BoundedSemaphore(max_waiting)  # one per render in line
         self._worker: subprocess.Popen | None = None
         self._pending = b""  # bytes read past the last reply's newline
         self._ready = False  # the worker has said it loaded the tokenizer
@@ -64,17 +63,14 @@ class ClientTemplateRenderer:
                                         "max_chars": max_chars})
         except (TypeError, msgspec.EncodeError) as err:
             raise ValueError(f"the chat template's inputs are not JSON: {err}") from None
-        with self._count_lock:
-            if self._waiting >= self.max_waiting:
-                raise QueueFull(f"{self._waiting} requests' chat templates are waiting to "
-                                "render; try again later")
-            self._waiting += 1
+        if not self._places.acquire(blocking=False):
+            raise QueueFull(f"{self.max_waiting} requests' chat templates are waiting to "
+                            "render; try again later")
         try:
             with self._turn:
                 reply = self._exchange(line + b"\n")
         finally:
-            with self._count_lock:
-                self._waiting -= 1
+            self._places.release()
         if "error" in reply:
             raise ValueError(f"the chat template failed: {reply['error']}")
         return reply["text"]

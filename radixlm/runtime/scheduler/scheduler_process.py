@@ -68,13 +68,14 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
     )
     sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, args.random_seed,
                       grammar_backend)
-    processor = SamplingStep(
+    sampling_step = SamplingStep(
         tokenizer, runner.compute_logits, model_config.eos_token_ids, runner.context_length,
         jump_forward=None if args.disable_jump_forward else JumpForward(tokenizer),
     )
     prefill_handoff, decode_handoff = build_handoffs(args, memory,
                                                      runner.kv_pool.layer_buffers())
-    return Scheduler(runner, memory, processor, sampler, args, prefill_handoff, decode_handoff)
+    return Scheduler(runner, memory, sampling_step, sampler, args, prefill_handoff,
+                     decode_handoff)
 
 
 def freeze_startup_objects() -> None:
