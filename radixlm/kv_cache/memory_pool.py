@@ -14,6 +14,14 @@ of the same effect the runner passes in, such as the fused CPU kernels' ``scatte
 ``v_buffer.shape[-1]`` dims of the keys, so it may gather keys once and slice the values
 out of them.
 
+A pool may hold some layers' KV under slots of their own (the sliding-window layers of a
+hybrid pool hold only the tokens inside their window): ``slot_map_for(layer_id)`` is then
+a (num_slots,) int64 tensor taking a request's slot (what ``req_to_token`` holds) to the
+slot of that layer's buffers (0, padding, where the token's KV there was dropped), which a
+backend applies to the slots it reads that layer at; ``set_kv`` takes the request's slots
+and maps them itself. None: the layer's buffers are indexed by the request's slots (every
+layer of these two pools).
+
 No KV tensor is ever allocated per request: a request owns indices, not memory.
 """
 
@@ -101,6 +109,10 @@ class MHATokenToKVPool:
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
+    def slot_map_for(self, layer_id: int) -> torch.Tensor | None:
+        """None: every layer is indexed by the request's slots (see the module docstring)."""
+        return None
+
     def layer_buffers(self) -> list[torch.Tensor]:
         """Every per-slot buffer, (num_slots, ...) each: K and V of layer 0, then layer 1, ...
         (what moves a token's KV between pools, ``disaggregation``)."""
@@ -153,6 +165,10 @@ class MLATokenToKVPool:
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         buffer = self.kv_buffers[layer_id]
         return buffer, buffer[..., : self.kv_lora_rank]
+
+    def slot_map_for(self, layer_id: int) -> torch.Tensor | None:
+        """None: every layer is indexed by the request's slots (see the module docstring)."""
+        return None
 
     def layer_buffers(self) -> list[torch.Tensor]:
         """Every per-slot buffer, (num_slots, 1, D_k) each, by layer."""

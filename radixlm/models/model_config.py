@@ -33,6 +33,11 @@ class ModelConfig:
     each token caches instead of per-head K and V; None: the MHA (K and V) layout."""
     qk_rope_head_dim: int = 0
     """MLA: the dims of the decoupled RoPE key cached next to the latent."""
+    sliding_window: int | None = None
+    """W of the layers that attend to a sliding window of their W most recent keys
+    (``AttentionLayer.sliding_window``); None: every layer attends to all keys."""
+    sliding_layers: frozenset[int] = frozenset()
+    """The ids of those layers (all of them for Mistral and Phi-3; Gemma 2/3's local ones)."""
     eos_token_ids: set[int] = field(default_factory=set)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     """Sampling defaults from generation_config.json (temperature, top_p, top_k)."""
@@ -57,6 +62,7 @@ class ModelConfig:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         kv_lora_rank = getattr(hf, "kv_lora_rank", None)
         generation = _read_generation_config(path)
+        window, sliding = attention_windows(hf)
         eos = _as_id_set(generation.get("eos_token_id")) | _as_id_set(hf.eos_token_id)
         return cls(
             path=path,
@@ -71,6 +77,8 @@ class ModelConfig:
             max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=hf.qk_rope_head_dim if kv_lora_rank is not None else 0,
+            sliding_window=window,
+            sliding_layers=sliding,
             eos_token_ids=eos,
             generation_defaults=_sampling_defaults(generation),
         )
@@ -86,6 +94,31 @@ class ModelConfig:
         if self.kv_lora_rank is not None:
             return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_size
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+
+
+def attention_windows(hf_config: PretrainedConfig) -> tuple[int | None, frozenset[int]]:
+    """(W, the layers that attend to their W most recent keys) of a Hugging Face config, or
+    (None, empty) where every layer sees all keys. Read as transformers does: ``layer_types``
+    ("sliding_attention" / "full_attention") where the config has it; else Gemma 2's
+    alternation (even layers local), Gemma 3's ``sliding_window_pattern`` (every n-th layer
+    global), and ``sliding_window`` on every layer (Mistral, Phi-3) unless
+    ``use_sliding_window`` is false (Qwen2)."""
+    window = getattr(hf_config, "sliding_window", None)
+    layers = hf_config.num_hidden_layers
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None, frozenset()
+    types = getattr(hf_config, "layer_types", None)
+    model_type = getattr(hf_config, "model_type", "")
+    if types:
+        sliding = {i for i, kind in enumerate(types) if kind == "sliding_attention"}
+    elif model_type == "gemma2":
+        sliding = set(range(0, layers, 2))
+    elif model_type in ("gemma3", "gemma3_text"):
+        pattern = getattr(hf_config, "sliding_window_pattern", 6)
+        sliding = {i for i in range(layers) if (i + 1) % pattern}
+    else:
+        sliding = set(range(layers))
+    return (int(window), frozenset(sliding)) if sliding else (None, frozenset())
 
 
 def rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:

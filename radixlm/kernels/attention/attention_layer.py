@@ -19,7 +19,12 @@ class AttentionLayer(Protocol):
       H a multiple of H_kv (grouped-query attention);
     - ``head_dim`` (D) of queries and keys, ``v_head_dim`` (D_v) of values and of the
       output; equal except for multi-head latent attention;
-    - ``scaling``: the softmax scale applied to q k^T.
+    - ``scaling``: the softmax scale applied to q k^T;
+    - ``sliding_window``: None (the query sees every earlier key) or W, the number of most
+      recent keys a query sees, its own included: query at position i sees keys j with
+      i - W < j <= i (Hugging Face's convention, Mistral's and Gemma's local layers);
+    - ``logit_softcap``: None or c: scores become c * tanh(scores / c) after scaling and
+      before the mask and softmax (Gemma 2).
     """
 
     layer_id: int
@@ -28,3 +33,5 @@ class AttentionLayer(Protocol):
     head_dim: int
     v_head_dim: int
     scaling: float
+    sliding_window: int | None
+    logit_softcap: float | None

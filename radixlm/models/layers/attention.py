@@ -20,9 +20,11 @@ class PagedAttention(nn.Module):
 
     def __init__(
         self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
-        v_head_dim: int | None = None,
+        v_head_dim: int | None = None, sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ):
-        """``v_head_dim``: the values' head dim when it differs from the keys' (MLA)."""
+        """``v_head_dim``: the values' head dim when it differs from the keys' (MLA);
+        ``sliding_window``, ``logit_softcap``: see ``AttentionLayer``."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -30,6 +32,8 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.scaling = scaling
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
