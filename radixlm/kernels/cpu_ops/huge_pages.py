@@ -73,12 +73,18 @@ def empty(nbytes: int) -> torch.Tensor | None:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype)`` on the CPU, on huge pages where available."""
+    """``torch.zeros(shape, dtype=dtype)`` on the CPU, on a fresh anonymous mapping (huge
+    pages where available), which the OS zero-fills as each page is first touched: memory
+    is taken as the tensor is written, not at allocation (a KV pool sized for its most
+    tokens holds only what its requests have used)."""
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     buffer = empty(nbytes) if nbytes >= HUGE_PAGE else None
+    if buffer is None and nbytes >= mmap.PAGESIZE:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buffer = torch.frombuffer(mapping, dtype=torch.uint8)
     if buffer is None:
         return torch.zeros(shape, dtype=dtype)
-    return buffer.view(dtype).view(shape).zero_()
+    return buffer.view(dtype).view(shape)
 
 
 def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
