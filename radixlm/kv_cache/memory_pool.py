@@ -77,7 +77,12 @@ def copy_slots(pool: MHATokenToKVPool | MLATokenToKVPool, src: torch.Tensor,
                dst: torch.Tensor) -> None:
     """Copies the KV stored at slots ``src`` to slots ``dst`` ((N,) each, on the pool's
     device), in every layer: a page shared by two sequences that go on differently is
-    copied on write (beam search)."""
+    copied on write (beam search). A pool whose layers keep slots of their own
+    (``slot_map_for``; ``hybrid_pool.HybridKVPool``) copies through its ``copy_slots``."""
+    own_copy = getattr(pool, "copy_slots", None)
+    if own_copy is not None:
+        own_copy(src, dst)
+        return
     for buffer in pool.layer_buffers():
         pool.write_rows(buffer, dst, buffer.index_select(0, src))
 
