@@ -10,21 +10,18 @@ An extend batch whose padded grid would cost more than its sequences' own attent
 (``_split_pays``: ragged lengths, long prompts) attends sequence by sequence instead.
 
 Masks are additive (0 or -inf, in the pool's dtype), built once a batch: SDPA converts a
-boolean mask into that form on every call, which costs a fifth of a layer's attention at
-500 new tokens after 500 cached. A long sequence after
-a short cached prefix (``_pads_causally``) takes no mask at all: its queries are placed
-after as many zero rows as the prefix has keys, and one causal call skips the blocks above
-the diagonal, which a mask over the same keys cannot (faster than under an additive mask,
-the more so the longer the sequence). The zero rows' outputs are dropped. Figures in
-benchmarks/RESULTS.md.
+boolean mask into that form on every call. A long sequence after a short cached prefix
+(``_pads_causally``) takes no mask at all: its queries are placed after as many zero rows
+as the prefix has keys, and one causal call skips the blocks above the diagonal, which a
+mask over the same keys cannot (the more so the longer the sequence). The zero rows'
+outputs are dropped. Figures in benchmarks/RESULTS.md.
 
 Where the fused kernels' causal prefill attention serves (``fused_ops.causal_prefill_attention``:
 bfloat16 on AVX-512 BF16 without AMX, float32 on AVX2 or AVX-512), none of that is built:
 every extend batch, its sequences fresh or after prefixes of any length, goes to that
 kernel in one call a layer, which reads each sequence's keys where they lie in the pool and
-computes only the blocks its causal mask keeps: faster than SDPA for one long prompt, for
-many short ones (no padded call and gather) and after a cached prefix, in bfloat16 on a
-2-core Zen 4 and in float32 on a 2-core Zen 3 (figures in benchmarks/RESULTS.md).
+computes only the blocks its causal mask keeps: no padded call, gather or mask (figures in
+benchmarks/RESULTS.md).
 
 Values may have a head dim D_v other than the keys' D (multi-head latent attention: keys
 are latent + RoPE rows, values the latent alone, read as a view of the gathered keys);
@@ -34,6 +31,9 @@ A decode batch whose requests share prefixes of slots (``ForwardBatch.shared_pre
 beam search's beams) reads each shared prefix once for its run of requests. Other decode
 batches on a CPU with the fused kernels on (``radixlm.kernels.cpu_ops.fused_ops``) attend
 over the keys where they lie in the pool, without the gather.
+
+Layers with a sliding window, a logit softcap or a slot map of the pool's own take none of
+these paths (``needs_windowed_path``): ``windowed_attention.py`` serves them.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from radixlm.kernels.attention.shared_prefix_decode import (
     attend_shared_prefix,
     plan_runs,
 )
+from radixlm.kernels.attention.windowed_attention import WindowedAttention, needs_windowed_path
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.cpu_ops.execution_plan import TORCH_CHOICES, CpuExecutionPlan
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
@@ -102,12 +103,10 @@ padded call does, with some margin toward the single padded call (benchmarks/RES
 
 CAUSAL_PAD_MIN_KEYS = 384
 """The fewest keys at which a sequence after a short prefix attends causally over padded
-queries rather than under a mask (below it the causal kernel skips too little: 256 keys
-broke even, 384 gained)."""
+queries rather than under a mask (below it the causal kernel skips too little)."""
 CAUSAL_PAD_MAX_PREFIX = 1 / 8
 """The largest share of a sequence's new tokens its cached prefix may have for the padded
-causal call: the zero rows cost the prefix's own pairs again (a prefix of 64 before 512 new
-tokens still gained 8% on the additive mask; 250 before 250 lost 50%)."""
+causal call: the zero rows cost the prefix's own pairs again (benchmarks/RESULTS.md)."""
 
 
 def _pads_causally(new: int, total: int) -> bool:
@@ -145,9 +144,11 @@ class TorchNativeAttentionBackend(AttentionBackend):
         prompts (``CpuExecutionPlan.pair_kernels``)."""
         self.cpu_plan = cpu_plan
         self._layout: _PaddedLayout | _InPoolExtend | None = None
+        self._windowed: WindowedAttention | None = None  # the batch's windowed layers'
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
+        self._windowed = WindowedAttention(fb)
         extend_lens = fb.extend_seq_lens_list
         seq_lens = fb.seq_lens_list
         batch_size, max_q, max_kv = len(seq_lens), max(extend_lens), max(seq_lens)
@@ -221,10 +222,14 @@ class TorchNativeAttentionBackend(AttentionBackend):
                                          device=layout.kv_slots.device)
 
     def forward_extend(self, q, k, v, layer, forward_batch):
+        if needs_windowed_path(layer, forward_batch):
+            return self._windowed.forward(q, k, v, layer)
         return self._attend(q, k, v, layer, forward_batch)
 
     def forward_decode(self, q, k, v, layer, forward_batch):
         """One query per request (see ``_decode``)."""
+        if needs_windowed_path(layer, forward_batch):
+            return self._windowed.forward(q, k, v, layer)
         layout = self._layout
         kernels = fused_ops.for_tensor(q)
         if layout.shared is None and kernels is not None:
@@ -249,9 +254,13 @@ class TorchNativeAttentionBackend(AttentionBackend):
         return out
 
     def pool_decode_tables(self, forward_batch):
+        """None also where the pool maps a layer's slots. A windowed or soft-capped layer
+        never asks (``cpu_decode_runner`` fuses none): the kernel sees every key, uncapped."""
         layout = self._layout
         if (forward_batch.mode is not ForwardMode.DECODE or layout.shared is not None
                 or fused_ops.for_tensor(layout.kv_slots) is None):
+            return None
+        if self._windowed.pool_maps_slots():
             return None
         return layout.kv_slots, forward_batch.seq_lens
 
@@ -285,8 +294,7 @@ class TorchNativeAttentionBackend(AttentionBackend):
     @staticmethod
     def _store_fresh_kv(k, v, layer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores the new K/V and returns them as (1, H_kv, T, D) and (1, H_kv, T, D_v):
-        for a sequence with no cached prefix they are all its keys, so nothing is read
-        back (the pool holds them in the same dtype)."""
+        a fresh sequence's keys are all new, so nothing is read back."""
         pool = fb.kv_pool
         pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         if pool.values_view_keys:

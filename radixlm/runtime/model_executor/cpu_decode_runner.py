@@ -2,7 +2,8 @@
 taking Python out of a step).
 
 A decoder layer whose parts are Llama's block (``LlamaAttention`` without q/k norms or
-biases, a gated SiLU MLP, one tensor-parallel rank) runs its decode step as one call of the
+biases, declaring no sliding window, softcap or partial rotation; a gated SiLU MLP; one
+tensor-parallel rank) runs its decode step as one call of the
 kernels (``models/layers/cpu_decode_layer.py``); where every layer does and they agree in
 shape, all of them run as one call (``models/layers/cpu_decode_stack.py``). Each step asks
 again whether it can (the kernels on, the step's rows and dtype, the pool, the attention
@@ -32,6 +33,13 @@ def fused_decode_layer(layer: torch.nn.Module) -> FusedDecodeLayer | None:
             or attn.q_norm is not None or attn.o_proj.tp.size != 1
             or mlp.down_proj.tp.size != 1):
         return None
+    # The kernels attend over every cached key, unscaled scores, a whole-head rotation and a
+    # SiLU gate: a layer declaring otherwise runs its modules.
+    if (attn.attn.sliding_window is not None or attn.attn.logit_softcap is not None
+            or attn.rotary_dim != attn.head_dim or mlp.activation != "silu"):
+        return None
+    if attn.attn.sliding_window is not None or attn.attn.logit_softcap is not None:
+        return None  # the kernel's decode attention sees every key, its scores uncapped
     return FusedDecodeLayer.build(
         attn.attn.layer_id, layer.input_layernorm, layer.post_attention_layernorm,
         (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
