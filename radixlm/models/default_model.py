@@ -26,7 +26,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from radixlm.models.gguf_conversion import convert_gguf_to_hf
+from radixlm.models.gguf.conversion import convert_gguf_to_hf, write_gguf_view
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ def resolve_model_path(model_path: str | os.PathLike | None) -> Path:
     """Turn what a user passed as `model_path` into a local Hugging Face model directory.
 
     None -> the default model; a directory -> itself (it must contain config.json); a `.gguf`
-    file -> its conversion, cached under `<cache>/models/gguf-<stem>-<hash>/` and redone when the
-    file's size or mtime changes; anything else -> a Hugging Face hub id, downloaded with
+    file -> its view (config and tokenizer; the weights stay in the file), cached under
+    `<cache>/models/gguf-view-<stem>-<hash>/` and redone when the file's size or mtime changes; anything else -> a Hugging Face hub id, downloaded with
     `huggingface_hub`. Raises ValueError naming the path and what is wrong; an unreachable hub
     fails within about `_HUB_PROBE_TIMEOUT_S` seconds instead of hanging.
     """
@@ -102,19 +102,21 @@ def resolve_model_path(model_path: str | os.PathLike | None) -> Path:
 
 
 def _converted_gguf_path(gguf_path: Path) -> Path:
-    """Convert a user's .gguf file once; the cache key is its resolved path, size and mtime."""
+    """The view of a user's .gguf file (``gguf.conversion.write_gguf_view``: its config and
+    tokenizer, no weights), written once; the cache key is its resolved path, size and mtime."""
     resolved = gguf_path.resolve()
     stat = resolved.stat()
     key = f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
-    target = radixlm_cache_dir() / "models" / f"gguf-{resolved.stem}-{digest}"
+    target = radixlm_cache_dir() / "models" / f"gguf-view-{resolved.stem}-{digest}"
     if (target / "config.json").is_file():
         return target
     with _exclusive_lock(target):
         if not (target / "config.json").is_file():
-            _report(f"radixlm: converting {resolved} into {target} ...", True)
+            _report(f"radixlm: reading {resolved} (its config and tokenizer into {target})",
+                    True)
             _remove_stale(target)
-            convert_gguf_to_hf(resolved, target)
+            write_gguf_view(resolved, target)
     return target
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -9,7 +10,9 @@ from torch import nn
 
 from radixlm.kernels.cpu_ops import fused_ops, huge_pages
 from radixlm.kernels.cpu_ops.execution_plan import TORCH_CHOICES, CpuExecutionPlan
+from radixlm.models.gguf.conversion import gguf_source
 from radixlm.models.layers.cpu_weight_layout import lay_out_for_cpu, uses_blocked_layout
+from radixlm.models.layers.gguf_weight import GGUFBlockWeight, StackedWeight
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.tensor_parallel import SINGLE, TensorParallel, building
 from radixlm.models.layers.vocab_parallel import VocabParallelEmbedding
@@ -45,10 +48,18 @@ def load_model(
     (``kernels/cpu_ops/execution_plan.py``), which every linear layer and packed weight holds.
     """
     cls = model_class(config.architecture)
-    files = safetensors_files(config.path)
-    with torch.device(device), building(tp):
+    gguf_file = gguf_source(config.path)
+    if gguf_file is not None and weight_format not in (None, "gguf"):
+        raise ValueError(f"{gguf_file.name} is served in its own formats; quantization "
+                         f"{weight_format!r} applies to safetensors checkpoints")
+    weight_format = None if weight_format == "gguf" else weight_format
+    files = None if gguf_file is not None else safetensors_files(config.path)
+    with torch.device(device), building(tp), _without_init(gguf_file is not None):
         model = cls(config.hf_config, max_position=max_position)
-    model.load_weights(iterate_safetensors(files))
+    if gguf_file is None:
+        model.load_weights(iterate_safetensors(files))
+    else:
+        _load_gguf(model, gguf_file, dtype, device, tp)
     for module in model.modules():
         if isinstance(module, (Linear, VocabParallelEmbedding)):
             module.plan = plan
@@ -81,13 +92,38 @@ def load_model(
 
 
 def _weight_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """The model's parameters, buffers and packed weights' tensors."""
+    """The model's parameters, buffers and packed weights' tensors (not a GGUF's blocks:
+    they stay mapped from the file)."""
     tensors = [*model.parameters(), *model.buffers()]
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        if isinstance(packed, PackedWeight):
+        if isinstance(packed, PackedWeight) and not isinstance(
+                packed, (GGUFBlockWeight, StackedWeight)):
             tensors += packed.tensors()
     return tensors
+
+
+def _without_init(skip: bool):
+    """Where the weights will be replaced (a GGUF's blocks), the model is built without
+    initialising them: untouched memory, freed as the blocks take their place."""
+    if not skip:
+        return contextlib.nullcontext()
+    from transformers.initialization import no_init_weights
+
+    return no_init_weights()
+
+
+def _load_gguf(model: nn.Module, path, dtype: torch.dtype, device, tp: TensorParallel) -> None:
+    from radixlm.models.gguf.native_weights import load_gguf_weights
+
+    in_blocks = tp.size == 1 and torch.device(device).type == "cpu"
+    if not in_blocks:
+        logger.warning("GGUF %s: block weights are served on one CPU rank; dequantizing them",
+                       path.name)
+    counts = load_gguf_weights(model, path, dtype, in_blocks)
+    logger.info("GGUF %s: %d matrices held in blocks (%.1f MiB, mapped from the file), %d "
+                "tensors loaded as floats", path.name, counts["blocks"], counts["bytes"] / 2**20,
+                counts["dequantized"])
 
 
 def validate_split(config: ModelConfig, tp_size: int) -> None:

@@ -49,8 +49,8 @@ class ServerArgs:
     """A weight-only format for the projections and the output head on CPUs: ``fp16wo``
     (half storage) or ``int8wo`` (int8, a scale per output row); computation stays in
     ``dtype`` (``radixlm.models.layers.weight_formats``). ``gguf`` (a ``.gguf`` model):
-    the format matching the file's (F16 -> fp16wo, Q8_0 -> int8wo, others: none). None:
-    weights in ``dtype``."""
+    the file's own formats, as a GGUF is served anyway (its block-quantized matrices as
+    stored). None: weights in ``dtype``."""
     device: str = "auto"
     """``auto`` (CUDA when available, else the CPU), ``cpu`` or ``cuda[:N]``."""
     attention_backend: str = "auto"
@@ -348,10 +348,8 @@ class ServerArgs:
     def weight_format(self) -> str | None:
         """The weight-only format to pack the model into (``quantization``, with ``gguf``
         resolved from the file)."""
-        if self.quantization == "gguf":
-            from radixlm.models.gguf_conversion import gguf_weight_format
-
-            return gguf_weight_format(self.model_path)
+        if self.quantization == "gguf":  # a GGUF's matrices are served as the file stores them
+            return None
         return self.quantization
 
     def overlap_schedule(self) -> bool:

@@ -68,10 +68,15 @@ class Linear(nn.Linear):
 
     def pack_weight(self, packer) -> int:
         """Replaces the weight by ``packer(weight)`` (a ``PackedWeight``); returns its bytes."""
-        self.packed = packer(self.weight.detach())
+        return self.take_packed(packer(self.weight.detach()))
+
+    def take_packed(self, packed: PackedWeight) -> int:
+        """Holds ``packed`` (a (out_features, in_features) weight: a checkpoint's own
+        format, e.g. GGUF blocks) instead of the weight; returns its bytes."""
+        self.packed = packed
         self.packed_key = next(_packed_keys)
         self.weight = None
-        return self.packed.nbytes()
+        return packed.nbytes()
 
 
 class StackedLinear(Linear):

@@ -5,6 +5,8 @@ vocabulary padded up to a multiple of the ranks (padding rows are zero and their
 cut off). The embedding looks up the ids its rows cover, zeroes the others and sums over the
 ranks (each token's row lives on exactly one); the LM head computes its rows' logits and
 gathers every rank's to all of them. With one rank both are plain: a lookup and a matmul.
+A checkpoint's matrix may be held only in its own packed format (GGUF blocks, ``take_packed``):
+the lookup then decodes the rows it needs, and ``weight`` is None.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class VocabParallelEmbedding(nn.Module):
     (through ``packed``, a weight-only copy of the matrix, when one was made)."""
 
     packed: PackedWeight | None = None
+    dtype: torch.dtype = torch.float32
+    """The lookups' dtype where the matrix is held only packed (``take_packed``)."""
     plan: CpuExecutionPlan = TORCH_CHOICES
     """The model's CPU plan (the loader sets it)."""
 
@@ -38,6 +42,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (T,) -> (T, hidden), the same on every rank."""
+        if self.weight is None:  # held only packed (one rank: ``take_packed``)
+            return self.packed.rows(input_ids).to(self.dtype)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
@@ -64,6 +70,17 @@ class VocabParallelEmbedding(nn.Module):
         row a token); returns its bytes."""
         self.packed = packer(self.weight.detach())
         return self.packed.nbytes()
+
+    def take_packed(self, packed: PackedWeight, dtype: torch.dtype) -> int:
+        """Holds ``packed``, the whole (vocab_size, hidden) matrix in a checkpoint's own
+        format (which must offer ``rows(ids)``), instead of the weight, for both lookups
+        (rows decoded into ``dtype``, the model's) and logits; one rank only. Returns its
+        bytes."""
+        if self.tp.size != 1 or self.weight.shape[0] != self.vocab_size:
+            raise ValueError("a packed embedding is held whole, on one rank")
+        self.packed, self.dtype = packed, dtype
+        self.weight = None
+        return packed.nbytes()
 
     def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
         """Copies this rank's rows of the checkpoint's (vocab_size, hidden) matrix."""

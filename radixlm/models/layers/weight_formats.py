@@ -377,10 +377,11 @@ def pack_weights(model: nn.Module, weight_format: str, by_pairs: bool = False,
 
 def pack_each_weight(model: nn.Module, packer: Callable[[torch.Tensor], PackedWeight]) -> int:
     """Replaces the weight of every module that offers ``pack_weight`` (the projections and
-    the output head) by ``packer(weight)``; returns the packed weights' bytes."""
+    the output head) by ``packer(weight)``; returns the packed weights' bytes. Modules that
+    hold their checkpoint's own packed format already (GGUF blocks) are left as they are."""
     total = 0
     for module in model.modules():
         pack = getattr(module, "pack_weight", None)
-        if pack is not None:
+        if pack is not None and getattr(module, "weight", None) is not None:
             total += pack(packer)
     return total

@@ -1,4 +1,4 @@
-"""Tests for radixlm/models/gguf_conversion.py on tiny GGUF files written with gguf.GGUFWriter.
+"""Tests for radixlm/models/gguf/conversion.py on tiny GGUF files written with gguf.GGUFWriter.
 
 The weights are made in Hugging Face layout, permuted the way llama.cpp's converter permutes them,
 written to a GGUF (some F32, some Q8_0), converted back, and loaded with transformers.
@@ -17,11 +17,8 @@ from gguf import GGMLQuantizationType as QType
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from radixlm.models.gguf_conversion import (
-    convert_gguf_to_hf,
-    gguf_weight_format,
-    unpermute_rotary_rows,
-)
+from radixlm.models.gguf.architectures import unpermute_rotary_rows
+from radixlm.models.gguf.conversion import convert_gguf_to_hf
 from radixlm.runtime.server_args import ServerArgs
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 96, 2
@@ -307,7 +304,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="gemma.*llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="'gemma'.*llama, qwen2, qwen3, gemma2, gemma3, phi3"):
         convert_gguf_to_hf(tmp_path / "gemma.gguf", tmp_path / "hf", progress=False)
 
 
@@ -333,14 +330,14 @@ def test_tensor_the_converter_cannot_map_raises(tmp_path, extra, message):
 
 
 def test_failure_while_writing_leaves_no_partial_directory(tmp_path, monkeypatch):
-    import radixlm.models.gguf_conversion as conversion
+    import radixlm.models.gguf.conversion as conversion
 
     write_tiny_gguf(tmp_path / "tiny.gguf")
 
     def crash(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(conversion, "_write_tokenizer", crash)
+    monkeypatch.setattr(conversion, "write_tokenizer", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "hf", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
@@ -355,34 +352,10 @@ def test_non_empty_output_directory_is_refused(tmp_path):
     assert (tmp_path / "hf" / "keep.txt").read_text() == "user data"
 
 
-def _gguf_of_types(path: Path, types: dict[str, QType]) -> Path:
-    writer = gguf.GGUFWriter(path, "llama")
-    for name, qtype in types.items():
-        weight = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
-        if qtype == QType.Q8_0:
-            writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, weight.astype(np.float16 if qtype == QType.F16 else np.float32))
-    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-@pytest.mark.parametrize(("types", "expected"), [
-    ({"blk.0.attn_q.weight": QType.F16, "blk.0.ffn_up.weight": QType.F16}, "fp16wo"),
-    ({"blk.0.attn_q.weight": QType.F32, "blk.0.ffn_up.weight": QType.Q8_0,
-      "blk.0.ffn_down.weight": QType.Q8_0, "token_embd.weight": QType.F32}, "int8wo"),
-    ({"blk.0.attn_q.weight": QType.F32}, None),
-])
-def test_quantization_gguf_takes_the_format_of_the_files_layer_matrices(tmp_path, types,
-                                                                         expected):
-    path = _gguf_of_types(tmp_path / "model.gguf", types)
-    assert gguf_weight_format(path) == expected
-    args = ServerArgs(model_path=str(path), quantization="gguf", device="cpu")
-    assert args.weight_format() == expected
+def test_quantization_gguf_means_the_files_own_formats(tmp_path):
+    write_tiny_gguf(tmp_path / "model.gguf")
+    args = ServerArgs(model_path=str(tmp_path / "model.gguf"), quantization="gguf", device="cpu")
+    assert args.weight_format() is None  # served as stored (gguf/native_weights.py)
 
 
 def test_quantization_gguf_needs_a_gguf_model(tmp_path):

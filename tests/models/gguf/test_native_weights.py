@@ -1,0 +1,177 @@
+"""A GGUF served as the file stores it (radixlm/models/gguf/native_weights.py), against
+transformers on the same weights dequantized by the ``gguf`` package.
+
+The tiny files are written with gguf's writer and quantizer, each layer's matrices in another
+of the 32-value block types (the K-quants, which gguf cannot write, are in the gemma-3 file
+of test_gemma3_gguf.py and in the kernels' own tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from test_conversion import (
+    CHAT_TEMPLATE,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LAYERS,
+    MERGES,
+    SPECIALS,
+    gguf_name,
+    hf_weights,
+    llama_cpp_permute,
+    tiny_vocab,
+)
+from transformers import AutoModelForCausalLM
+
+import radixlm
+from radixlm.models.default_model import resolve_model_path
+from radixlm.models.gguf.conversion import convert_gguf_to_hf
+from radixlm.models.layers.gguf_weight import GGUFBlockWeight, StackedWeight
+
+LAYER_TYPES = [QType.Q4_0, QType.Q5_1]
+"""Each layer's matrices' type; the embedding Q8_0, layer 0's v Q4_1, layer 1's v Q5_0."""
+V_TYPES = [QType.Q4_1, QType.Q5_0]
+PROMPTS = [[5, 9, 30, 41, 77, 12, 3, 99, 17, 64], [8, 100, 7], [3] * 20]
+
+
+def write_quantized_gguf(path, arch: str = "llama", extra: dict | None = None,
+                         raw_types: dict | None = None) -> None:
+    """A tiny GGUF of ``arch`` whose matrices are block-quantized (see LAYER_TYPES);
+    ``extra``: more tensors (name -> array, with ``raw_types[name]`` if they are raw blocks)."""
+    writer = gguf.GGUFWriter(path, arch)
+    for add, value in [("block_count", LAYERS), ("context_length", 256),
+                       ("embedding_length", HIDDEN), ("feed_forward_length", 96),
+                       ("head_count", HEADS), ("head_count_kv", KV_HEADS),
+                       ("key_length", HEAD_DIM), ("value_length", HEAD_DIM),
+                       ("rope_dimension_count", HEAD_DIM), ("rope_freq_base", 50000.0),
+                       ("layer_norm_rms_eps", 1e-6), ("vocab_size", len(tiny_vocab())),
+                       ("tokenizer_model", "gpt2"), ("tokenizer_pre", "default"),
+                       ("token_list", tiny_vocab()), ("token_merges", MERGES),
+                       ("bos_token_id", 1), ("eos_token_id", 2), ("add_bos_token", False),
+                       ("chat_template", CHAT_TEMPLATE)]:
+        getattr(writer, f"add_{add}")(value)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(tiny_vocab()) - len(SPECIALS)))
+    for hf_name, weight in hf_weights(arch, with_output=False, seed=7).items():
+        name = gguf_name(hf_name)
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            weight = llama_cpp_permute(weight, HEADS if "attn_q" in name else KV_HEADS)
+        if weight.ndim == 1:
+            writer.add_tensor(name, weight)
+            continue
+        qtype = QType.Q8_0
+        if name.startswith("blk."):
+            layer = int(name.split(".")[1])
+            qtype = V_TYPES[layer] if "attn_v" in name else LAYER_TYPES[layer]
+        writer.add_tensor(name, gguf.quants.quantize(weight * 0.2, qtype), raw_dtype=qtype)
+    for name, value in (extra or {}).items():
+        writer.add_tensor(name, value, raw_dtype=(raw_types or {}).get(name))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory):
+    """(the GGUF, its float32 conversion: the reference's weights)."""
+    directory = tmp_path_factory.mktemp("gguf")
+    write_quantized_gguf(directory / "tiny-llama.gguf")
+    reference = convert_gguf_to_hf(directory / "tiny-llama.gguf", directory / "hf",
+                                   progress=False)
+    return directory / "tiny-llama.gguf", reference
+
+
+@pytest.fixture(scope="module")
+def gguf_engine(quantized_gguf, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RADIXLM_CACHE", str(cache))
+        engine = radixlm.Engine(str(quantized_gguf[0]), dtype="float32", max_total_tokens=2048,
+                                chunked_prefill_step_ms=None)
+    yield engine
+    engine.shutdown()
+
+
+def test_logprobs_and_greedy_tokens_equal_transformers_on_the_dequantized_weights(
+        gguf_engine, quantized_gguf):
+    reference = AutoModelForCausalLM.from_pretrained(quantized_gguf[1], dtype=torch.float32)
+    greedy = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    outs = gguf_engine.generate(input_ids=PROMPTS, sampling_params=greedy, return_logprob=True,
+                                logprob_start_len=0)
+    for ids, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids])).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])
+        got = torch.tensor([entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]])
+        torch.testing.assert_close(got, expected[:, 0], atol=1e-4, rtol=0)
+        with torch.no_grad():
+            tokens = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)[0, len(ids):]
+        assert out["output_ids"] == tokens.tolist()
+
+
+def test_block_matrices_are_held_as_views_of_the_mapped_file(quantized_gguf, tmp_path,
+                                                            monkeypatch):
+    from radixlm.models.loader import load_model
+    from radixlm.models.model_config import ModelConfig
+
+    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path))
+    view = resolve_model_path(str(quantized_gguf[0]))
+    assert not list(view.glob("*.safetensors"))  # no converted copy on disk
+    model = load_model(ModelConfig.from_path(view), torch.float32, torch.device("cpu"), 256)
+    reader = gguf.GGUFReader(quantized_gguf[0])
+    stored = {t.name: t for t in reader.tensors}
+    layer = model.layers[1]
+    qkv = layer.self_attn.qkv_proj.packed
+    assert isinstance(qkv, StackedWeight) and layer.self_attn.qkv_proj.weight is None
+    assert [p.qtype for p in qkv.parts] == [QType.Q5_1, QType.Q5_1, QType.Q5_0]
+    down = layer.mlp.down_proj.packed
+    assert isinstance(down, GGUFBlockWeight) and down.qtype == QType.Q5_1
+    np.testing.assert_array_equal(down.blocks.numpy(), stored["blk.1.ffn_down.weight"].data)
+    embedding = model.embed_tokens.packed
+    assert embedding.qtype == QType.Q8_0 and model.embed_tokens.weight is None
+    assert _mapped_file(down.blocks.data_ptr()) == str(quantized_gguf[0].resolve())
+    assert _mapped_file(embedding.blocks.data_ptr()) == str(quantized_gguf[0].resolve())
+
+
+def _mapped_file(address: int) -> str | None:
+    """The file this process has mapped at ``address`` (Linux's /proc/self/maps), or None."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) == 6 else None
+    return None
+
+
+def test_a_type_without_block_kernel_is_dequantized_with_one_warning(tmp_path, caplog,
+                                                                     monkeypatch):
+    """The output head in IQ4_NL (no block kernel here): loaded as floats equal to gguf's
+    dequantization, with one warning line naming the type."""
+    from radixlm.models.loader import load_model
+    from radixlm.models.model_config import ModelConfig
+
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (len(tiny_vocab()), HIDDEN // 32, 18), dtype=np.uint8)
+    blocks[:, :, :2] = np.full((1, 1), 0.01, np.float16).view(np.uint8)  # each block's scale
+    blocks = blocks.reshape(len(tiny_vocab()), -1)
+    write_quantized_gguf(tmp_path / "iq4.gguf", extra={"output.weight": blocks},
+                         raw_types={"output.weight": QType.IQ4_NL})
+    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path / "cache"))
+    view = resolve_model_path(str(tmp_path / "iq4.gguf"))
+    with caplog.at_level(logging.WARNING):
+        model = load_model(ModelConfig.from_path(view), torch.float32, torch.device("cpu"), 256)
+    lines = [r.getMessage() for r in caplog.records if "IQ4_NL" in r.getMessage()]
+    assert len(lines) == 1 and re.search(r"1 IQ4_NL tensors dequantized", lines[0])
+    expected = gguf.quants.dequantize(blocks, QType.IQ4_NL)
+    np.testing.assert_array_equal(model.lm_head.weight.numpy(), expected)
