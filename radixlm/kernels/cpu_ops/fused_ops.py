@@ -48,7 +48,12 @@ operations inside ``F.rms_norm`` (figures in benchmarks/RESULTS.md). The kernels
   ``decode_layers(...)``, every layer's in one call (``models/layers/cpu_decode_stack.py``);
 - ``argmax_rows(x)`` (in ``argmax.cpp``): ``x.argmax(dim=-1)`` over float32 logits, the
   same answers (ties, NaN) from vector lanes instead of torch's one value at a time
-  (greedy sampling, ``runtime/sampling/sampler.py``).
+  (greedy sampling, ``runtime/sampling/sampler.py``);
+- ``quantized_matmul(x, blocks, type)`` and ``dequantize_blocks(blocks, type, out)`` (in
+  ``quantized_matmul.cpp``): rows against a GGUF block-quantized weight (llama.cpp's Q4_0 to
+  Q8_K layouts, ``kernels/quantized/block_formats.py``), its blocks decoded a few rows at a
+  time into an L1 scratch, float32 sums; and the weight decoded into a reused buffer for
+  torch's GEMM (``models/layers/gguf_weight.py`` picks between them by rows).
 
 Each works a row at a time in whole SIMD vectors (16-bit rows converted in registers),
 split between the threads by rows (the prefill attention: four query rows at a time, tasks
@@ -96,7 +101,8 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("fused_ops.cpp", "decode_attention.cpp", "few_rows_matmul.cpp",
                              "blocked_matmul.cpp", "prefill_attention.cpp",
                              "prefill_attention_float32.cpp", "pair_matmul.cpp",
-                             "decode_layer.cpp", "argmax.cpp", "bindings.cpp"))
+                             "decode_layer.cpp", "argmax.cpp", "quantized_matmul.cpp",
+                             "bindings.cpp"))
 BUILD_PREFIX = "radixlm_cpu_ops_"  # a build's directory and module: this and a digest
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
              "scatter_rows", "int8_matmul", "dense_matmul", "blocked_matmul",
@@ -104,7 +110,7 @@ FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "si
              "paged_prefill_attention", "prefill_attention_available", "pair_matmul",
              "int8_pair_matmul", "pair_matmul_silu", "int8_pair_matmul_silu",
              "pair_matmul_available", "decode_layer", "decode_layers",
-             "argmax_rows")
+             "argmax_rows", "quantized_matmul", "dequantize_blocks")
 COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 

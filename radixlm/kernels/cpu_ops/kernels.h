@@ -67,3 +67,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 
 // argmax.cpp
 at::Tensor argmax_rows(const at::Tensor& x);
+
+// quantized_matmul.cpp
+at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type);
+void dequantize_blocks(const at::Tensor& blocks, int64_t type, at::Tensor& out);

@@ -1,0 +1,99 @@
+"""The GGUF block kernels (quantized_matmul.cpp): ``quantized_matmul`` equals gguf's
+decoding followed by a float32 matmul to float32 rounding for every served type,
+``dequantize_blocks`` decodes as ``block_formats.dequantize_rows`` does, and both refuse
+what does not fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from quantized_cases import random_blocks, reference
+
+from radixlm.kernels.quantized.block_formats import NATIVE_TYPES, QType, dequantize_rows
+
+TYPES = sorted(NATIVE_TYPES)
+
+
+def case(qtype: QType, out_features: int, blocks_per_row: int,
+         seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks uint8 (out, row bytes), float64 reference weight (out, in))."""
+    blocks = random_blocks(qtype, out_features, blocks_per_row, seed)
+    return torch.from_numpy(blocks), torch.from_numpy(reference(blocks, qtype)).double()
+
+
+def assert_product(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   tolerance: float) -> None:
+    """Within ``tolerance`` of the float64 product, relative to the sum of |x| |w| (so an
+    output that cancels to near zero is held to its terms' scale)."""
+    expected = x.double() @ weight.T
+    magnitude = x.double().abs() @ weight.abs().T
+    error = (got.double() - expected).abs()
+    assert (error <= tolerance * magnitude + 1e-30).all(), float((error / magnitude).max())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 16, 100])
+def test_quantized_matmul_equals_ggufs_weight_times_x_in_float32(kernels, qtype, rows):
+    """19 outputs (tiles of 8, 4 and 3 rows and a partial last one), 3 chunks of columns for
+    the 32-value types (1,536 inputs) and a partial last chunk for the 256-value ones."""
+    blocks_per_row = 48 if qtype.name.endswith("_0") or qtype.name.endswith("_1") else 3
+    blocks, weight = case(qtype, 19, blocks_per_row, seed=rows + int(qtype))
+    torch.manual_seed(rows)
+    x = torch.randn(rows, weight.shape[1])
+    got = kernels.quantized_matmul(x, blocks, int(qtype))
+    assert got.dtype == torch.float32 and got.shape == (rows, 19)
+    float32_matmul = x @ weight.float().T
+    torch.testing.assert_close(got, float32_matmul, rtol=1e-5, atol=1e-5 * float(
+        (x.abs() @ weight.abs().float().T).max()))
+    assert_product(got, x, weight, tolerance=1e-6)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bfloat16_rows_come_back_in_bfloat16_within_one_rounding(kernels, qtype, rows):
+    blocks, weight = case(qtype, 40, 2 if qtype == QType.Q6_K else 16, seed=rows)
+    x = torch.randn(rows, weight.shape[1]).to(torch.bfloat16)
+    got = kernels.quantized_matmul(x, blocks, int(qtype))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 40)
+    assert_product(got, x, weight, tolerance=2**-8)
+
+
+def test_enough_work_to_split_between_threads_matches_one_thread(kernels):
+    """Threads split the output rows: the outputs do not depend on how many there are."""
+    blocks, weight = case(QType.Q8_0, 1000, 20, seed=5)
+    x = torch.randn(4, weight.shape[1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.quantized_matmul(x, blocks, int(QType.Q8_0))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(kernels.quantized_matmul(x, blocks, int(QType.Q8_0)), alone,
+                               rtol=0, atol=0)
+    assert_product(alone, x, weight, tolerance=1e-6)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_blocks_decodes_as_dequantize_rows(kernels, qtype):
+    blocks, _ = case(qtype, 9, 5, seed=int(qtype))
+    expected = dequantize_rows(blocks, qtype)
+    wide = torch.full_like(expected, float("nan"))
+    kernels.dequantize_blocks(blocks, int(qtype), wide)
+    np.testing.assert_array_equal(wide.numpy(), expected.numpy())
+    half = torch.empty(expected.shape, dtype=torch.bfloat16)
+    kernels.dequantize_blocks(blocks, int(qtype), half)
+    torch.testing.assert_close(half, expected.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_arguments_that_do_not_fit_are_refused(kernels):
+    blocks, weight = case(QType.Q8_0, 4, 2, seed=0)
+    with pytest.raises(RuntimeError, match="not served"):
+        kernels.quantized_matmul(torch.randn(1, 64), blocks, int(QType.IQ4_XS))
+    with pytest.raises(RuntimeError, match="K = 64"):
+        kernels.quantized_matmul(torch.randn(1, 32), blocks, int(QType.Q8_0))
+    with pytest.raises(RuntimeError, match="multiple of 34"):
+        kernels.quantized_matmul(torch.randn(1, 64), blocks[:, :40].contiguous(),
+                                 int(QType.Q8_0))
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.dequantize_blocks(blocks, int(QType.Q8_0), torch.empty(4, 32))
