@@ -64,6 +64,34 @@ MLA_ARCHITECTURES = {
         num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
     )),
 }
+# Models with sliding-window layers (tests/models/test_gemma_models.py, test_phi3_models.py):
+# a window of 12 tokens, so the tests' prompts and outputs cross it; head_dim 16.
+WINDOW = 12
+WINDOWED_ARCHITECTURES = {
+    # Layer 0 local, layer 1 global; softcaps small enough to bite on these weights.
+    "Gemma2ForCausalLM": (transformers.Gemma2Config, dict(
+        head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+    )),
+    # Local layers on their own (unscaled, short-base) RoPE; the global one linearly scaled.
+    "Gemma3ForCausalLM": (transformers.Gemma3TextConfig, dict(
+        head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        },
+    )),
+    # Half of each head rotated, by LongRoPE (short factors below 64 positions, long beyond).
+    "Phi3ForCausalLM": (transformers.Phi3Config, dict(
+        sliding_window=WINDOW, original_max_position_embeddings=64, pad_token_id=None,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "factor": 8.0,
+            "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [1.5, 2.5, 4.0, 8.0],
+        },
+    )),
+}
 KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
 
 
@@ -89,7 +117,8 @@ def write_tiny_model(
     tied: bool = False, seed: int = 0, **overrides,
 ) -> Path:
     """Writes a 2-layer model of ``architecture`` into ``directory`` and returns it."""
-    config_class, extra = {**ARCHITECTURES, **MOE_ARCHITECTURES, **MLA_ARCHITECTURES}[architecture]
+    config_class, extra = {**ARCHITECTURES, **MOE_ARCHITECTURES, **MLA_ARCHITECTURES,
+                           **WINDOWED_ARCHITECTURES}[architecture]
     tokenizer = tiny_tokenizer()
     fields = dict(
         vocab_size=len(tokenizer),
@@ -110,6 +139,12 @@ def write_tiny_model(
     config = config_class(**fields)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).float().eval()
+    if architecture in WINDOWED_ARCHITECTURES:
+        # Norm weights start at the identity (Gemma's zeros): perturbed, a wrong convention shows.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.add_(0.2 * torch.randn_like(param))
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory

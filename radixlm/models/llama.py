@@ -2,7 +2,9 @@
 
 A pre-norm decoder: x + attn(norm(x)), then + mlp(norm(x)); grouped-query attention with
 rotary positions; a gated SiLU MLP; an optionally tied output embedding. Qwen2 (QKV bias)
-and Qwen3 (per-head q/k RMSNorm) are the same block with those switches on.
+and Qwen3 (per-head q/k RMSNorm) are the same block with those switches on. Layers the
+config makes local (``model_config.attention_windows``: Mistral's ``sliding_window``)
+attend to their W most recent keys.
 """
 
 from __future__ import annotations
@@ -22,15 +24,23 @@ from radixlm.models.layers.linear import RowParallelLinear, StackedLinear
 from radixlm.models.layers.mlp import GatedMLP
 from radixlm.models.layers.rotary_embedding import apply_rotary
 from radixlm.models.layers.tensor_parallel import head_share
+from radixlm.models.model_config import attention_windows
 from radixlm.models.weight_loading import load_named_weights
 
 
 class LlamaAttention(nn.Module):
     def __init__(
         self, config: PretrainedConfig, layer_id: int,
-        qkv_bias: bool = False, qk_norm: bool = False,
+        qkv_bias: bool = False, qk_norm: bool = False, *,
+        norm: type[nn.Module] = RMSNorm, scaling: float | None = None,
+        sliding_window: int | None = None, logit_softcap: float | None = None,
+        rotary_dim: int | None = None,
     ):
-        """``qkv_bias``/``qk_norm``: Qwen2's projection bias, Qwen3's per-head norms."""
+        """``qkv_bias``/``qk_norm``: Qwen2's projection bias, Qwen3's per-head norms (of
+        class ``norm``: Gemma 3 passes its own). ``scaling``: the softmax scale (default
+        head_dim^-0.5); ``sliding_window``, ``logit_softcap``: see ``PagedAttention``;
+        ``rotary_dim``: the leading dims of each head RoPE rotates (default all: Phi-3's
+        ``partial_rotary_factor`` makes it fewer; the rope table is that wide)."""
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -48,10 +58,13 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(num_heads * d, config.hidden_size, attention_bias, tp,
                                         share.q_start * d, share.q_count * d)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_dim = rotary_dim or d
         self.attn = PagedAttention(
-            layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+            layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.head_dim**-0.5 if scaling is None else scaling,
+            sliding_window=sliding_window, logit_softcap=logit_softcap,
         )
 
     def forward(
@@ -67,7 +80,11 @@ class LlamaAttention(nn.Module):
         else:
             qk, v = qkv[:, : h + h_kv], qkv[:, h + h_kv :]
         # q and k sit side by side, so one rotation covers both.
-        qk = apply_rotary(qk, *rope)  # (T, H + H_kv, D)
+        if self.rotary_dim == self.head_dim:
+            qk = apply_rotary(qk, *rope)  # (T, H + H_kv, D)
+        else:  # only the leading rotary_dim dims of each head turn
+            r = self.rotary_dim
+            qk = torch.cat([apply_rotary(qk[..., :r], *rope), qk[..., r:]], dim=-1)
         q, k = qk[:, :h], qk[:, h:]
         out = self.attn(q, k, v, forward_batch)  # (T, H, D)
         return self.o_proj(out.reshape(t, -1))
@@ -112,15 +129,26 @@ class LlamaForCausalLM(DecoderOnlyLM):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config: PretrainedConfig, max_position: int):
+    def __init__(self, config: PretrainedConfig, max_position: int,
+                 rope_head_dim: int | None = None):
+        """``rope_head_dim``: the dims RoPE rotates per head (default the whole head)."""
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads)
-        super().__init__(config, max_position, rope_head_dim=head_dim)
+        # Read before the layers are made (DecoderOnlyLM.__init__ makes them).
+        self.window, self.sliding_layers = attention_windows(config)
+        self.rotary_dim = rope_head_dim or head_dim
+        super().__init__(config, max_position, rope_head_dim=self.rotary_dim)
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """W for a layer that attends to its W most recent keys, else None."""
+        return self.window if layer_id in self.sliding_layers else None
 
     def make_layer(self, config: PretrainedConfig, layer_id: int) -> LlamaDecoderLayer:
         """Decoder layer ``layer_id``; subclasses override it to swap the attention options
         or the feed-forward block."""
-        return LlamaDecoderLayer(config, layer_id, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        return LlamaDecoderLayer(config, layer_id, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
+                                 sliding_window=self.layer_window(layer_id),
+                                 rotary_dim=self.rotary_dim)
 
     # Checkpoint tensors that land in a shard of a stacked (fused) parameter.
     stacked_params = {
@@ -136,4 +164,5 @@ class LlamaForCausalLM(DecoderOnlyLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral 7B: the Llama decoder (sliding windows of its first release are not modelled)."""
+    """Mistral 7B: the Llama decoder; with ``sliding_window`` set (its first release), every
+    layer attends to its W most recent keys."""

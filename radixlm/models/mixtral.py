@@ -20,7 +20,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """Token ids -> hidden states; checkpoint names ``block_sparse_moe.*`` load into ``mlp``."""
 
     def make_layer(self, config: PretrainedConfig, layer_id: int) -> LlamaDecoderLayer:
-        return LlamaDecoderLayer(config, layer_id, mlp=MoEBlock.for_mixtral(config))
+        return LlamaDecoderLayer(config, layer_id, mlp=MoEBlock.for_mixtral(config),
+                                 sliding_window=self.layer_window(layer_id))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_renamed(weights))

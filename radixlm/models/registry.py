@@ -5,8 +5,10 @@ from __future__ import annotations
 from torch import nn
 
 from radixlm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from radixlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from radixlm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from radixlm.models.mixtral import MixtralForCausalLM
+from radixlm.models.phi3 import Phi3ForCausalLM
 from radixlm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from radixlm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -15,6 +17,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

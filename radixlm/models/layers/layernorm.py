@@ -1,4 +1,5 @@
-"""RMSNorm (Zhang & Sennrich 2019), with the residual add folded in as Llama-style models use it.
+"""RMSNorm (Zhang & Sennrich 2019), with the residual add folded in as Llama-style models use it,
+and Gemma's variant (scale 1 + w, in float32).
 
 On CPUs with the fused kernels on (``radixlm.kernels.cpu_ops.fused_ops``) each norm, with
 its residual add, is one kernel call instead of a chain of torch operations.
@@ -39,3 +40,31 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # One fused op; it accumulates in float32 for half-precision inputs.
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: y = x / rms(x) * (1 + weight), computed in float32 and cast back.
+
+    ``weight`` keeps Hugging Face's convention (stored as w, applied as 1 + w; zeros are
+    the identity scale), so checkpoints load unchanged. Same call signature as ``RMSNorm``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual), the sum
+        in x's dtype."""
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # (x * (1 + w)) rounds once, in float32, as Gemma's reference does (not x.to(dtype) * w).
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)

@@ -13,6 +13,9 @@ theta_i (i < head_dim / 2) and an ``attention_factor`` by which cos and sin are 
   mscale(factor, mscale_all_dim), and the softmax scale is multiplied by
   mscale(factor, mscale_all_dim)^2 (``yarn_softmax_scale``). SGLang calls that variant
   ``deepseek_yarn``; both names are read here.
+- ``longrope`` (Ding et al. 2024, "LongRoPE"; Phi-3 calls it ``su``): per-dim rescale factors,
+  ``short_factor`` within the original context and ``long_factor`` beyond it, and cos/sin
+  scaled by sqrt(1 + ln(factor) / ln(original context)).
 """
 
 from __future__ import annotations
@@ -115,3 +118,27 @@ def yarn_softmax_scale(params: dict[str, Any], trained_context: int) -> float:
     if not mscale_all_dim:
         return 1.0
     return yarn_mscale(yarn_factor(params, trained_context), mscale_all_dim) ** 2
+
+
+def longrope_inv_freqs(
+    head_dim: int, base: float, params: dict[str, Any], trained_context: int
+) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """LongRoPE's (short inv_freq, long inv_freq (head_dim / 2,) each, the original context
+    they switch at, the cos/sin factor), computed as transformers does: theta_i =
+    1 / (factor_i * base^(2i/d)). ``factor`` defaults to the trained over the original context."""
+    original = int(params.get("original_max_position_embeddings") or trained_context)
+    factor = params.get("factor") or trained_context / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (math.sqrt(1 + math.log(factor) / math.log(original))
+                            if factor > 1 else 1.0)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+
+    def inv_freq(name: str) -> torch.Tensor:
+        factors = torch.tensor(params[name], dtype=torch.float32)
+        if factors.shape != exponents.shape:
+            raise ValueError(f"rope {name} has {factors.numel()} entries; the rotated head "
+                             f"dim {head_dim} needs {exponents.numel()}")
+        return 1.0 / (factors * base**exponents)
+
+    return inv_freq("short_factor"), inv_freq("long_factor"), original, float(attention_factor)

@@ -2,10 +2,10 @@
 
 Supported ``rope_type`` values: ``default``, ``linear`` (position interpolation, Chen et al.
 2023), ``dynamic`` (dynamic NTK-aware scaling), ``llama3`` (Llama 3.1's frequency-banded
-scaling), ``yarn`` and ``deepseek_yarn`` (YaRN, with DeepSeek's mscale correction); the
-frequencies of each are in ``rope_scaling``. The rotation uses the "rotate half" layout of
-Hugging Face Llama checkpoints: the first and second halves of each head are the two
-coordinates of each rotated pair.
+scaling), ``yarn`` and ``deepseek_yarn`` (YaRN, with DeepSeek's mscale correction),
+``longrope`` / ``su`` (Phi-3's LongRoPE); the frequencies of each are in ``rope_scaling``.
+The rotation uses the "rotate half" layout of Hugging Face Llama checkpoints: the first and
+second halves of each head are the two coordinates of each rotated pair.
 """
 
 from __future__ import annotations
@@ -16,9 +16,15 @@ import torch
 from torch import nn
 
 from radixlm.kernels.cpu_ops import fused_ops
-from radixlm.models.layers.rope_scaling import default_inv_freq, llama3_inv_freq, yarn_inv_freq
+from radixlm.models.layers.rope_scaling import (
+    default_inv_freq,
+    llama3_inv_freq,
+    longrope_inv_freqs,
+    yarn_inv_freq,
+)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "deepseek_yarn")
+SUPPORTED_ROPE_TYPES = (
+    "default", "linear", "dynamic", "llama3", "yarn", "deepseek_yarn", "longrope", "su")
 
 
 class RotaryEmbedding(nn.Module):
@@ -31,6 +37,11 @@ class RotaryEmbedding(nn.Module):
     unscaled frequencies (exactly what transformers computes for such sequences); beyond
     it, the NTK-scaled base for the full serving context is used. Keeping the frequencies
     fixed per position (instead of per sequence length) keeps cached keys valid.
+
+    ``longrope``: positions below the original context use the short factors, those beyond
+    it the long ones. transformers instead picks one set per forward pass by the sequence's
+    length, so the two agree exactly for sequences within the original context; beyond it
+    a per-position choice keeps cached keys valid, as ``dynamic`` does here.
 
     ``yarn``: cos and sin are multiplied by YaRN's ``attention_factor`` (so the rotated q and
     k each carry it, as in transformers); ``self.attention_factor`` records it.
@@ -57,6 +68,11 @@ class RotaryEmbedding(nn.Module):
             short = torch.outer(positions[:trained_context], default_inv_freq(head_dim, base))
             long = torch.outer(positions[trained_context:], default_inv_freq(head_dim, scaled_base))
             angles = torch.cat([short, long])
+        elif rope_type in ("longrope", "su"):
+            short_freq, long_freq, original, self.attention_factor = longrope_inv_freqs(
+                head_dim, base, params, trained_context)
+            angles = torch.cat([torch.outer(positions[:original], short_freq),
+                                torch.outer(positions[original:], long_freq)])
         else:
             if rope_type == "llama3":
                 inv_freq = llama3_inv_freq(head_dim, base, params)

@@ -1,0 +1,101 @@
+"""Gemma 2 and Gemma 3 (text) against transformers on the same tiny weights (float32): prompt
+logprobs and greedy tokens alone, batched, in 16-token prefill chunks, with the radix cache
+serving a prefix, inside and beyond the 12-token window; and the pieces that need no engine
+(registry, per-layer windows and RoPE, the CPU decode runner leaving these layers alone)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from tiny_models import WINDOW, WINDOWED_ARCHITECTURES
+from windowed_model_checks import CHUNK, check_alone_and_batched, check_prefix_cache_hit
+
+from radixlm.models.gemma import (
+    FULL,
+    SLIDING,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    gemma3_rope_parameters,
+)
+from radixlm.models.layers.layernorm import GemmaRMSNorm
+from radixlm.models.model_config import attention_windows
+from radixlm.models.registry import model_class
+from radixlm.runtime.model_executor.cpu_decode_runner import CpuDecodeRunner
+
+GEMMAS = ["Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+
+
+def tiny_config(architecture: str) -> transformers.PretrainedConfig:
+    config_class, extra = WINDOWED_ARCHITECTURES[architecture]
+    return config_class(vocab_size=384, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        **extra)
+
+
+def test_gemma_architectures_are_registered():
+    assert model_class("Gemma2ForCausalLM") is Gemma2ForCausalLM
+    assert model_class("Gemma3ForCausalLM") is Gemma3ForCausalLM
+
+
+@pytest.mark.parametrize("architecture", GEMMAS)
+def test_local_layers_get_the_window_softcap_and_their_own_rope(architecture):
+    config = tiny_config(architecture)
+    model = model_class(architecture)(config, max_position=64)
+    assert attention_windows(config) == (WINDOW, frozenset({0}))
+    local, full = (layer.self_attn.attn for layer in model.layers)
+    assert (local.sliding_window, full.sliding_window) == (WINDOW, None)
+    assert local.scaling == full.scaling == 24**-0.5
+    softcap = 2.0 if architecture == "Gemma2ForCausalLM" else None
+    assert local.logit_softcap == full.logit_softcap == softcap
+    assert [layer.layer_type for layer in model.layers] == [SLIDING, FULL]
+    rope = model.rotary_emb.lookup(torch.tensor([5]), torch.float32)
+    if architecture == "Gemma3ForCausalLM":  # theta 100 locally, 10000 / 2 globally
+        assert not torch.equal(rope[SLIDING][0], rope[FULL][0])
+        assert isinstance(model.layers[0].self_attn.q_norm, GemmaRMSNorm)
+
+
+def test_gemma3_rope_of_a_4x_config_reads_rope_local_base_freq_and_rope_scaling():
+    config = transformers.PretrainedConfig(
+        rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"type": "linear", "factor": 8})
+    params = gemma3_rope_parameters(config)
+    assert params[SLIDING] == {"rope_type": "default", "rope_theta": 1e4}
+    assert params[FULL]["rope_type"] == "linear"
+    assert (params[FULL]["factor"], params[FULL]["rope_theta"]) == (8, 1e6)
+
+
+def test_gemma_norm_scales_by_one_plus_weight_in_float32():
+    norm = GemmaRMSNorm(8)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    expected = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    expected = (expected * (1 + norm.weight)).to(torch.bfloat16)
+    torch.testing.assert_close(norm(x), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("architecture", GEMMAS)
+def test_cpu_decode_runner_leaves_gemma_layers_to_their_modules(architecture):
+    model = model_class(architecture)(tiny_config(architecture), max_position=64)
+    assert CpuDecodeRunner.build(model) is None
+
+
+@pytest.mark.parametrize("architecture", GEMMAS)
+def test_prompt_logprobs_and_greedy_tokens_match_transformers(
+    engine_for, tiny_model_dir, architecture
+):
+    """Alone and batched, prompts inside and beyond the window, long ones in chunks; then a
+    radix cache hit on a prefix longer than the window."""
+    engine = engine_for(architecture, "gqa", True, chunked_prefill_size=CHUNK)
+    path = tiny_model_dir(architecture, "gqa", True)
+    check_alone_and_batched(engine, path)
+    check_prefix_cache_hit(engine, path)
+
+
+@pytest.mark.slow  # an engine of its own per variant
+@pytest.mark.parametrize(("kv", "tied"), [("mha", False), ("mqa", True)])
+def test_gemma2_head_layouts_and_an_untied_head_match_transformers(
+    engine_for, tiny_model_dir, kv, tied
+):
+    engine = engine_for("Gemma2ForCausalLM", kv, tied, chunked_prefill_size=CHUNK)
+    check_alone_and_batched(engine, tiny_model_dir("Gemma2ForCausalLM", kv, tied))
