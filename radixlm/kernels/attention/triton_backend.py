@@ -13,6 +13,11 @@ Latent (MLA) pools (``kv_pool.values_view_keys``): only the key rows are stored,
 values are their first D_v dims (a view); extend runs the same kernel with D_v < D_k, and
 decode runs the MLA variant, which loads each latent row once for keys and values.
 
+Layers with a sliding window or a logit softcap pass them to both kernels; a layer whose
+pool holds its K/V under a slot map (``kv_pool.slot_map_for``) passes the map, which the
+kernels apply to every slot they read from the pool (the new K/V are stored through the
+pool's own ``set_kv``, which maps them). The latent (MLA) decode kernel has neither.
+
 Decode scratch (per-split partial outputs) is allocated once per batch and shared by all
 layers; ``reserve_decode_scratch`` pins a buffer for the largest batch, so that CUDA graphs
 captured over it replay on the same memory (``prepare_decode_graphs`` does so). Decode
@@ -110,7 +115,8 @@ class TritonAttentionBackend(AttentionBackend):
             q, k, v, out, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices,
             fb.prefix_lens, fb.extend_seq_lens, self._extend_starts, self._max_extend,
             layer.scaling, block_m=self.config.extend_block_m,
-            block_n=self.config.extend_block_n,
+            block_n=self.config.extend_block_n, sliding_window=layer.sliding_window,
+            logit_softcap=layer.logit_softcap, slot_map=fb.kv_pool.slot_map_for(layer.layer_id),
         )
         return out
 
@@ -120,7 +126,12 @@ class TritonAttentionBackend(AttentionBackend):
         batch_size, head_dim_v = q.shape[0], v_buffer.shape[-1]
         out = q.new_empty(batch_size, layer.num_heads, head_dim_v)
         scratch = self._decode_scratch(batch_size, layer.num_heads, head_dim_v, q.device)
+        slot_map = fb.kv_pool.slot_map_for(layer.layer_id)
         if _is_latent_pool(fb.kv_pool):
+            if (layer.sliding_window, layer.logit_softcap, slot_map) != (None, None, None):
+                raise NotImplementedError(
+                    f"layer {layer.layer_id}: the Triton MLA decode has no sliding window, "
+                    "logit softcap or slot map; use the torch-native backend")
             return mla_decode_attention(
                 q, out, k_buffer, head_dim_v, fb.req_to_token, fb.req_pool_indices,
                 fb.seq_lens, layer.scaling, self.config.num_kv_splits, scratch=scratch,
@@ -129,13 +140,16 @@ class TritonAttentionBackend(AttentionBackend):
         decode_attention(
             q, out, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
             layer.scaling, self.config.num_kv_splits, scratch=scratch,
-            block_n=self.config.decode_block_n,
+            block_n=self.config.decode_block_n, sliding_window=layer.sliding_window,
+            logit_softcap=layer.logit_softcap, slot_map=slot_map,
         )
         return out
 
     def _store(self, k, v, layer, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         k_buffer, v_buffer = fb.kv_pool.get_kv(layer.layer_id)
-        if _is_latent_pool(fb.kv_pool):  # v is a view of k; the pool stores rows once
+        if fb.kv_pool.slot_map_for(layer.layer_id) is not None:  # the pool maps the slots
+            fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        elif _is_latent_pool(fb.kv_pool):  # v is a view of k; the pool stores rows once
             store_kv(k, None, k_buffer, None, fb.out_cache_loc)
         else:
             store_kv(k, v, k_buffer, v_buffer, fb.out_cache_loc)

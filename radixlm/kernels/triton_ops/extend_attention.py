@@ -11,6 +11,14 @@ Grid: (request, query head, block of BLOCK_M queries). Query head h reads KV hea
 ``h // (H / H_kv)`` (GQA; MQA when H_kv = 1). Keys may be wider than values (MLA's absorbed
 form: key = latent + RoPE part, value = latent), so the key and value widths are separate.
 
+Layers with a sliding window W (``window`` > 0) let the query at position i see keys j with
+i - W < j <= i: each phase starts at the first key the block's first query sees, and keys
+before a query's window are masked. A logit softcap c (``softcap`` > 0) turns each scaled
+score s into c * tanh(s / c) before the mask. A layer whose pool holds its K/V under a slot
+map (``slot_map``: request slot -> layer slot) reads its prefix through the map; the new
+keys are read as computed, so a pool that drops keys falling out of the window never hides
+one a query of this extend still sees.
+
 Invariants: the kernel reads the pool and writes only ``out``; the new K/V must not have
 to be in the pool yet (the prefix phase stops at ``prefix_lens[b]``).
 """
@@ -37,15 +45,28 @@ def online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def scaled_scores(q, k, scale_log2, softcap, DOT_PRECISION: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr):
+    """q k^T times the softmax scale, soft-capped where ``HAS_SOFTCAP``, in log2 units:
+    (M, DK) @ (DK, N) -> (M, N). tanh(x) = 2 sigmoid(2x) - 1 (no tanh in every Triton)."""
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    if HAS_SOFTCAP:
+        capped = scores / (softcap * LOG2E)
+        scores = (2.0 * tl.sigmoid(2.0 * capped) - 1.0) * (softcap * LOG2E)
+    return scores
+
+
+@triton.jit
 def _extend_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, k_buf_ptr, v_buf_ptr,
     req_to_token_ptr, req_pool_indices_ptr, prefix_lens_ptr, extend_lens_ptr, extend_starts_ptr,
-    scale_log2,
+    slot_map_ptr, scale_log2, window, softcap,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbuf_slot, stride_kbuf_h, stride_vbuf_slot, stride_vbuf_h, stride_req_row,
     kv_group, head_dim_k, head_dim_v,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SLOT_MAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -73,19 +94,27 @@ def _extend_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    # Phase 1: the cached prefix, every key visible, read through the index table.
-    for n0 in range(0, prefix_len, BLOCK_N):
+    # Phase 1: the cached prefix, read through the index table (and the slot map).
+    prefix_lo = 0
+    if HAS_WINDOW:  # the first key the block's first query sees
+        prefix_lo = tl.maximum(prefix_len + block_m * BLOCK_M - window + 1, 0)
+    for n0 in range(prefix_lo, prefix_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < prefix_len
         slots = tl.load(
             req_to_token_ptr + row * stride_req_row + offs_n, mask=n_mask, other=0
         ).to(tl.int64)
+        if HAS_SLOT_MAP:
+            slots = tl.load(slot_map_ptr + slots, mask=n_mask, other=0).to(tl.int64)
         k = tl.load(
             k_buf_ptr + slots[None, :] * stride_kbuf_slot + kv_h * stride_kbuf_h + dk[:, None],
             mask=n_mask[None, :] & dk_mask[:, None], other=0.0,
         )  # (DK, N)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(n_mask[None, :], scores, MASKED)
+        scores = scaled_scores(q, k, scale_log2, softcap, DOT_PRECISION, HAS_SOFTCAP)
+        visible = n_mask[None, :]
+        if HAS_WINDOW:  # prefix key n, query m: n > prefix + m - window
+            visible = visible & (offs_n[None, :] > prefix_len + offs_m[:, None] - window)
+        scores = tl.where(visible, scores, MASKED)
         v = tl.load(
             v_buf_ptr + slots[:, None] * stride_vbuf_slot + kv_h * stride_vbuf_h + dv[None, :],
             mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
@@ -94,15 +123,20 @@ def _extend_attention_kernel(
 
     # Phase 2: the new tokens, causal; no key past this block's last query is needed.
     end = tl.minimum(extend_len, (block_m + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    new_lo = 0
+    if HAS_WINDOW:
+        new_lo = tl.maximum(block_m * BLOCK_M - window + 1, 0)
+    for n0 in range(new_lo, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < extend_len
         k = tl.load(
             k_ptr + (start + offs_n)[None, :] * stride_kt + kv_h * stride_kh + dk[:, None],
             mask=n_mask[None, :] & dk_mask[:, None], other=0.0,
         )  # (DK, N)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        scores = scaled_scores(q, k, scale_log2, softcap, DOT_PRECISION, HAS_SOFTCAP)
         visible = n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > offs_m[:, None] - window)
         scores = tl.where(visible, scores, MASKED)
         v = tl.load(
             v_ptr + (start + offs_n)[:, None] * stride_vt + kv_h * stride_vh + dv[None, :],
@@ -122,12 +156,15 @@ def extend_attention(
     k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
     extend_starts: torch.Tensor, max_extend_len: int, scaling: float,
-    block_m: int = 32, block_n: int = 32,
+    block_m: int = 32, block_n: int = 32, sliding_window: int | None = None,
+    logit_softcap: float | None = None, slot_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Writes attention of q (T, H, DK) into out (T, H, DV); returns out.
 
     k (T, H_kv, DK), v (T, H_kv, DV): the new tokens; k_buffer / v_buffer (slots, H_kv, DK/DV):
     the layer's pool; per request (B,): pool row, prefix and extend lengths, first query row.
+    ``sliding_window``, ``logit_softcap``: the layer's (``AttentionLayer``); ``slot_map``
+    (num_slots,): where the layer's buffers hold a request slot's K/V (None: at the slot).
     """
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     num_heads, head_dim_k = q.shape[1], q.shape[2]
@@ -148,7 +185,8 @@ def extend_attention(
     _extend_attention_kernel[grid](
         q, k, v, out, k_buffer, v_buffer,
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_starts,
-        scaling * LOG2E,
+        req_to_token if slot_map is None else slot_map, scaling * LOG2E,
+        sliding_window or 0, logit_softcap or 0.0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -156,7 +194,8 @@ def extend_attention(
         num_heads // num_kv_heads, head_dim_k, head_dim_v,
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=logit_softcap is not None, HAS_SLOT_MAP=slot_map is not None,
     )
     return out
 
