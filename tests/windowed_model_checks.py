@@ -1,12 +1,13 @@
 """Checks shared by the sliding-window models' tests (Gemma 2/3, Phi-3, Mistral with a window):
 one engine per model with small prefill chunks, run against transformers on the same tiny
 weights (float32) for prompts inside and beyond the window, alone, batched, and with the
-radix cache serving a prefix longer than the window."""
+radix cache serving a prefix longer than the window; and retraction."""
 
 from __future__ import annotations
 
 import torch
 from tiny_models import WINDOW, reference_greedy, reference_prompt_logprobs
+from workloads import random_ids
 
 # Short prompts fit in the window; the long ones cross it (and the 16-token prefill chunks).
 PROMPTS = [
@@ -64,3 +65,19 @@ def check_prefix_cache_hit(engine, path) -> None:
     for prompt_ids, out in zip(prompts, outs):
         assert out["meta_info"]["cached_tokens"] >= len(prefix) // 2
         assert_matches_transformers(path, prompt_ids, out, start=start)
+
+
+# Far too small for the requests at once: decode runs out of KV and retracts some of them.
+SMALL_POOL = dict(max_total_tokens=320, max_running_requests=16, init_new_token_ratio=0.01,
+                  min_new_token_ratio=0.01, new_token_ratio_decay=0.5)
+
+
+def check_retraction(engine, path) -> None:
+    """Requests retracted when the pool runs out (their KV freed, recomputed later, windows
+    and all) still produce transformers' greedy tokens."""
+    engine.flush_cache()
+    prompts = [random_ids(seed, 8 + 3 * seed) for seed in range(12)]
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert sum(out["meta_info"]["total_retractions"] for out in outs) > 0
+    for prompt_ids, out in zip(prompts, outs):
+        assert out["output_ids"] == reference_greedy(path, prompt_ids, GREEDY["max_new_tokens"])

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from runtime_checks import assert_engine_idle
 from tiny_models import (
     ARCHITECTURES,
     KV_HEADS,
+    WINDOW,
     reference_greedy,
     reference_model,
     reference_prompt_logprobs,
 )
+from windowed_model_checks import CHUNK, check_alone_and_batched, check_prefix_cache_hit
 
 import radixlm
+from radixlm.models.llama import MistralForCausalLM
+from radixlm.runtime.model_executor.cpu_decode_runner import CpuDecodeRunner
 
 PROMPTS = [
     "The quick brown fox",
@@ -68,3 +74,25 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path, engine_for, tiny_
         ids = engine.tokenizer.encode(PROMPTS[1])
         out = engine.generate(input_ids=ids, sampling_params=GREEDY)
     assert out["output_ids"] == reference_greedy(single, ids, 32)
+
+
+def test_mistral_sliding_window_reaches_every_layer_and_keeps_the_cpu_decode_kernels_off():
+    config = transformers.MistralConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW)
+    model = MistralForCausalLM(config, max_position=64)
+    assert [layer.self_attn.attn.sliding_window for layer in model.layers] == [WINDOW] * 2
+    assert CpuDecodeRunner.build(model) is None
+    unwindowed = MistralForCausalLM(transformers.MistralConfig(**{
+        **config.to_dict(), "sliding_window": None}), max_position=64)
+    assert [layer.self_attn.attn.sliding_window for layer in unwindowed.layers] == [None] * 2
+
+
+@pytest.mark.slow  # an engine of its own
+def test_mistral_with_a_sliding_window_matches_transformers(tiny_model_dir):
+    path = tiny_model_dir("MistralForCausalLM", "gqa", False, sliding_window=WINDOW)
+    with radixlm.Engine(str(path), dtype="float32", max_total_tokens=2048,
+                        chunked_prefill_size=CHUNK, chunked_prefill_step_ms=None) as engine:
+        check_alone_and_batched(engine, path)
+        check_prefix_cache_hit(engine, path)
+        assert_engine_idle(engine)

@@ -9,7 +9,13 @@ import pytest
 import torch
 import transformers
 from tiny_models import WINDOW, WINDOWED_ARCHITECTURES
-from windowed_model_checks import CHUNK, check_alone_and_batched, check_prefix_cache_hit
+from windowed_model_checks import (
+    CHUNK,
+    SMALL_POOL,
+    check_alone_and_batched,
+    check_prefix_cache_hit,
+    check_retraction,
+)
 
 from radixlm.models.gemma import (
     FULL,
@@ -99,3 +105,12 @@ def test_gemma2_head_layouts_and_an_untied_head_match_transformers(
 ):
     engine = engine_for("Gemma2ForCausalLM", kv, tied, chunked_prefill_size=CHUNK)
     check_alone_and_batched(engine, tiny_model_dir("Gemma2ForCausalLM", kv, tied))
+
+
+@pytest.mark.slow  # an engine of its own
+def test_gemma2_requests_retracted_for_lack_of_kv_keep_transformers_tokens(
+    engine_for, tiny_model_dir
+):
+    engine = engine_for("Gemma2ForCausalLM", "gqa", True, chunked_prefill_size=CHUNK,
+                        **SMALL_POOL)
+    check_retraction(engine, tiny_model_dir("Gemma2ForCausalLM", "gqa", True))
