@@ -128,7 +128,7 @@ class TritonAttentionBackend(AttentionBackend):
         scratch = self._decode_scratch(batch_size, layer.num_heads, head_dim_v, q.device)
         slot_map = fb.kv_pool.slot_map_for(layer.layer_id)
         if _is_latent_pool(fb.kv_pool):
-            if (layer.sliding_window, layer.logit_softcap, slot_map) != (None, None, None):
+            if not (layer.sliding_window is layer.logit_softcap is slot_map is None):
                 raise NotImplementedError(
                     f"layer {layer.layer_id}: the Triton MLA decode has no sliding window, "
                     "logit softcap or slot map; use the torch-native backend")

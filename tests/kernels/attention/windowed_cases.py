@@ -35,23 +35,25 @@ class MappedPool(MHATokenToKVPool):
         super().set_kv(layer_id, slots if mapped is None else mapped[slots], k, v)
 
 
-def map_pool(case: PagedCase, window: int | None, seed: int) -> MappedPool:
+def map_pool(case: PagedCase, window: int | None, seed: int, page: int = 1) -> MappedPool:
     """Turns the case's pool into a ``MappedPool``: the mapped layer's prefix K/V move to
-    their mapped slots (those out of the first query's window are dropped), and garbage
-    fills every slot the map does not reach from a visible key."""
+    their mapped slots (those out of the first query's window are dropped, in whole pages
+    of ``page`` slots), and garbage fills every slot the map does not reach from a visible
+    key. Pages map to pages offset for offset (a hybrid pool's invariant)."""
     gen = torch.Generator().manual_seed(seed)
     pool = case.batch.kv_pool
     mapped = MappedPool.__new__(MappedPool)
     mapped.__dict__.update(pool.__dict__)
-    num_slots = pool.num_slots
-    slot_map = torch.zeros(num_slots, dtype=torch.int64)
-    slot_map[1:] = torch.randperm(num_slots - 1, generator=gen) + 1
+    num_pages = pool.num_slots // page
+    page_map = torch.zeros(num_pages, dtype=torch.int64)
+    page_map[1:] = torch.randperm(num_pages - 1, generator=gen) + 1
+    slot_map = (page_map[:, None] * page + torch.arange(page)).flatten()
     batch = case.batch
     old_k, old_v = pool.k_buffers[MAPPED_LAYER], pool.v_buffers[MAPPED_LAYER]
     new_k, new_v = torch.randn(old_k.shape, generator=gen), torch.randn(old_v.shape, generator=gen)
     for b, row in enumerate(batch.req_pool_indices.tolist()):
         seq, new = batch.seq_lens_list[b], batch.extend_seq_lens_list[b]
-        first = 0 if window is None else max(0, seq - new + 1 - window)
+        first = 0 if window is None else max(0, seq - new + 1 - window) // page * page
         slots = batch.req_to_token[row, :seq]
         slot_map[slots[:first]] = 0  # dropped: out of the window of all its queries
         kept = slots[first : seq - new]
