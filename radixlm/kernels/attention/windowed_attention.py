@@ -16,7 +16,10 @@ A layer with ``sliding_window`` W (query at position i sees keys j with i - W < 
   within the same extend;
 - the mask is additive (0 or -inf): causal, windowed, and past each request's keys; a key
   whose slot the map took to 0 (dropped) is out of every query's window, so it is masked;
-- without a softcap one SDPA call attends the grid; with one the scores are computed
+- a decode step without a softcap, where the fused CPU kernels are on, attends over the
+  keys where they lie in the pool (``paged_decode_attention``) through the layout's table,
+  which holds only the window's keys: the kernel reads W keys a request, no gather;
+- otherwise, without a softcap one SDPA call attends the grid; with one the scores are computed
   explicitly in float32, in chunks of ``QUERY_CHUNK`` query rows, so the scores of a long
   prompt over all its keys (a global layer of Gemma 2) do not take B * H * Q * S floats.
 
@@ -33,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.kernels.attention.attention_layer import AttentionLayer
-from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 
 QUERY_CHUNK = 256
 """Query rows of the grid a soft-capped layer scores at once."""
@@ -51,6 +55,7 @@ class WindowedLayout:
     """One (window, slot map)'s grid of a batch: B requests, Q query rows, S key columns."""
 
     kv_slots: torch.Tensor  # (B, S) the layer-buffer slot of key column j of request b
+    key_lens: torch.Tensor  # (B,) the key columns of request b that hold its keys
     new_rows: torch.Tensor  # (T,) the flattened (B * S) key row of each new token
     query_rows: torch.Tensor | None  # (T,) each new token's (B * Q) grid row; None: B * Q = T
     visible: torch.Tensor  # (B, 1, Q, S) bool
@@ -101,8 +106,8 @@ def build_layout(fb: ForwardBatch, window: int | None,
     new_rows = req_of_token * num_keys + (fb.prefix_lens - first)[req_of_token] + offset_in_req
     query_rows = None if sum(ext_host) == batch_size * max_q else (
         req_of_token * max_q + offset_in_req)
-    return WindowedLayout(kv_slots, new_rows, query_rows, visible.unsqueeze(1), batch_size,
-                          max_q)
+    return WindowedLayout(kv_slots, fb.seq_lens - first, new_rows, query_rows,
+                          visible.unsqueeze(1), batch_size, max_q)
 
 
 class WindowedAttention:
@@ -139,6 +144,11 @@ class WindowedAttention:
         fb, pool = self._fb, self._fb.kv_pool
         pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         layout = self.layout(layer.sliding_window, pool.slot_map_for(layer.layer_id))
+        kernels = fused_ops.for_tensor(q)
+        if fb.mode is ForwardMode.DECODE and layer.logit_softcap is None and kernels is not None:
+            k_buffer, v_buffer = pool.get_kv(layer.layer_id)  # the new K/V among them
+            return kernels.paged_decode_attention(q, k_buffer, v_buffer, layout.kv_slots,
+                                                  layout.key_lens, layer.scaling)
         keys, values = self._grid_kv(k, v, layer, layout)  # (B, H_kv, S, D|D_v)
         b, num_q = layout.batch_size, layout.max_queries
         if layout.query_rows is None:

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from fused_kernels import enable_or_skip
 from windowed_cases import (
     HEAD_DIM,
     KV_HEADS,
@@ -177,6 +178,40 @@ def test_windowed_layers_never_reach_the_fused_kernels(monkeypatch):
         layer = PagedAttention(0, KV_HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5,
                                sliding_window=4, logit_softcap=5.0)
         check(case, layer, 4, 5.0)
+
+
+@pytest.fixture
+def kernels_on():
+    kernels = enable_or_skip()
+    yield kernels
+    fused_ops.disable()
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["slots", "slot_map"])
+@pytest.mark.parametrize("window", [1, 6, 64])
+def test_windowed_decode_runs_in_the_pool_over_the_window_alone(kernels_on, monkeypatch,
+                                                                window, mapped):
+    """With the fused kernels on, a windowed decode (no softcap) attends in the pool through
+    a table of the window's keys: the kernel is handed at most W keys a request."""
+    handed = []
+    real = kernels_on.paged_decode_attention
+
+    def recording(q, k_buffer, v_buffer, slots, lens, scale):
+        handed.append(lens.clone())
+        return real(q, k_buffer, v_buffer, slots, lens, scale)
+
+    monkeypatch.setattr(fused_ops, "for_tensor", lambda tensor: types.SimpleNamespace(
+        paged_decode_attention=recording))
+    case = windowed_case(D, [4, 40, 9, 0], [1, 1, 1, 1], KV_HEADS * 4, page_size=2)
+    layer_id = 0
+    if mapped:
+        map_pool(case, window, seed=8)
+        layer_id = MAPPED_LAYER
+    layer = PagedAttention(layer_id, KV_HEADS * 4, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5,
+                           sliding_window=window)
+    check(case, layer, window, None)
+    (lens,) = handed
+    assert lens.tolist() == [min(n, window) for n in case.batch.seq_lens_list]
 
 
 def test_pool_decode_tables_are_withheld_from_a_pool_that_maps_slots(monkeypatch):
