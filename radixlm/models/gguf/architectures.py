@@ -243,6 +243,31 @@ def expected_tensors(spec: GGUFArchitecture, config: dict) -> set[str]:
     return names
 
 
+def expected_shape(hf_name: str, config: dict) -> tuple[int, ...] | None:
+    """The shape (PyTorch order) the config implies for a Hugging Face tensor name, or None
+    where the name has no fixed shape here."""
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    ffn, vocab = config["intermediate_size"], config["vocab_size"]
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "qkv_proj": q + 2 * kv,
+            "gate_proj": ffn, "up_proj": ffn, "gate_up_proj": 2 * ffn}
+    parts = hf_name.split(".")
+    module, param = parts[-2], parts[-1]
+    if module in ("embed_tokens", "lm_head"):
+        return (vocab, hidden)
+    if module in ("q_norm", "k_norm"):
+        return (head_dim,)
+    if module.endswith("norm"):
+        return (hidden,)
+    if module == "o_proj":
+        return (hidden, q) if param == "weight" else (hidden,)
+    if module == "down_proj":
+        return (hidden, ffn) if param == "weight" else (hidden,)
+    if module in rows:
+        return (rows[module], hidden) if param == "weight" else (rows[module],)
+    return None
+
+
 def unpermute_rotary_rows(weight, num_heads: int):
     """q/k projection rows (numpy or torch, rows first) in Hugging Face order, undoing
     llama.cpp's permutation: Hugging Face Llama rotates the two halves of each head

@@ -33,11 +33,12 @@ from radixlm.models.gguf.architectures import (
     GGUFArchitecture,
     architecture,
     build_config,
+    expected_shape,
     expected_tensors,
     hf_tensor_name,
     to_hf_layout,
 )
-from radixlm.models.gguf.gguf_file import Metadata, open_reader
+from radixlm.models.gguf.gguf_file import Metadata, matrix_shape, open_reader
 from radixlm.models.gguf.tokenizer import end_of_turn_ids, write_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,17 @@ class GGUFModel:
                      for t in reader.tensors}
         config = build_config(meta, arch, described)
         model = cls(path, reader, meta, arch, spec, config)
-        names = {n for n in (model.hf_name(t.name) for t in reader.tensors) if n is not None}
+        names = set()
+        for tensor in reader.tensors:
+            name = model.hf_name(tensor.name)
+            if name is None:
+                continue
+            names.add(name)
+            expected, shape = expected_shape(name, config), matrix_shape(tensor)
+            if expected is not None and shape != expected:
+                raise ValueError(
+                    f"GGUF file {str(path)!r}: tensor {tensor.name!r} has shape {shape}, the "
+                    f"metadata implies {expected}")
         missing = sorted(expected_tensors(spec, config) - names)
         if missing:
             raise ValueError(

@@ -37,7 +37,7 @@ def gemma3(tmp_path_factory):
     path = gemma3_gguf()
     reference = convert_gguf_to_hf(path, tmp_path_factory.mktemp("gemma3") / "hf",
                                    progress=False)
-    ids = AutoTokenizer.from_pretrained(reference)(TEXT).input_ids[:256]
+    ids = AutoTokenizer.from_pretrained(reference)(TEXT + " " + TEXT).input_ids[:256]
     assert len(ids) == 256
     return path, reference, ids
 

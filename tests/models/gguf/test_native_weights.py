@@ -46,7 +46,8 @@ PROMPTS = [[5, 9, 30, 41, 77, 12, 3, 99, 17, 64], [8, 100, 7], [3] * 20]
 def write_quantized_gguf(path, arch: str = "llama", extra: dict | None = None,
                          raw_types: dict | None = None) -> None:
     """A tiny GGUF of ``arch`` whose matrices are block-quantized (see LAYER_TYPES);
-    ``extra``: more tensors (name -> array, with ``raw_types[name]`` if they are raw blocks)."""
+    ``extra``: more tensors, or replacements of the generated ones (name -> array, with
+    ``raw_types[name]`` if they are raw blocks)."""
     writer = gguf.GGUFWriter(path, arch)
     for add, value in [("block_count", LAYERS), ("context_length", 256),
                        ("embedding_length", HIDDEN), ("feed_forward_length", 96),
@@ -62,6 +63,8 @@ def write_quantized_gguf(path, arch: str = "llama", extra: dict | None = None,
     writer.add_token_types([3] * len(SPECIALS) + [1] * (len(tiny_vocab()) - len(SPECIALS)))
     for hf_name, weight in hf_weights(arch, with_output=False, seed=7).items():
         name = gguf_name(hf_name)
+        if name in (extra or {}):
+            continue
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             weight = llama_cpp_permute(weight, HEADS if "attn_q" in name else KV_HEADS)
         if weight.ndim == 1:
@@ -175,3 +178,40 @@ def test_a_type_without_block_kernel_is_dequantized_with_one_warning(tmp_path, c
     assert len(lines) == 1 and re.search(r"1 IQ4_NL tensors dequantized", lines[0])
     expected = gguf.quants.dequantize(blocks, QType.IQ4_NL)
     np.testing.assert_array_equal(model.lm_head.weight.numpy(), expected)
+
+
+def _type_field_offset(path, tensor_name: str) -> int:
+    """The byte offset of a tensor's type in the file's tensor table."""
+    reader = gguf.GGUFReader(path)
+    tensor = next(t for t in reader.tensors if t.name == tensor_name)
+    raw_dtype = tensor.field.parts[4]  # a view of the mapped file
+    return int(raw_dtype.ctypes.data - reader.data.ctypes.data)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "unknown type", "shape", "architecture"])
+def test_a_broken_file_is_one_error_naming_it_and_leaves_no_cache_directory(
+        tmp_path, monkeypatch, damage):
+    path = tmp_path / "broken.gguf"
+    if damage == "shape":  # layer 1's q norm disagrees with the head dim
+        write_quantized_gguf(path, extra={"blk.1.attn_q_norm.weight": np.ones(3, np.float32)},
+                             arch="qwen3")
+        match = r"attn_q_norm.weight' has shape \(3,\), the metadata implies \(16,\)"
+    else:
+        write_quantized_gguf(path)
+        data = bytearray(path.read_bytes())
+        if damage == "truncated":
+            data = data[: len(data) - 1000]
+            match = "truncated"
+        elif damage == "unknown type":
+            offset = _type_field_offset(path, "blk.1.ffn_up.weight")
+            data[offset:offset + 4] = (99).to_bytes(4, "little")
+            match = "type this version of gguf does not know"
+        else:
+            data = data.replace(b"llama", b"llaba", 1)
+            match = "architecture 'llaba'; supported GGUF architectures: llama, qwen2"
+        path.write_bytes(bytes(data))
+    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=match) as error:
+        resolve_model_path(str(path))
+    assert "broken.gguf" in str(error.value) and "\n" not in str(error.value)
+    assert not list((tmp_path / "cache" / "models").glob("gguf-view-*"))
