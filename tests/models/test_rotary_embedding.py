@@ -166,7 +166,12 @@ def test_rotation_uses_the_rotate_half_layout_of_transformers():
 
 
 def test_unknown_rope_type_is_refused_by_name():
-    with pytest.raises(ValueError, match="longrope"):
+    with pytest.raises(ValueError, match="made_up"):
+        RotaryEmbedding(HEAD_DIM, 64, {"rope_type": "made_up", "factor": 2.0}, 64)
+
+
+def test_longrope_without_its_factors_is_refused_naming_them():
+    with pytest.raises(ValueError, match="short_factor"):
         RotaryEmbedding(HEAD_DIM, 64, {"rope_type": "longrope", "factor": 2.0}, 64)
 
 

@@ -135,6 +135,9 @@ def longrope_inv_freqs(
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
 
     def inv_freq(name: str) -> torch.Tensor:
+        if not params.get(name):
+            raise ValueError(f"rope_type longrope needs {name} (a list of {exponents.numel()} "
+                             f"numbers) in the config's RoPE parameters")
         factors = torch.tensor(params[name], dtype=torch.float32)
         if factors.shape != exponents.shape:
             raise ValueError(f"rope {name} has {factors.numel()} entries; the rotated head "
