@@ -1,221 +1,35 @@
 // Products with GGUF block-quantized weights (see fused_ops.py; the layouts are llama.cpp's,
 // decoded in torch by kernels/quantized/block_formats.py).
 //
-// quantized_matmul(x, blocks, type): out = x @ W.T for x (M, K) float32, bfloat16 or float16
-// and W (N, K) stored as `blocks`, uint8 (N, row bytes), each row K / values blocks of the
-// ggml type `type` (gguf.GGMLQuantizationType's number). The weights are decoded a chunk of
-// a few rows at a time into a small float32 scratch that stays in L1 and multiplied from
-// there against every row of x, so each weight is decoded once a pass, whatever M is; sums
-// in float32, each output rounded once to x's type. Threads split the output rows.
+// quantized_matmul(x, blocks, type): out = x @ W.T for x (M, K) float32 or bfloat16 and W
+// (N, K) stored as `blocks`, uint8 (N, row bytes), each row K / values blocks of the ggml
+// type `type` (gguf.GGMLQuantizationType's number). For up to 4 rows of x the blocks are
+// decoded in registers and multiplied there; for more, a chunk of a few weight rows at a
+// time is decoded into a small float32 scratch that stays in L1 and multiplied from there
+// against every row of x. Either way each weight is decoded once a pass; sums in float32,
+// each output rounded once to x's type. Threads split the output rows.
 //
 // dequantize_blocks(blocks, type, out): W decoded into out (N, K), float32 or bfloat16 (the
 // reused buffer a long pass multiplies with torch's GEMM).
 //
 // A decoded float32 weight equals block_formats.dequantize_rows's (the same products in the
-// same order, under the build's ISO C++ mode, which contracts no multiply-add); the
-// products' sums are ordered otherwise than a GEMM's, so they agree to float32 rounding.
+// same order); the products' sums are ordered otherwise than a GEMM's, so they agree to
+// float32 rounding.
 
 #include "common.h"
 #include "kernels.h"
+#include "gguf_blocks.h"
 #include "matmul_lanes.h"
 
 namespace radixlm_quant {
 
 using radixlm_matmul::kParallelWork;
-using radixlm_matmul::kWidth;
-using radixlm_matmul::Lanes;
 using radixlm_matmul::load_activations;
-
-// ggml_type's numbers for the served types (the GGUF format's, as gguf.GGMLQuantizationType).
-enum GgmlType : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
-  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ8_K = 15,
-};
 
 // Values of x decoded a chunk of weight rows at a time: a multiple of every block's values,
 // 8 rows of it (the widest tile) 16 KiB of float32, within L1.
 constexpr int64_t kChunk = 512;
 static_assert(kChunk % 256 == 0 && kChunk % kWidth == 0, "a chunk holds whole blocks");
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-inline float float_at(const uint8_t* p) {
-  float value;
-  std::memcpy(&value, p, 4);
-  return value;
-}
-
-// One block type: its values and bytes a block, and decode(block, out) writing its values.
-struct Q4_0 {
-  static constexpr int64_t kValues = 32, kBytes = 18;
-  static void decode(const uint8_t* b, float* out) {
-    const float d = half_at(b);
-    const uint8_t* qs = b + 2;
-    for (int k = 0; k < 16; ++k) {
-      out[k] = d * static_cast<float>((qs[k] & 15) - 8);
-      out[k + 16] = d * static_cast<float>((qs[k] >> 4) - 8);
-    }
-  }
-};
-
-struct Q4_1 {
-  static constexpr int64_t kValues = 32, kBytes = 20;
-  static void decode(const uint8_t* b, float* out) {
-    const float d = half_at(b), m = half_at(b + 2);
-    const uint8_t* qs = b + 4;
-    for (int k = 0; k < 16; ++k) {
-      out[k] = d * static_cast<float>(qs[k] & 15) + m;
-      out[k + 16] = d * static_cast<float>(qs[k] >> 4) + m;
-    }
-  }
-};
-
-// Q5_0's and Q5_1's 5-bit values: low nibbles, the fifth bit of value i bit i of qh.
-inline void five_bits(const uint8_t* qh_bytes, const uint8_t* qs, int32_t* q) {
-  uint32_t qh;
-  std::memcpy(&qh, qh_bytes, 4);
-  for (int k = 0; k < 16; ++k) {
-    q[k] = (qs[k] & 15) | (((qh >> k) & 1) << 4);
-    q[k + 16] = (qs[k] >> 4) | (((qh >> (k + 16)) & 1) << 4);
-  }
-}
-
-struct Q5_0 {
-  static constexpr int64_t kValues = 32, kBytes = 22;
-  static void decode(const uint8_t* b, float* out) {
-    const float d = half_at(b);
-    int32_t q[32];
-    five_bits(b + 2, b + 6, q);
-    for (int k = 0; k < 32; ++k) out[k] = d * static_cast<float>(q[k] - 16);
-  }
-};
-
-struct Q5_1 {
-  static constexpr int64_t kValues = 32, kBytes = 24;
-  static void decode(const uint8_t* b, float* out) {
-    const float d = half_at(b), m = half_at(b + 2);
-    int32_t q[32];
-    five_bits(b + 4, b + 8, q);
-    for (int k = 0; k < 32; ++k) out[k] = d * static_cast<float>(q[k]) + m;
-  }
-};
-
-struct Q8_0 {
-  static constexpr int64_t kValues = 32, kBytes = 34;
-  static void decode(const uint8_t* b, float* out) {
-    const float d = half_at(b);
-    const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
-    for (int k = 0; k < 32; ++k) out[k] = static_cast<float>(qs[k]) * d;
-  }
-};
-
-// Q4_K's and Q5_K's 12 bytes of 6-bit sub-block scales and minimums: (d * scale, dmin * min)
-// for each of the 8 sub-blocks of 32.
-inline void k_scales(const uint8_t* b, float* scale, float* offset) {
-  const float d = half_at(b), dmin = half_at(b + 2);
-  const uint8_t* s = b + 4;
-  for (int j = 0; j < 8; ++j) {
-    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-    const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    scale[j] = d * static_cast<float>(sc);
-    offset[j] = dmin * static_cast<float>(m);
-  }
-}
-
-struct Q4_K {
-  static constexpr int64_t kValues = 256, kBytes = 144;
-  static void decode(const uint8_t* b, float* out) {
-    float scale[8], offset[8];
-    k_scales(b, scale, offset);
-    const uint8_t* qs = b + 16;
-    for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p + 1 (high)
-      for (int k = 0; k < 32; ++k) {
-        const uint8_t byte = qs[32 * p + k];
-        out[64 * p + k] = scale[2 * p] * static_cast<float>(byte & 15) - offset[2 * p];
-        out[64 * p + 32 + k] =
-            scale[2 * p + 1] * static_cast<float>(byte >> 4) - offset[2 * p + 1];
-      }
-    }
-  }
-};
-
-struct Q5_K {
-  static constexpr int64_t kValues = 256, kBytes = 176;
-  static void decode(const uint8_t* b, float* out) {
-    float scale[8], offset[8];
-    k_scales(b, scale, offset);
-    const uint8_t* qh = b + 16;  // sub-block s takes bit s of qh[k]
-    const uint8_t* qs = b + 48;
-    for (int p = 0; p < 4; ++p) {
-      for (int k = 0; k < 32; ++k) {
-        const uint8_t byte = qs[32 * p + k];
-        const int low = (byte & 15) | (((qh[k] >> (2 * p)) & 1) << 4);
-        const int high = (byte >> 4) | (((qh[k] >> (2 * p + 1)) & 1) << 4);
-        out[64 * p + k] = scale[2 * p] * static_cast<float>(low) - offset[2 * p];
-        out[64 * p + 32 + k] = scale[2 * p + 1] * static_cast<float>(high) - offset[2 * p + 1];
-      }
-    }
-  }
-};
-
-struct Q6_K {
-  static constexpr int64_t kValues = 256, kBytes = 210;
-  static void decode(const uint8_t* b, float* out) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half_at(b + 208);
-    float scale[16];
-    for (int j = 0; j < 16; ++j) scale[j] = d * static_cast<float>(sc[j]);
-    for (int h = 0; h < 2; ++h) {  // halves of 128: four runs of 32 from 64 + 32 bytes
-      const uint8_t* l = ql + 64 * h;
-      const uint8_t* hi = qh + 32 * h;
-      float* o = out + 128 * h;
-      const float* s = scale + 8 * h;
-      for (int k = 0; k < 32; ++k) {
-        const int q0 = ((l[k] & 15) | ((hi[k] & 3) << 4)) - 32;
-        const int q1 = ((l[k + 32] & 15) | (((hi[k] >> 2) & 3) << 4)) - 32;
-        const int q2 = ((l[k] >> 4) | (((hi[k] >> 4) & 3) << 4)) - 32;
-        const int q3 = ((l[k + 32] >> 4) | (((hi[k] >> 6) & 3) << 4)) - 32;
-        const int sub = k / 16;
-        o[k] = s[sub] * static_cast<float>(q0);
-        o[k + 32] = s[sub + 2] * static_cast<float>(q1);
-        o[k + 64] = s[sub + 4] * static_cast<float>(q2);
-        o[k + 96] = s[sub + 6] * static_cast<float>(q3);
-      }
-    }
-  }
-};
-
-struct Q8_K {
-  static constexpr int64_t kValues = 256, kBytes = 292;
-  static void decode(const uint8_t* b, float* out) {
-    const float d = float_at(b);
-    const int8_t* qs = reinterpret_cast<const int8_t*>(b + 4);
-    for (int k = 0; k < 256; ++k) out[k] = d * static_cast<float>(qs[k]);
-  }
-};
-
-// Calls fn(Format{}) for the format of ggml type `type`.
-template <typename Fn>
-void dispatch_format(int64_t type, Fn&& fn) {
-  switch (type) {
-    case kQ4_0: return fn(Q4_0{});
-    case kQ4_1: return fn(Q4_1{});
-    case kQ5_0: return fn(Q5_0{});
-    case kQ5_1: return fn(Q5_1{});
-    case kQ8_0: return fn(Q8_0{});
-    case kQ4_K: return fn(Q4_K{});
-    case kQ5_K: return fn(Q5_K{});
-    case kQ6_K: return fn(Q6_K{});
-    case kQ8_K: return fn(Q8_K{});
-    default: TORCH_CHECK(false, "ggml type ", type, " is not served in blocks");
-  }
-}
 
 // Values [first, first + count) of a row (both multiples of F's values) into out; asks for
 // the row's next chunk as it goes (a few rows are read side by side, more streams than the
@@ -226,7 +40,7 @@ inline void decode_span(const uint8_t* row, int64_t first, int64_t count, float*
   const int64_t blocks = count / F::kValues;
   const uint8_t* ahead = b + blocks * F::kBytes;
   for (int64_t j = 0; j < blocks * F::kBytes; j += 64) __builtin_prefetch(ahead + j, 0, 3);
-  for (int64_t i = 0; i < blocks; ++i) F::decode(b + i * F::kBytes, out + i * F::kValues);
+  for (int64_t i = 0; i < blocks; ++i) decode<F>(b + i * F::kBytes, out + i * F::kValues);
 }
 
 // a * b + c lane by lane, rounded once.
@@ -313,8 +127,57 @@ void matmul_tiles(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
   });
 }
 
-// One row of x: 8 weight rows a tile (8 streams of weights); more: 4 by 4 of x on AVX-512's
-// 32 registers, 3 by 4 on AVX2's 16.
+// Rows [0, MB) of x against weight rows [0, R), decoded in registers block by block into
+// out[m * N + r]: for a few rows of x (each further group of rows would decode them again).
+// The weights kPrefetchBytes past each block are asked for as it is read: a tile's rows are
+// contiguous, so that is the same columns of the rows some tiles on.
+using radixlm_matmul::kPrefetchBytes;
+
+template <typename F, int R, int MB, typename X>
+inline void register_tile(const X* x, int64_t K, const uint8_t* w, int64_t row_bytes, X* out,
+                          int64_t N) {
+  Lanes acc[MB][R] = {};
+  const int64_t blocks = K / F::kValues;
+  for (int64_t i = 0; i < blocks; ++i) {
+    const X* xb = x + i * F::kValues;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* block = w + r * row_bytes + i * F::kBytes;
+      for (int64_t j = 0; j < F::kBytes; j += 64) __builtin_prefetch(block + kPrefetchBytes + j, 0, 3);
+      F::lanes(block, [&](int first, Lanes weights) {
+        for (int m = 0; m < MB; ++m) {
+          acc[m][r] = multiply_add(load_activations(xb + m * K + first), weights, acc[m][r]);
+        }
+      });
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int r = 0; r < R; ++r) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < kWidth; ++i) sum += acc[m][r][i];
+      out[m * N + r] = static_cast<X>(sum);
+    }
+  }
+}
+
+// out (MB, N) = x (MB, K) @ W.T in register tiles of R weight rows (the rest one by one).
+template <typename F, int R, int MB, typename X>
+void register_matmul(const X* x, int64_t K, const uint8_t* w, int64_t N, X* out) {
+  const int64_t row_bytes = K / F::kValues * F::kBytes;
+  const int64_t tiles = N / R;
+  const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(R * K * MB, 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      register_tile<F, R, MB>(x, K, w + t * R * row_bytes, row_bytes, out + t * R, N);
+    }
+  });
+  for (int64_t n = tiles * R; n < N; ++n) {
+    register_tile<F, 1, MB>(x, K, w + n * row_bytes, row_bytes, out + n, N);
+  }
+}
+
+// Up to 4 rows of x: register tiles, 8 weight rows for one row of x (8 streams of weights),
+// else 4 by 4 rows on AVX-512's 32 registers, 3 by 4 on AVX2's 16. More rows: the weights
+// decoded once into the scratch and multiplied from there against every row.
 template <typename F, typename X>
 void matmul(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, X* out) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -322,10 +185,12 @@ void matmul(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, X* ou
 #else
   constexpr int kWeightsPerTile = 3;
 #endif
-  if (M == 1) {
-    matmul_tiles<F, 8>(x, M, K, w, N, out);
-  } else {
-    matmul_tiles<F, kWeightsPerTile>(x, M, K, w, N, out);
+  switch (M) {
+    case 1: return register_matmul<F, 8, 1>(x, K, w, N, out);
+    case 2: return register_matmul<F, kWeightsPerTile, 2>(x, K, w, N, out);
+    case 3: return register_matmul<F, kWeightsPerTile, 3>(x, K, w, N, out);
+    case 4: return register_matmul<F, kWeightsPerTile, 4>(x, K, w, N, out);
+    default: return matmul_tiles<F, kWeightsPerTile>(x, M, K, w, N, out);
   }
 }
 
@@ -348,19 +213,25 @@ int64_t row_values(const at::Tensor& blocks, int64_t type) {
 
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   const int64_t K = radixlm_quant::row_values(blocks, type);
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K,
-              "x must be a CPU (M, K) tensor for K = ", K);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bfloat16 CPU (M, K) tensor for K = ", K);
   const at::Tensor a = x.contiguous();
   const int64_t M = a.size(0), N = blocks.size(0);
   at::Tensor out = at::empty({M, N}, a.options());
   if (M == 0 || N == 0) return out;
   const uint8_t* w = blocks.data_ptr<uint8_t>();
-  DISPATCH_STORAGE_TYPES(a.scalar_type(), "quantized_matmul", [&] {
+  AT_DISPATCH_SWITCH(a.scalar_type(), "quantized_matmul", AT_DISPATCH_CASE(at::kFloat, [&] {
     radixlm_quant::dispatch_format(type, [&](auto format) {
       radixlm_quant::matmul<decltype(format)>(a.data_ptr<scalar_t>(), M, K, w, N,
                                                out.data_ptr<scalar_t>());
     });
-  });
+  }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+    radixlm_quant::dispatch_format(type, [&](auto format) {
+      radixlm_quant::matmul<decltype(format)>(a.data_ptr<scalar_t>(), M, K, w, N,
+                                               out.data_ptr<scalar_t>());
+    });
+  }));
   return out;
 }
 

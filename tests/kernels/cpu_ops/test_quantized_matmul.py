@@ -33,7 +33,7 @@ def assert_product(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 16, 100])
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 100])  # register tiles of 1, 3 and 4 rows; the scratch
 def test_quantized_matmul_equals_ggufs_weight_times_x_in_float32(kernels, qtype, rows):
     """19 outputs (tiles of 8, 4 and 3 rows and a partial last one), 3 chunks of columns for
     the 32-value types (1,536 inputs) and a partial last chunk for the 256-value ones."""
