@@ -24,6 +24,7 @@ from radixlm.kv_cache.memory_pool import (
     MHATokenToKVPool,
     MLATokenToKVPool,
     ReqToTokenPool,
+    RowWriter,
     index_copy_rows,
 )
 from radixlm.models.layers.attention import PagedAttention
@@ -39,6 +40,7 @@ from radixlm.runtime.model_executor.compiled_decode import (
 from radixlm.runtime.model_executor.cpu_decode_runner import CpuDecodeRunner
 from radixlm.runtime.model_executor.cpu_matmul_path import build_cpu_plan
 from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
+from radixlm.runtime.model_executor.kv_pool_layout import build_hybrid_pools, windowed_layout
 from radixlm.runtime.model_executor.rank_processes import LocalRanks
 from radixlm.runtime.model_executor.tensor_parallel_ranks import (
     StepSender,
@@ -99,9 +101,20 @@ class ModelRunner:
         if self.cpu_group is not None:
             self.max_total_tokens = agree_on_pool_size(self.max_total_tokens, self.cpu_group)
         page_size = args.page_size
-        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, page_size, self.device)
+        self.window_layout = windowed_layout(args, model_config, self.device,
+                                             self.max_total_tokens, self.context_length)
+        """The hybrid pool's layout where sliding layers keep only their window's KV, else
+        None (``kv_pool_layout.py``)."""
+        if self.window_layout is None:
+            self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, page_size,
+                                                    self.device)
+            self.kv_pool = self._make_kv_pool(self.allocator.size + page_size)  # + padding
+        else:
+            self.allocator, self.kv_pool = build_hybrid_pools(
+                self.window_layout, self.max_total_tokens, page_size, model_config.num_layers,
+                self.attention_layer.num_kv_heads, model_config.head_dim, self.dtype,
+                self.device, self._row_writer())
         self.max_total_tokens = self.allocator.size
-        self.kv_pool = self._make_kv_pool(self.allocator.size + page_size)  # + padding page
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests, self.context_length, self.device
         )
@@ -300,7 +313,7 @@ class ModelRunner:
         """The pool layout the model attends over: latents for MLA models, else K and V
         (stored by the fused kernels' row copy where they are on)."""
         config = self.model_config
-        write_rows = fused_ops.active().scatter_rows if self.fused_cpu_kernels else index_copy_rows
+        write_rows = self._row_writer()
         if config.uses_mla:
             return MLATokenToKVPool(
                 num_slots, config.num_layers, config.kv_lora_rank, config.qk_rope_head_dim,
@@ -310,6 +323,9 @@ class ModelRunner:
             num_slots, config.num_layers, self.attention_layer.num_kv_heads, config.head_dim,
             self.dtype, self.device, write_rows,
         )
+
+    def _row_writer(self) -> RowWriter:
+        return fused_ops.active().scatter_rows if self.fused_cpu_kernels else index_copy_rows
 
     def _make_attention_backend(self) -> AttentionBackend:
         """The backend ``attention_backend`` names (``auto`` resolved for the device); one

@@ -29,6 +29,10 @@ class RequestMemory:
     (beyond their tree prefix) == allocator.size``.
     """
 
+    window: int | None = None
+    """W of the model's sliding layers where they keep only their window's KV
+    (``windowed_memory.WindowedRequestMemory``); None: every layer keeps every token's."""
+
     def __init__(
         self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
         tree_cache: PrefixCache,
@@ -133,12 +137,16 @@ class RequestMemory:
         slots = self.req_to_token[req.req_pool_idx, :aligned]
         already = self.tree_cache.insert(tokens, slots, req.extra_key)
         self._free_duplicates(req, slots, already)
-        match = self.tree_cache.match_prefix(tokens, req.extra_key)
+        match = self._match_inserted(tokens, req.extra_key)
         self.req_to_token[req.req_pool_idx, : len(match.indices)] = match.indices
         self.req_to_token_pool.mark_rewritten(req.req_pool_idx, len(match.indices))
         self.tree_cache.dec_lock_ref(req.last_node)
         self.tree_cache.inc_lock_ref(match.last_node)
         req.prefix_indices, req.last_node = match.indices, match.last_node
+
+    def _match_inserted(self, tokens: list[int], extra_key: str | None) -> MatchResult:
+        """The cache's slots of tokens the request just inserted."""
+        return self.tree_cache.match_prefix(tokens, extra_key)
 
     def release(self, req: Req) -> None:
         """Hands a finished (or aborted) request's KV to the cache and frees the rest."""

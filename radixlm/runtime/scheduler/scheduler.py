@@ -34,8 +34,9 @@ runs, decode steps take the plain loop (a step's forks need the host).
 The ``Scheduler`` composes typed components over one ``SchedulerState`` (the queues, the
 running batch, what the next step reports): ``Admission`` (``admission.py``), ``Overlap``
 (``overlap.py``), ``Handoffs`` (``handoffs.py``, disaggregation), ``BeamSearches``
-(``beam_searches.py``) and ``StepBatches`` (``step_batches.py``, the forward batches); it
-keeps the step's pipeline, the forward passes and retraction.
+(``beam_searches.py``), ``StepBatches`` (``step_batches.py``, the forward batches) and,
+for sliding layers that keep only their window, ``WindowRelease`` (``window_release.py``);
+it keeps the step's pipeline, the forward passes and retraction.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from radixlm.runtime.scheduler.sampling_step import SamplingStep
 from radixlm.runtime.scheduler.scheduler_info import describe
 from radixlm.runtime.scheduler.scheduler_state import SchedulerState
 from radixlm.runtime.scheduler.step_batches import StepBatches
+from radixlm.runtime.scheduler.window_release import WindowRelease
 from radixlm.runtime.server_args import ServerArgs
 
 
@@ -98,6 +100,7 @@ class Scheduler:
         self.admission = Admission(state, memory, args, self.grammar_queue,
                                    self.prefill_pace, self.handoffs)
         self.beams = BeamSearches(state, memory, runner, sampling_step)
+        self.windows = WindowRelease(state, memory) if memory.window is not None else None
 
     def add_request(self, req: Req) -> None:
         """Queues ``req``; a constrained one waits for its grammar first (a failed
@@ -146,7 +149,14 @@ class Scheduler:
     def step(self) -> list[Req]:
         """One forward pass. Returns the requests that took part in it (with a decode step
         in flight: in the one before it), and those that ended or stepped since the last
-        step outside one (failed grammars, hand-offs, a ``drain``)."""
+        step outside one (failed grammars, hand-offs, a ``drain``). Then, with sliding
+        layers that keep only their window, the KV out of the windows is freed."""
+        stepped = self._step()
+        if self.windows is not None:
+            self.windows.after_step()
+        return stepped
+
+    def _step(self) -> list[Req]:
         state = self.state
         ended = self.handoffs.step() + self.admission.move_compiled() + state.take_reports()
         if state.in_flight is not None:

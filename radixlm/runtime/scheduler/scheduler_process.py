@@ -15,8 +15,6 @@ import msgspec
 import zmq
 from transformers import AutoTokenizer
 
-from radixlm.kv_cache.no_cache import NoPrefixCache
-from radixlm.kv_cache.radix_tree import RadixCache
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime import messages as wire
 from radixlm.runtime.detokenizer.incremental_detokenizer import (
@@ -31,9 +29,9 @@ from radixlm.runtime.grammar.jump_forward import JumpForward
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.request import LogprobRequest, Req, finish_abort
 from radixlm.runtime.sampling.sampler import Sampler
-from radixlm.runtime.scheduler.request_memory import RequestMemory
 from radixlm.runtime.scheduler.sampling_step import SamplingStep
 from radixlm.runtime.scheduler.scheduler import Scheduler
+from radixlm.runtime.scheduler.windowed_memory import build_request_memory
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -60,9 +58,10 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
     model_config = ModelConfig.from_path(model_path, args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path)
     runner = ModelRunner(args, model_config)
-    cache_class = NoPrefixCache if args.disable_radix_cache else RadixCache
-    tree_cache = cache_class(runner.allocator, runner.allocator.page_size)
-    memory = RequestMemory(runner.req_to_token_pool, runner.allocator, tree_cache)
+    layout = runner.window_layout
+    memory = build_request_memory(runner.req_to_token_pool, runner.allocator,
+                                  None if layout is None else layout.window,
+                                  args.disable_radix_cache)
     grammar_backend = make_grammar_backend(
         args.grammar_backend, tokenizer, model_config.vocab_size, model_config.eos_token_ids
     )
