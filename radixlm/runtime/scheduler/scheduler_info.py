@@ -59,6 +59,7 @@ def describe(scheduler) -> dict:
                      for rank in range(runner.tp.size)],
         "disaggregation_mode": scheduler.args.disaggregation_mode,
         "disaggregation": scheduler.handoffs.stats(),
+        "sliding_window_kv": None if scheduler.windows is None else scheduler.windows.info(),
         **{k: getattr(scheduler.args, k) for k in ("schedule_policy", "batching",
                                                   "chunked_prefill_size", "disable_radix_cache")},
     }

@@ -29,3 +29,17 @@ class WindowRelease:
         reqs = state.running if state.chunked is None else [*state.running, state.chunked]
         for req in reqs:
             self.freed_local_slots += self.memory.release_window(req)
+
+    def info(self) -> dict:
+        """The local pool, as plain data (``server_info``)."""
+        memory = self.memory
+        local = memory.allocator.local
+        tree = memory.tree_cache
+        return {
+            "window": memory.window,
+            "local_kv_tokens": local.size,
+            "free_local_kv_tokens": local.available_size(),
+            "cache_local_evictable_tokens": (tree.local_evictable_size()
+                                             if hasattr(tree, "local_evictable_size") else 0),
+            "freed_local_slots": self.freed_local_slots,
+        }

@@ -103,6 +103,26 @@ def test_the_local_pool_holds_a_window_and_a_page_per_request_over_a_long_genera
     assert_same_outputs(reqs, plain)
 
 
+def test_overlapped_decode_steps_free_the_window_and_give_the_plain_pools_results(schedulers):
+    """With a decode step in flight its requests' ``kv_len`` already counts the token it
+    computes: what is freed is still out of that token's window."""
+    page = 4
+    hybrid = schedulers(disable_overlap_schedule=False, disable_radix_cache=True)
+    prompts = [random_ids(70 + seed, 30) for seed in range(3)]
+    reqs = [scheduler_req(hybrid, p, greedy(50)) for p in prompts]
+    for req in reqs:
+        hybrid.add_request(req)
+    while not all(req.finished for req in reqs):
+        hybrid.step()
+        holding = len(hybrid.state.running) + (hybrid.state.chunked is not None)
+        assert hybrid.memory.local_slots_in_use() <= holding * (W + page)
+    assert hybrid.state.stats.overlapped_steps > 0
+    info = hybrid.server_info()["sliding_window_kv"]
+    assert info["window"] == W and info["free_local_kv_tokens"] == info["local_kv_tokens"]
+    want = run(schedulers(plain=True, disable_radix_cache=True), prompts, [greedy(50)] * 3)
+    assert_same_outputs(reqs, want)
+
+
 def test_with_the_cache_a_request_holds_its_window_and_the_tree_the_rest(schedulers):
     page = 4
     hybrid = schedulers()
@@ -180,3 +200,37 @@ def test_retracted_requests_over_the_hybrid_pool_give_the_plain_pools_results(sc
     assert hybrid.state.stats.retractions > 0
     want = run(schedulers(plain=True, max_total_tokens=256, page_size=4), prompts, params)
     assert_same_outputs(got, want)
+
+
+@pytest.mark.parametrize(("options", "reason"), [
+    ({"tp_size": 2}, "tensor-parallel"),
+    ({"disaggregation_mode": "prefill"}, "disaggregation"),
+    ({"attention_backend": "triton"}, "slot map"),
+])
+def test_cases_the_hybrid_pool_does_not_cover_keep_every_tokens_kv(mistral_dir, monkeypatch,
+                                                                    options, reason):
+    from radixlm.models.model_config import ModelConfig
+
+    # (triton runs on CUDA only: the layout is asked as it would be there)
+    monkeypatch.setattr(kv_pool_layout, "resolve_backend_name", lambda request: request.name
+                        if request.name != "auto" else "torch_native")
+    args = ServerArgs(str(mistral_dir), dtype="float32", **options)
+    config = ModelConfig.from_path(str(mistral_dir))
+    assert config.sliding_window == W
+    found = kv_pool_layout.plain_pool_reason(args, config, torch.device("cpu"))
+    assert found is not None and reason in found
+    assert kv_pool_layout.windowed_layout(args, config, torch.device("cpu"), 4096, 512) is None
+
+
+def test_the_local_pool_is_sized_for_the_running_windows_and_chunks(mistral_dir):
+    from radixlm.models.model_config import ModelConfig
+
+    args = ServerArgs(str(mistral_dir), dtype="float32", page_size=4, max_running_requests=8,
+                      chunked_prefill_size=16)
+    config = ModelConfig.from_path(str(mistral_dir))
+    layout = kv_pool_layout.windowed_layout(args, config, torch.device("cpu"), 4096, 512)
+    running = 8 * (W + 2 * 4 + 16)
+    assert layout.local_tokens == running + running // 2
+    assert layout.sliding_layers == frozenset({0, 1})
+    small = kv_pool_layout.windowed_layout(args, config, torch.device("cpu"), 64, 512)
+    assert small.local_tokens == 64  # never more than the full pool
