@@ -38,8 +38,6 @@ def fused_decode_layer(layer: torch.nn.Module) -> FusedDecodeLayer | None:
     if (attn.attn.sliding_window is not None or attn.attn.logit_softcap is not None
             or attn.rotary_dim != attn.head_dim or mlp.activation != "silu"):
         return None
-    if attn.attn.sliding_window is not None or attn.attn.logit_softcap is not None:
-        return None  # the kernel's decode attention sees every key, its scores uncapped
     return FusedDecodeLayer.build(
         attn.attn.layer_id, layer.input_layernorm, layer.post_attention_layernorm,
         (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
