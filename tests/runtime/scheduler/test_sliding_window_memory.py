@@ -234,3 +234,28 @@ def test_the_local_pool_is_sized_for_the_running_windows_and_chunks(mistral_dir)
     assert layout.sliding_layers == frozenset({0, 1})
     small = kv_pool_layout.windowed_layout(args, config, torch.device("cpu"), 64, 512)
     assert small.local_tokens == 64  # never more than the full pool
+
+
+def test_a_short_local_pool_evicts_the_caches_local_kv_and_keeps_the_results(schedulers,
+                                                                              monkeypatch):
+    """Prompts the tree keeps fill the local pool (8 requests' windows and chunks, and half
+    as much again) long before the full one: the tree gives up local KV outside every
+    window, keeping the full KV, and the results stay the plain pool's."""
+    hybrid = schedulers()
+    hybrid.flush_cache()
+    evicted = []
+    evict_local = hybrid.memory.tree_cache.evict_local
+
+    def counting(num_tokens):
+        evicted.append(evict_local(num_tokens))
+        return evicted[-1]
+
+    monkeypatch.setattr(hybrid.memory.tree_cache, "evict_local", counting)
+    prompts = [random_ids(90 + seed, 60) for seed in range(12)]
+    params = [greedy(20)] * 12
+    got = run(hybrid, prompts, params)
+    assert sum(evicted) > 0
+    assert hybrid.memory.tree_cache.total_size() >= 12 * 60  # the full KV stayed
+    again = run(hybrid, prompts[:2], params[:2])  # hits cut back where local KV went
+    want = run(schedulers(plain=True, disable_radix_cache=True), prompts, params)
+    assert_same_outputs(got + again, want + want[:2])
