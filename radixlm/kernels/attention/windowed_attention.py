@@ -16,8 +16,8 @@ A layer with ``sliding_window`` W (query at position i sees keys j with i - W < 
   within the same extend;
 - the mask is additive (0 or -inf): causal, windowed, and past each request's keys; a key
   whose slot the map took to 0 (dropped) is out of every query's window, so it is masked;
-- a decode step without a softcap, where the fused CPU kernels are on, attends over the
-  keys where they lie in the pool (``paged_decode_attention``) through the layout's table,
+- a decode step, where the fused CPU kernels are on, attends over the keys where they lie
+  in the pool (``paged_decode_attention``, which soft-caps) through the layout's table,
   which holds only the window's keys: the kernel reads W keys a request, no gather;
 - otherwise, without a softcap one SDPA call attends the grid; with one the scores are computed
   explicitly in float32, in chunks of ``QUERY_CHUNK`` query rows, so the scores of a long
@@ -145,10 +145,11 @@ class WindowedAttention:
         pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         layout = self.layout(layer.sliding_window, pool.slot_map_for(layer.layer_id))
         kernels = fused_ops.for_tensor(q)
-        if fb.mode is ForwardMode.DECODE and layer.logit_softcap is None and kernels is not None:
+        if fb.mode is ForwardMode.DECODE and kernels is not None:
             k_buffer, v_buffer = pool.get_kv(layer.layer_id)  # the new K/V among them
             return kernels.paged_decode_attention(q, k_buffer, v_buffer, layout.kv_slots,
-                                                  layout.key_lens, layer.scaling)
+                                                  layout.key_lens, layer.scaling,
+                                                  layer.logit_softcap or 0.0)
         keys, values = self._grid_kv(k, v, layer, layout)  # (B, H_kv, S, D|D_v)
         b, num_q = layout.batch_size, layout.max_queries
         if layout.query_rows is None:

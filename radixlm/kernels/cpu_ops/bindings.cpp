@@ -9,7 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
   m.def("add_rms_norm", torch::wrap_pybind_function(add_rms_norm), "add_rms_norm");
   m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention),
-        "paged_decode_attention");
+        "paged_decode_attention", py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"),
+        py::arg("slots"), py::arg("seq_lens"), py::arg("scale"), py::arg("softcap") = 0.0);
   m.def("rotary", torch::wrap_pybind_function(rotary), "rotary");
   m.def("silu_mul", torch::wrap_pybind_function(silu_mul), "silu_mul");
   m.def("scatter_rows", torch::wrap_pybind_function(scatter_rows), "scatter_rows");

@@ -74,6 +74,16 @@ void weighted_rows(const float* w, const T* base, const int64_t* slots, int64_t 
   }
 }
 
+// p[0, n) <- cap * tanh(p[0, n) / cap): a logit softcap (Gemma 2) on scaled scores.
+inline void soft_cap(float* p, int64_t n, float cap) {
+  const Vec cap_vec(cap), inverse(1.f / cap);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    ((Vec::loadu(p + j) * inverse).tanh() * cap_vec).store(p + j);
+  }
+  for (; j < n; ++j) p[j] = cap * std::tanh(p[j] / cap);
+}
+
 struct DecodeShape {
   int64_t batch, heads, kv_heads, group, dim, v_dim, width, pool;
   int64_t k_slot_stride, k_head_stride, v_slot_stride, v_head_stride;
@@ -196,7 +206,8 @@ inline void weighted_rows_of_group(const float* w, int64_t w_stride, const T* ba
 // Tasks [begin, end) of (request, KV head): the group's queries over the request's keys.
 template <typename T>
 void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens,
-                  T* out, const DecodeShape& s, float scale, int64_t begin, int64_t end) {
+                  T* out, const DecodeShape& s, float scale, float softcap, int64_t begin,
+                  int64_t end) {
   std::vector<float> qf(s.group * s.dim), scores(s.group * s.width), inverse_totals(s.group);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t b = task / s.kv_heads, hk = task % s.kv_heads, len = lens[b];
@@ -240,6 +251,7 @@ void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, cons
       }
     }
     for (int64_t g = 0; g < s.group; ++g) {
+      if (softcap > 0.f) soft_cap(scores.data() + g * s.width, len, softcap);
       inverse_totals[g] = 1.f / exp_shifted(scores.data() + g * s.width, len);
     }
     const T* values = v + hk * s.v_head_stride;
@@ -283,10 +295,12 @@ void decode_tasks(const T* q, const T* k, const T* v, const int64_t* slots, cons
 //   stride in the last dim (values may be a view of the keys); slots (B, S) int64, the pool
 //   slot of each request's key j (entries at j >= seq_lens[b] are not read); seq_lens (B,)
 //   int64 in [1, S]. Query head h reads KV head h / (H / H_kv).
-//   Returns (B, H, D_v) in q's dtype: softmax(q . k * scale) . v, float32 inside.
+//   Returns (B, H, D_v) in q's dtype: softmax(q . k * scale) . v, float32 inside; with
+//   softcap c > 0, softmax(c * tanh(q . k * scale / c)) . v (0: none). A sliding window is
+//   the caller's table: slots holding only the window's keys, seq_lens their count.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                                   const at::Tensor& v_buffer, const at::Tensor& slots,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3,
               "q, k_buffer and v_buffer must be 3-D");
   TORCH_CHECK(q.device().is_cpu() && k_buffer.device().is_cpu() && v_buffer.device().is_cpu(),
@@ -295,6 +309,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffe
                   q.scalar_type() == v_buffer.scalar_type(), "q, k and v dtypes differ");
   TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "slots and seq_lens must be int64");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(k_buffer.stride(2) == 1 && v_buffer.stride(2) == 1,
               "k_buffer and v_buffer need unit stride in their last dim");
   DecodeShape s{};
@@ -324,7 +339,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffe
     at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
       decode_tasks(query.data_ptr<scalar_t>(), k_buffer.data_ptr<scalar_t>(),
                    v_buffer.data_ptr<scalar_t>(), slot_p, len_p, out.data_ptr<scalar_t>(), s,
-                   static_cast<float>(scale), begin, end);
+                   static_cast<float>(scale), static_cast<float>(softcap), begin, end);
     });
   });
   return out;

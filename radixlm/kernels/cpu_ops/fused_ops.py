@@ -8,10 +8,11 @@ operations inside ``F.rms_norm`` (figures in benchmarks/RESULTS.md). The kernels
 
 - ``rms_norm(x, weight, eps)`` and ``add_rms_norm(x, residual, weight, eps)`` (the residual
   add of pre-norm decoders folded in: returns the norm and the sum);
-- ``paged_decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scale)`` (in
+- ``paged_decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scale, softcap=0)`` (in
   ``decode_attention.cpp``): one query per request over its keys where they lie in the pool,
   instead of gathering them into a padded batch for ``scaled_dot_product_attention`` (on
-  AVX-512, keys scored 16 at a time; on AVX2, 8 at a time);
+  AVX-512, keys scored 16 at a time; on AVX2, 8 at a time); ``softcap`` > 0 caps the scaled
+  scores (Gemma 2), and a sliding window is a table of the window's keys alone;
 - ``rotary(x, cos, signed_sin)``: RoPE's roll, multiply and multiply-add;
 - ``silu_mul(gate_up)``: the gated MLP's split, SiLU and product;
 - ``scatter_rows(buffer, slots, rows)``: ``buffer.index_copy_(0, slots, rows)``, a KV pool's

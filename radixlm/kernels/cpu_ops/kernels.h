@@ -21,7 +21,8 @@ void scatter_rows(at::Tensor& buffer, const at::Tensor& slots, const at::Tensor&
 // decode_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                                   const at::Tensor& v_buffer, const at::Tensor& slots,
-                                  const at::Tensor& seq_lens, double scale);
+                                  const at::Tensor& seq_lens, double scale,
+                                  double softcap = 0.0);
 
 // few_rows_matmul.cpp
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales);

@@ -163,21 +163,20 @@ def test_shared_prefix_decode_serves_windowed_layers_over_their_window():
         assert batch.attn_backend._layout.shared  # the plain layers' runs are planned
 
 
-def test_windowed_layers_never_reach_the_fused_kernels(monkeypatch):
-    """Where the fused CPU kernels would attend (in-pool decode, causal prefill), windowed
-    and soft-capped layers go around them."""
+def test_windowed_layers_never_reach_the_fused_prefill_kernel(monkeypatch):
+    """Where the fused CPU kernels' causal prefill attention would attend an extend batch,
+    windowed and soft-capped layers go around it (it has neither)."""
 
     def refuse(*args, **kwargs):
-        raise AssertionError("a windowed layer reached a fused attention kernel")
+        raise AssertionError("a windowed layer reached the fused prefill kernel")
 
-    kernels = types.SimpleNamespace(paged_decode_attention=refuse)
-    monkeypatch.setattr(fused_ops, "for_tensor", lambda tensor: kernels)
     monkeypatch.setattr(fused_ops, "causal_prefill_attention", lambda *a, **k: refuse)
-    for mode, prefix_lens, extend_lens in ((D, [9, 3], [1, 1]), (E, [9, 0], [4, 6])):
-        case = windowed_case(mode, prefix_lens, extend_lens, KV_HEADS)
+    case = windowed_case(E, [9, 0], [4, 6], KV_HEADS)
+    for window, softcap in ((4, None), (None, 5.0), (4, 5.0)):
         layer = PagedAttention(0, KV_HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5,
-                               sliding_window=4, logit_softcap=5.0)
-        check(case, layer, 4, 5.0)
+                               sliding_window=window, logit_softcap=softcap)
+        check(case, layer, window, softcap)
+    assert isinstance(case.batch.attn_backend._layout, torch_native_backend._InPoolExtend)
 
 
 @pytest.fixture
@@ -187,18 +186,20 @@ def kernels_on():
     fused_ops.disable()
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["no_cap", "cap"])
 @pytest.mark.parametrize("mapped", [False, True], ids=["slots", "slot_map"])
-@pytest.mark.parametrize("window", [1, 6, 64])
+@pytest.mark.parametrize("window", [1, 6, 64, None])
 def test_windowed_decode_runs_in_the_pool_over_the_window_alone(kernels_on, monkeypatch,
-                                                                window, mapped):
-    """With the fused kernels on, a windowed decode (no softcap) attends in the pool through
-    a table of the window's keys: the kernel is handed at most W keys a request."""
+                                                                window, mapped, softcap):
+    """With the fused kernels on, a windowed or soft-capped decode attends in the pool
+    through a table of the window's keys: the kernel is handed at most W keys a request,
+    and the cap."""
     handed = []
     real = kernels_on.paged_decode_attention
 
-    def recording(q, k_buffer, v_buffer, slots, lens, scale):
-        handed.append(lens.clone())
-        return real(q, k_buffer, v_buffer, slots, lens, scale)
+    def recording(q, k_buffer, v_buffer, slots, lens, scale, cap=0.0):
+        handed.append((lens.clone(), cap))
+        return real(q, k_buffer, v_buffer, slots, lens, scale, cap)
 
     monkeypatch.setattr(fused_ops, "for_tensor", lambda tensor: types.SimpleNamespace(
         paged_decode_attention=recording))
@@ -208,10 +209,12 @@ def test_windowed_decode_runs_in_the_pool_over_the_window_alone(kernels_on, monk
         map_pool(case, window, seed=8)
         layer_id = MAPPED_LAYER
     layer = PagedAttention(layer_id, KV_HEADS * 4, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5,
-                           sliding_window=window)
-    check(case, layer, window, None)
-    (lens,) = handed
-    assert lens.tolist() == [min(n, window) for n in case.batch.seq_lens_list]
+                           sliding_window=window, logit_softcap=softcap)
+    case.q.mul_(3.0)  # scores reach the cap
+    check(case, layer, window, softcap)
+    ((lens, cap),) = handed
+    assert lens.tolist() == [min(n, window or n) for n in case.batch.seq_lens_list]
+    assert cap == (softcap or 0.0)
 
 
 def test_pool_decode_tables_are_withheld_from_a_pool_that_maps_slots(monkeypatch):
