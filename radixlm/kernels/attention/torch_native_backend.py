@@ -96,9 +96,8 @@ class _InPoolExtend:
 
 
 CALL_COST_PAIRS = 4096
-"""What one attention call costs beyond its work, in query-key pairs: a call's fixed cost
-on a 2-core CPU with the default model's heads, divided by the pairs a microsecond the
-padded call does, with some margin toward the single padded call (benchmarks/RESULTS.md)."""
+"""What one attention call costs beyond its work, in query-key pairs: a call's fixed cost over
+the padded call's pairs a microsecond, with margin toward one call (benchmarks/RESULTS.md)."""
 
 
 CAUSAL_PAD_MIN_KEYS = 384
@@ -124,9 +123,8 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _split_pays(extend_lens: list[int], seq_lens: list[int]) -> bool:
     """Whether an extend batch attends for less sequence by sequence than in the padded
-    (B, Q, S) grid: a fresh sequence's causal call skips the blocks above the diagonal
-    (half its pairs), a sequence after a prefix gets a mask over its own keys (all pairs),
-    and each call adds ``CALL_COST_PAIRS``."""
+    (B, Q, S) grid: a fresh sequence's causal call skips half its pairs, one after a prefix
+    gets a mask over its own keys (all pairs), and each call adds ``CALL_COST_PAIRS``."""
     if len(seq_lens) < 2 or max(extend_lens) < 2:
         return False
     padded = len(seq_lens) * max(extend_lens) * max(seq_lens)
@@ -254,13 +252,11 @@ class TorchNativeAttentionBackend(AttentionBackend):
         return out
 
     def pool_decode_tables(self, forward_batch):
-        """None also where the pool maps a layer's slots. A windowed or soft-capped layer
-        never asks (``cpu_decode_runner`` fuses none): the kernel sees every key, uncapped."""
+        """None too where the pool maps slots; windowed layers never ask (cpu_decode_runner)."""
         layout = self._layout
         if (forward_batch.mode is not ForwardMode.DECODE or layout.shared is not None
-                or fused_ops.for_tensor(layout.kv_slots) is None):
-            return None
-        if self._windowed.pool_maps_slots():
+                or fused_ops.for_tensor(layout.kv_slots) is None
+                or self._windowed.pool_maps_slots()):
             return None
         return layout.kv_slots, forward_batch.seq_lens
 
