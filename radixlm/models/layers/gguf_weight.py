@@ -1,0 +1,152 @@
+"""GGUF weights served in their block formats (llama.cpp's Q4_0 ... Q8_K), never widened
+for good: the packed weights a GGUF checkpoint's layers hold (the GGUF loader builds them).
+
+``GGUFBlockWeight`` keeps a matrix's blocks as the file stores them, uint8 (out, row bytes),
+possibly a view of the read-only memory-mapped file: it never writes them and copies them
+only where they are not contiguous. A pass of up to ``kernel_max_rows(x.dtype)`` rows on a
+CPU with the fused kernels on runs their ``quantized_matmul`` (blocks decoded in L1 as the
+pass reads them); a longer pass decodes the whole weight into the model's reused
+``ConversionBuffer`` (the kernels' ``dequantize_blocks``, else ``dequantize_rows`` in torch,
+on any device) and multiplies there with torch's GEMM. The crossover was measured on a
+2-core AMX CPU (benchmarks/RESULTS.md, ``bench_gguf_matmul.py``). ``rows`` decodes only the
+rows asked for (the token embedding's lookup).
+
+``StackedWeight`` stacks packed weights of possibly different types along the output
+dimension (a checkpoint's q, k and v as one projection).
+
+Invariants: outputs come back in x's dtype with float32 sums; the decoded weight equals
+``gguf.quants.dequantize``'s; the buffer is shared by one model's layers, so a model's
+passes must not run concurrently (as for ``weight_formats``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.quantized.block_formats import (
+    NATIVE_TYPES,
+    QType,
+    dequantize_rows,
+    row_bytes,
+)
+from radixlm.models.layers.weight_formats import ConversionBuffer, FusedProjection, PackedWeight
+
+KERNEL_MAX_ROWS_FLOAT32 = 64
+"""Rows of float32 activations up to which a pass runs ``quantized_matmul``; longer ones
+decode the weight for torch's GEMM."""
+KERNEL_MAX_ROWS_BFLOAT16 = 16
+"""The same for 16-bit activations (torch's bfloat16 GEMM runs on AMX tiles there)."""
+
+
+def native_type(qtype: QType) -> bool:
+    """Whether tensors of GGUF type ``qtype`` are served in their blocks."""
+    return qtype in NATIVE_TYPES
+
+
+def kernel_max_rows(dtype: torch.dtype) -> int:
+    """The most rows of ``dtype`` a pass multiplies on the kernels' ``quantized_matmul``."""
+    return KERNEL_MAX_ROWS_FLOAT32 if dtype == torch.float32 else KERNEL_MAX_ROWS_BFLOAT16
+
+
+class GGUFBlockWeight(PackedWeight):
+    """A (out, in) weight held as GGUF blocks of one type."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: QType, shape: tuple[int, int],
+                 buffer: ConversionBuffer | None = None):
+        """blocks: uint8 (out, row bytes) of type ``qtype`` for a (out, in) ``shape``;
+        ``buffer``: where long passes decode the weight (None: a fresh tensor each time).
+        ValueError where the type is not served in blocks or the shapes disagree."""
+        if not native_type(qtype):
+            raise ValueError(f"GGUF type {QType(qtype).name} is not served in blocks; "
+                             f"served: {', '.join(sorted(t.name for t in NATIVE_TYPES))}")
+        out_features, in_features = shape
+        expected = (out_features, row_bytes(qtype, in_features))
+        if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
+            raise ValueError(f"{QType(qtype).name} blocks for a {tuple(shape)} weight must be "
+                             f"uint8 {expected}, got {blocks.dtype} {tuple(blocks.shape)}")
+        self.blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
+        self.qtype = QType(qtype)
+        self.shape = (out_features, in_features)
+        self.buffer = buffer
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in) -> (T, out) in x's dtype."""
+        kernels = fused_ops.for_tensor(x)
+        if (kernels is not None and self.blocks.device.type == "cpu"
+                and x.dtype in (torch.float32, torch.bfloat16)
+                and x.shape[0] <= kernel_max_rows(x.dtype)):
+            return kernels.quantized_matmul(x, self.blocks, int(self.qtype))
+        compute = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        wide = self._decoded_into(compute, x.device, kernels)  # (out, in)
+        return F.linear(x.to(compute), wide).to(x.dtype)
+
+    def _decoded_into(self, dtype: torch.dtype, device: torch.device,
+                      kernels) -> torch.Tensor:
+        """The weight decoded into the buffer (else a fresh tensor) in ``dtype``."""
+        shape = torch.Size(self.shape)
+        if self.buffer is not None:
+            wide = self.buffer.take(shape, dtype, device)
+        else:
+            wide = torch.empty(shape, dtype=dtype, device=device)
+        if kernels is not None and self.blocks.device.type == "cpu" and device.type == "cpu":
+            kernels.dequantize_blocks(self.blocks, int(self.qtype), wide)
+            return wide
+        return wide.copy_(dequantize_rows(self.blocks.to(device), self.qtype))
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 (out, in), equal to ``gguf.quants.dequantize``'s."""
+        return dequantize_rows(self.blocks, self.qtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) int64 -> float32 (T, in): only those rows decoded."""
+        return dequantize_rows(self.blocks.index_select(0, ids.to(self.blocks.device)),
+                               self.qtype)
+
+    def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
+        return None  # the fused decode layer has no block kernel: it takes the plain path
+
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.blocks]
+
+
+def _out_features(part: PackedWeight) -> int:
+    shape = getattr(part, "shape", None)
+    return shape[0] if shape is not None else part.dequantized().shape[0]
+
+
+class StackedWeight(PackedWeight):
+    """Packed weights (out_i, in) stacked along the output dimension into one
+    (sum out_i, in): ``matmul`` writes each part's product into its columns of one output."""
+
+    def __init__(self, parts: list[PackedWeight]):
+        if not parts:
+            raise ValueError("a StackedWeight needs at least one part")
+        self.parts = list(parts)
+        self.bounds: list[tuple[int, int]] = []  # each part's output columns [start, end)
+        start = 0
+        for part in self.parts:
+            end = start + _out_features(part)
+            self.bounds.append((start, end))
+            start = end
+        self.shape = (start, getattr(self.parts[0], "shape", (0, -1))[1])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in) -> (T, sum out_i) in x's dtype."""
+        out = x.new_empty(x.shape[0], self.bounds[-1][1])
+        for part, (start, end) in zip(self.parts, self.bounds, strict=True):
+            out[:, start:end] = part.matmul(x)
+        return out
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([part.dequantized() for part in self.parts])
+
+    def nbytes(self) -> int:
+        return sum(part.nbytes() for part in self.parts)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [tensor for part in self.parts for tensor in part.tensors()]
