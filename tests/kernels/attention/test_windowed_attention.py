@@ -246,3 +246,23 @@ def test_layouts_are_built_once_a_batch_per_window_and_map(monkeypatch):
         backend.forward(case.q, case.k, case.v, layer, case.batch)
     assert built == [(4, True), (None, True)]
     assert torch_native_backend.needs_windowed_path is windowed_attention.needs_windowed_path
+
+
+@pytest.mark.parametrize("mode, prefix_lens, extend_lens", [
+    (E, [0, 14], [12, 3]), (D, [20, 3], [1, 1])], ids=["extend", "decode"])
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["no_cap", "cap"])
+def test_bfloat16_windowed_layers_match_the_reference(mode, prefix_lens, extend_lens, softcap):
+    """In the pool's bfloat16, to bfloat16's precision (soft-capped scores in float32)."""
+    case = windowed_case(mode, prefix_lens, extend_lens, KV_HEADS * 2)
+    pool = case.batch.kv_pool
+    pool.dtype = torch.bfloat16
+    pool.k_buffers = [b.to(torch.bfloat16) for b in pool.k_buffers]
+    pool.v_buffers = [b.to(torch.bfloat16) for b in pool.v_buffers]
+    case.q, case.k, case.v = (x.to(torch.bfloat16) for x in (case.q, case.k, case.v))
+    layer = PagedAttention(0, KV_HEADS * 2, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5,
+                           sliding_window=6, logit_softcap=softcap)
+    prefixes = prefix_kv(case, 0)
+    out = attend(case, layer)
+    assert out.dtype == torch.bfloat16
+    expected = reference(case, prefixes, layer.scaling, 6, softcap)
+    torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
