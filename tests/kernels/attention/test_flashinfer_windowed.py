@@ -160,3 +160,22 @@ def test_graph_states_plan_every_kind_met_before(backend):
     expected = reference(case, prefix_kv(case, 0), SCALE, 5, 2.0)
     out = backend.forward(case.q, case.k, case.v, windowed, case.batch)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kind_first_met_in_a_graph_warm_up_is_planned_on_the_graph_wrappers(backend):
+    """The graph runner's warm-up runs the model after ``init_decode_graph_metadata`` and
+    before capturing: a windowed layer met there gets a fixed-buffer wrapper of the batch
+    size's state, planned for the padded batch, which the capture then uses."""
+    case = windowed_case(D, [9, 20], [1, 1], HEADS, page_size=PAGE)
+    windowed = PagedAttention(0, HEADS, KV_HEADS, HEAD_DIM, SCALE, sliding_window=3)
+    backend.prepare_decode_graphs(DecodeGraphSpec((2,), 64, windowed, case.batch.kv_pool,
+                                                  torch.device("cpu")))
+    case.batch.attn_backend = backend
+    backend.init_decode_graph_metadata(case.batch)
+    state = backend._graph_states[2]
+    assert len(state.by_kind) == 1
+    expected = reference(case, prefix_kv(case, 0), SCALE, 3, None)
+    out = backend.forward(case.q, case.k, case.v, windowed, case.batch)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert len(state.by_kind) == 2
+    assert all(w.options["use_cuda_graph"] for w in state.by_kind.values())
