@@ -23,6 +23,8 @@ from ``floor_page(kv_len - W)`` on, its own or, under its window lock, the tree'
 
 from __future__ import annotations
 
+import weakref
+
 from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
 from radixlm.kv_cache.base import MatchResult, PrefixCache
 from radixlm.kv_cache.hybrid_pool import HybridAllocator
@@ -61,10 +63,11 @@ class WindowedRequestMemory(RequestMemory):
         super().__init__(req_to_token_pool, allocator, tree_cache)
         self.window = window
         self._locks_windows = hasattr(tree_cache, "lock_window")
-        self._window_node: dict[int, object] = {}
-        """id(request) -> the node its window lock is on."""
-        self._released: dict[int, int] = {}
-        """id(request) -> the position up to which its local KV was freed."""
+        # Keyed by the request weakly: a beam search's followers leave without ``release``.
+        self._window_node: weakref.WeakKeyDictionary[Req, object] = weakref.WeakKeyDictionary()
+        """request -> the node its window lock is on."""
+        self._released: weakref.WeakKeyDictionary[Req, int] = weakref.WeakKeyDictionary()
+        """request -> the position up to which its own local KV was freed."""
 
     # ---- the window ---------------------------------------------------------------------
 
@@ -76,12 +79,15 @@ class WindowedRequestMemory(RequestMemory):
             return 0
         page = self.page_size
         end = max(0, req.kv_len - self.window) // page * page
-        start = max(self._own_start(req), self._released.get(id(req), 0))
+        released = self._released.get(req, 0)
+        if released > end:  # from an earlier run (a beam follower retracted with its group)
+            released = 0
+        start = max(self._own_start(req), released)
         freed = 0
         if end > start:
             slots = self.req_to_token[req.req_pool_idx, start:end]
             freed = self.allocator.release_local(slots)
-            self._released[id(req)] = end
+            self._released[req] = end
         self._sync_window_lock(req)
         return freed
 
@@ -103,21 +109,21 @@ class WindowedRequestMemory(RequestMemory):
             dead = max(0, req.kv_len - self.window) // self.page_size * self.page_size
             if dead < len(prefix):
                 wanted = req.last_node
-        held = self._window_node.get(id(req))
+        held = self._window_node.get(req)
         if held is wanted:
             return
         if held is not None:
             self.tree_cache.unlock_window(held)
-            del self._window_node[id(req)]
+            del self._window_node[req]
         if wanted is not None:
             self.tree_cache.lock_window(wanted)
-            self._window_node[id(req)] = wanted
+            self._window_node[req] = wanted
 
     def _drop_window(self, req: Req) -> None:
-        held = self._window_node.pop(id(req), None)
+        held = self._window_node.pop(req, None)
         if held is not None:
             self.tree_cache.unlock_window(held)
-        self._released.pop(id(req), None)
+        self._released.pop(req, None)
 
     # ---- RequestMemory's transfers, with the window's bookkeeping -----------------------
 
@@ -130,7 +136,7 @@ class WindowedRequestMemory(RequestMemory):
         super().unlock(req)
 
     def cache_unfinished(self, req: Req) -> None:
-        held = self._window_node.pop(id(req), None)
+        held = self._window_node.pop(req, None)
         if held is not None:  # the lock moves with the prefix
             self.tree_cache.unlock_window(held)
         super().cache_unfinished(req)

@@ -180,15 +180,21 @@ def test_greedy_tokens_equal_transformers_mistral_with_a_sliding_window(schedule
     assert got.output_ids == reference_greedy(mistral_dir, prompt, 40)
 
 
-def test_beam_search_over_the_hybrid_pool_gives_the_plain_pools_beams(schedulers):
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_beam_search_over_the_hybrid_pool_gives_the_plain_pools_beams(schedulers, page):
+    """Beams share pages (copied on write, through the map in sliding layers) and free the
+    local KV of shared pages out of every member's window at once."""
     prompt = random_ids(50, 30)
     params = {"use_beam_search": True, "n": 3, "max_new_tokens": 30, "ignore_eos": True}
     results = []
     for plain in (False, True):
-        scheduler = schedulers(plain=plain, page_size=4)
+        scheduler = schedulers(plain=plain, page_size=page)
         reqs = beam_reqs(scheduler, prompt, params)
+        freed = 0 if plain else scheduler.windows.freed_local_slots
         run_to_completion(scheduler, reqs)
         results.append([r.output_ids for r in reqs])
+        if not plain:
+            assert scheduler.windows.freed_local_slots > freed  # (shared slots count once)
     assert results[0] == results[1]
 
 
