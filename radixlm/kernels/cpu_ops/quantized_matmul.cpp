@@ -3,11 +3,10 @@
 //
 // quantized_matmul(x, blocks, type): out = x @ W.T for x (M, K) float32 or bfloat16 and W
 // (N, K) stored as `blocks`, uint8 (N, row bytes), each row K / values blocks of the ggml
-// type `type` (gguf.GGMLQuantizationType's number). For up to 4 rows of x the blocks are
-// decoded in registers and multiplied there; for more, a chunk of a few weight rows at a
-// time is decoded into a small float32 scratch that stays in L1 and multiplied from there
-// against every row of x. Either way each weight is decoded once a pass; sums in float32,
-// each output rounded once to x's type. Threads split the output rows.
+// type `type` (gguf.GGMLQuantizationType's number). The blocks of a few weight rows are
+// decoded in registers and multiplied there with up to 4 rows of x at a time, again for each
+// further 4 rows (from L1). Sums in float32, each output rounded once to x's type. Threads
+// split the output rows.
 //
 // dequantize_blocks(blocks, type, out): W decoded into out (N, K), float32 or bfloat16 (the
 // reused buffer a long pass multiplies with torch's GEMM).
@@ -26,8 +25,8 @@ namespace radixlm_quant {
 using radixlm_matmul::kParallelWork;
 using radixlm_matmul::load_activations;
 
-// Values of x decoded a chunk of weight rows at a time: a multiple of every block's values,
-// 8 rows of it (the widest tile) 16 KiB of float32, within L1.
+// Values of a row dequantize_blocks decodes at a time (into a bfloat16 buffer: through a
+// float32 scratch of this size).
 constexpr int64_t kChunk = 512;
 static_assert(kChunk % 256 == 0 && kChunk % kWidth == 0, "a chunk holds whole blocks");
 
@@ -57,74 +56,6 @@ inline Lanes multiply_add(Lanes a, Lanes b, Lanes c) {
   for (int64_t i = 0; i < kWidth; ++i) c[i] = std::fma(a[i], b[i], c[i]);
   return c;
 #endif
-}
-
-// acc[m][r] += x row m . scratch row r over `count` values, MB rows of x, R weight rows.
-template <int R, int MB, typename X>
-inline void accumulate(const X* x, int64_t x_stride, const float* scratch, int64_t count,
-                       Lanes* acc) {
-  Lanes a[MB][R];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) a[m][r] = acc[m * R + r];
-  for (int64_t k = 0; k < count; k += kWidth) {
-    Lanes wide[R];
-    for (int r = 0; r < R; ++r) std::memcpy(&wide[r], scratch + r * kChunk + k, sizeof(Lanes));
-    for (int m = 0; m < MB; ++m) {
-      const Lanes xv = load_activations(x + m * x_stride + k);
-      for (int r = 0; r < R; ++r) a[m][r] = multiply_add(xv, wide[r], a[m][r]);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) acc[m * R + r] = a[m][r];
-}
-
-// Rows [0, M) of x, 4 at a time, against the R decoded rows of the scratch.
-template <int R, typename X>
-inline void accumulate_rows(const X* x, int64_t M, int64_t K, const float* scratch,
-                            int64_t count, Lanes* acc) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) accumulate<R, 4>(x + m * K, K, scratch, count, acc + m * R);
-  const X* rest = x + m * K;
-  Lanes* rest_acc = acc + m * R;
-  switch (M - m) {
-    case 3: accumulate<R, 3>(rest, K, scratch, count, rest_acc); break;
-    case 2: accumulate<R, 2>(rest, K, scratch, count, rest_acc); break;
-    case 1: accumulate<R, 1>(rest, K, scratch, count, rest_acc); break;
-    default: break;
-  }
-}
-
-// out (M, N) = x (M, K) @ W.T, weight rows R at a time (the last tile may hold fewer).
-template <typename F, int R, typename X>
-void matmul_tiles(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, X* out) {
-  const int64_t row_bytes = K / F::kValues * F::kBytes;
-  const int64_t tiles = (N + R - 1) / R;
-  const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(R * K * M, 1));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<Lanes> scratch_lanes(R * kChunk / kWidth);
-    float* scratch = reinterpret_cast<float*>(scratch_lanes.data());
-    std::vector<Lanes> acc(M * R);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = t * R;
-      const int64_t rows = std::min<int64_t>(R, N - n);
-      std::fill(acc.begin(), acc.end(), Lanes{});
-      std::fill(scratch, scratch + R * kChunk, 0.f);  // rows past N stay zero
-      for (int64_t k = 0; k < K; k += kChunk) {
-        const int64_t count = std::min(kChunk, K - k);
-        for (int64_t r = 0; r < rows; ++r) {
-          decode_span<F>(w + (n + r) * row_bytes, k, count, scratch + r * kChunk);
-        }
-        accumulate_rows<R>(x + k, M, K, scratch, count, acc.data());
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t r = 0; r < rows; ++r) {
-          float sum = 0.f;
-          for (int64_t i = 0; i < kWidth; ++i) sum += acc[m * R + r][i];
-          out[m * N + n + r] = static_cast<X>(sum);
-        }
-      }
-    }
-  });
 }
 
 // Rows [0, MB) of x against weight rows [0, R), decoded in registers block by block into
@@ -159,25 +90,46 @@ inline void register_tile(const X* x, int64_t K, const uint8_t* w, int64_t row_b
   }
 }
 
-// out (MB, N) = x (MB, K) @ W.T in register tiles of R weight rows (the rest one by one).
-template <typename F, int R, int MB, typename X>
-void register_matmul(const X* x, int64_t K, const uint8_t* w, int64_t N, X* out) {
-  const int64_t row_bytes = K / F::kValues * F::kBytes;
-  const int64_t tiles = N / R;
-  const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(R * K * MB, 1));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      register_tile<F, R, MB>(x, K, w + t * R * row_bytes, row_bytes, out + t * R, N);
+// Rows [0, M) of x against weight rows [0, R): x's rows 4 at a time (the tile's blocks, a
+// few KiB, stay in L1 while each group decodes them again).
+template <typename F, int R, typename X>
+inline void register_rows(const X* x, int64_t M, int64_t K, const uint8_t* w,
+                          int64_t row_bytes, X* out, int64_t N) {
+  if constexpr (R > 4) {  // (the tiles of one row of x)
+    for (int64_t m = 0; m < M; ++m) {
+      register_tile<F, R, 1>(x + m * K, K, w, row_bytes, out + m * N, N);
     }
-  });
-  for (int64_t n = tiles * R; n < N; ++n) {
-    register_tile<F, 1, MB>(x, K, w + n * row_bytes, row_bytes, out + n, N);
+    return;
+  }
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) register_tile<F, R, 4>(x + m * K, K, w, row_bytes, out + m * N, N);
+  switch (M - m) {
+    case 3: return register_tile<F, R, 3>(x + m * K, K, w, row_bytes, out + m * N, N);
+    case 2: return register_tile<F, R, 2>(x + m * K, K, w, row_bytes, out + m * N, N);
+    case 1: return register_tile<F, R, 1>(x + m * K, K, w, row_bytes, out + m * N, N);
+    default: return;
   }
 }
 
-// Up to 4 rows of x: register tiles, 8 weight rows for one row of x (8 streams of weights),
-// else 4 by 4 rows on AVX-512's 32 registers, 3 by 4 on AVX2's 16. More rows: the weights
-// decoded once into the scratch and multiplied from there against every row.
+// out (M, N) = x (M, K) @ W.T in tiles of R weight rows (the rest one by one), split between
+// the threads.
+template <typename F, int R, typename X>
+void register_matmul(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, X* out) {
+  const int64_t row_bytes = K / F::kValues * F::kBytes;
+  const int64_t tiles = N / R;
+  const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(R * K * M, 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      register_rows<F, R>(x, M, K, w + t * R * row_bytes, row_bytes, out + t * R, N);
+    }
+  });
+  for (int64_t n = tiles * R; n < N; ++n) {
+    register_rows<F, 1>(x, M, K, w + n * row_bytes, row_bytes, out + n, N);
+  }
+}
+
+// One row of x: 8 weight rows a tile (8 streams of weights); more: 4 weight rows by 4 of x
+// on AVX-512's 32 registers, 3 by 4 on AVX2's 16.
 template <typename F, typename X>
 void matmul(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, X* out) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -185,12 +137,10 @@ void matmul(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, X* ou
 #else
   constexpr int kWeightsPerTile = 3;
 #endif
-  switch (M) {
-    case 1: return register_matmul<F, 8, 1>(x, K, w, N, out);
-    case 2: return register_matmul<F, kWeightsPerTile, 2>(x, K, w, N, out);
-    case 3: return register_matmul<F, kWeightsPerTile, 3>(x, K, w, N, out);
-    case 4: return register_matmul<F, kWeightsPerTile, 4>(x, K, w, N, out);
-    default: return matmul_tiles<F, kWeightsPerTile>(x, M, K, w, N, out);
+  if (M == 1) {
+    register_matmul<F, 8>(x, M, K, w, N, out);
+  } else {
+    register_matmul<F, kWeightsPerTile>(x, M, K, w, N, out);
   }
 }
 

@@ -33,10 +33,10 @@ def assert_product(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 4, 16, 100])  # register tiles of 1, 3 and 4 rows; the scratch
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 100])  # groups of 4 rows, a rest
 def test_quantized_matmul_equals_ggufs_weight_times_x_in_float32(kernels, qtype, rows):
-    """19 outputs (tiles of 8, 4 and 3 rows and a partial last one), 3 chunks of columns for
-    the 32-value types (1,536 inputs) and a partial last chunk for the 256-value ones."""
+    """19 outputs: tiles of 8 weight rows (one row of x) or 4 (AVX-512; 3 on AVX2) and
+    rows past the last whole tile; 1,536 inputs for the 32-value types, 768 for the others."""
     blocks_per_row = 48 if qtype.name.endswith("_0") or qtype.name.endswith("_1") else 3
     blocks, weight = case(qtype, 19, blocks_per_row, seed=rows + int(qtype))
     torch.manual_seed(rows)

@@ -47,7 +47,7 @@ def assert_product(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 @pytest.mark.parametrize("qtype", sorted(NATIVE_TYPES), ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 100])  # kernels' registers, their scratch; the buffer
+@pytest.mark.parametrize("rows", [1, 3, 100])  # kernels: 1 row, 4 and a rest; buffer
 def test_matmul_multiplies_by_ggufs_weight_on_every_path(qtype, rows, cpu_kernels):
     packed, weight = weight_of(qtype, 24, 2 if gguf_values(qtype) == 256 else 12, seed=rows,
                                buffer=ConversionBuffer())
