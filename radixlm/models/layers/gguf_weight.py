@@ -33,11 +33,15 @@ from radixlm.kernels.quantized.block_formats import (
 )
 from radixlm.models.layers.weight_formats import ConversionBuffer, FusedProjection, PackedWeight
 
-KERNEL_MAX_ROWS_FLOAT32 = 64
+KERNEL_MAX_ROWS_FLOAT32 = 32
 """Rows of float32 activations up to which a pass runs ``quantized_matmul``; longer ones
-decode the weight for torch's GEMM."""
-KERNEL_MAX_ROWS_BFLOAT16 = 16
-"""The same for 16-bit activations (torch's bfloat16 GEMM runs on AMX tiles there)."""
+decode the weight for torch's GEMM. Where the two crossed on the AMX CPU: the kernel ahead
+at 32 rows for a projection in Q4_K and Q8_0 and a vocabulary head in Q8_0, the two types
+apart at 48 (benchmarks/RESULTS.md)."""
+KERNEL_MAX_ROWS_BFLOAT16 = 8
+"""The same for bfloat16 activations, whose GEMM after decoding is much cheaper there
+(oneDNN on AMX tiles): the kernel even with it at 8 rows for a Q4_K projection, behind at
+16."""
 
 
 def native_type(qtype: QType) -> bool:

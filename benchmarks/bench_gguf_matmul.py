@@ -1,0 +1,87 @@
+"""GGUF block weights on the CPU: ``quantized_matmul`` (blocks decoded in L1 as the pass
+reads them) against decoding the weight into a reused buffer (``dequantize_blocks``) and
+torch's GEMM, side by side for passes of T rows; where they cross is
+``gguf_weight.KERNEL_MAX_ROWS_*``.
+
+    PYTHONPATH=. python benchmarks/bench_gguf_matmul.py [--rows 1 4 16 64 512] [--repeats 5]
+
+Prints a markdown table (median milliseconds per pass) for a projection-sized weight in
+Q4_K and Q8_0 and a vocabulary head in Q8_0, float32 and bfloat16 activations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from machine import describe_machine
+
+from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.kernels.quantized.block_formats import QType, row_bytes
+
+MATRICES = [("projection 640x2048", QType.Q4_K, 640, 2048),
+            ("projection 640x2048", QType.Q8_0, 640, 2048),
+            ("vocabulary head 262144x640", QType.Q8_0, 262144, 640)]
+
+
+def random_blocks(qtype: QType, out_features: int, in_features: int) -> torch.Tensor:
+    """Random bytes with every block's float16 scales set small (timing does not depend
+    on the values, only on their being finite)."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (out_features, row_bytes(qtype, in_features)),
+                          dtype=np.uint8)
+    size = {QType.Q4_K: 144, QType.Q8_0: 34}[qtype]
+    per_block = blocks.reshape(-1, size)
+    per_block[:, 0:4] = np.full((1, 2), 0.01, dtype=np.float16).view(np.uint8)
+    return torch.from_numpy(blocks)
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    if not fused_ops.enable():
+        raise SystemExit(f"the fused CPU kernels are unavailable: "
+                         f"{fused_ops.unavailable_reason()}")
+    kernels = fused_ops.active()
+    print(describe_machine())
+    print("| weight | type | x dtype | T | kernel ms | decode + GEMM ms | of which decode |")
+    print("|---|---|---|---|---|---|---|")
+    for name, qtype, out_features, in_features in MATRICES:
+        blocks = random_blocks(qtype, out_features, in_features)
+        for dtype in (torch.float32, torch.bfloat16):
+            buffer = torch.empty(out_features, in_features, dtype=dtype)
+            decode = median_ms(lambda: kernels.dequantize_blocks(blocks, int(qtype), buffer),
+                               args.repeats)
+            for rows in args.rows:
+                x = torch.randn(rows, in_features).to(dtype)
+                repeats = args.repeats if rows * out_features < 2**24 else 2
+                kernel = median_ms(lambda: kernels.quantized_matmul(x, blocks, int(qtype)),
+                                   repeats)
+
+                def widened():
+                    kernels.dequantize_blocks(blocks, int(qtype), buffer)
+                    return F.linear(x, buffer)
+
+                gemm = median_ms(widened, repeats)
+                print(f"| {name} | {qtype.name} | {str(dtype).removeprefix('torch.')} | "
+                      f"{rows} | {kernel:.2f} | {gemm:.2f} | {decode:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
