@@ -5,14 +5,37 @@ what does not fit."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from quantized_cases import random_blocks, reference
+from torch.utils.cpp_extension import load
 
+from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.quantized.block_formats import NATIVE_TYPES, QType, dequantize_rows
 
 TYPES = sorted(NATIVE_TYPES)
+# Builds of quantized_matmul.cpp alone for other CPUs this one may run: the host flags each
+# needs and its compiler flags (AVX2's 8 lanes; the portable lanes without intrinsics).
+OTHER_BUILDS = {
+    "avx2": ({"avx2", "fma", "f16c"},
+             ["-march=haswell", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]),
+    "default": (set(), ["-march=x86-64", "-DCPU_CAPABILITY=DEFAULT"]),
+}
+BINDINGS = """
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantized_matmul", torch::wrap_pybind_function(quantized_matmul), "quantized_matmul");
+  m.def("dequantize_blocks", torch::wrap_pybind_function(dequantize_blocks),
+        "dequantize_blocks");
+}
+"""
 
 
 def case(qtype: QType, out_features: int, blocks_per_row: int,
@@ -97,3 +120,39 @@ def test_arguments_that_do_not_fit_are_refused(kernels):
                                  int(QType.Q8_0))
     with pytest.raises(RuntimeError, match="out must be"):
         kernels.dequantize_blocks(blocks, int(QType.Q8_0), torch.empty(4, 32))
+
+
+@pytest.fixture(scope="module", params=sorted(OTHER_BUILDS))
+def other_build(request):
+    """quantized_matmul.cpp alone, built for another CPU this one can run (skipped where it
+    cannot, or where no compiler or ninja is found), in a directory removed afterwards."""
+    needs, flags = OTHER_BUILDS[request.param]
+    missing = needs - set(fused_ops._cpu_flags())
+    if missing:
+        pytest.skip(f"this CPU cannot run a {request.param} build (no {sorted(missing)})")
+    missing_tool = fused_ops._missing_tool()
+    if missing_tool is not None:
+        pytest.skip(f"the kernels cannot be built here: {missing_tool}")
+    source = next(path for path in fused_ops.SOURCES if path.name == "quantized_matmul.cpp")
+    with tempfile.TemporaryDirectory() as directory:
+        bindings = Path(directory) / "quantized_bindings.cpp"
+        bindings.write_text(BINDINGS)
+        yield load(name=f"quantized_matmul_{request.param}",
+                   sources=[str(source), str(bindings)],
+                   extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
+                   extra_include_paths=[str(source.parent)], build_directory=directory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_build_for_another_cpu_decodes_and_multiplies_the_same(other_build, qtype):
+    blocks, weight = case(qtype, 11, 9 if qtype.name.endswith(("_0", "_1")) else 2,
+                          seed=int(qtype))
+    expected = dequantize_rows(blocks, qtype)
+    wide = torch.empty_like(expected)
+    other_build.dequantize_blocks(blocks, int(qtype), wide)
+    np.testing.assert_array_equal(wide.numpy(), expected.numpy())
+    for rows in (1, 6):
+        x = torch.randn(rows, weight.shape[1])
+        assert_product(other_build.quantized_matmul(x, blocks, int(qtype)), x, weight,
+                       tolerance=1e-6)
