@@ -52,9 +52,10 @@ operations inside ``F.rms_norm`` (figures in benchmarks/RESULTS.md). The kernels
   (greedy sampling, ``runtime/sampling/sampler.py``);
 - ``quantized_matmul(x, blocks, type)`` and ``dequantize_blocks(blocks, type, out)`` (in
   ``quantized_matmul.cpp``): rows against a GGUF block-quantized weight (llama.cpp's Q4_0 to
-  Q8_K layouts, ``kernels/quantized/block_formats.py``), its blocks decoded a few rows at a
-  time into an L1 scratch, float32 sums; and the weight decoded into a reused buffer for
-  torch's GEMM (``models/layers/gguf_weight.py`` picks between them by rows).
+  Q8_K layouts, ``kernels/quantized/block_formats.py``, ``gguf_blocks.h``), a few weight
+  rows' blocks decoded in registers against up to 4 rows of x at a time, float32 sums; and
+  the weight decoded into a reused buffer for torch's GEMM (``models/layers/gguf_weight.py``
+  picks between them by rows).
 
 Each works a row at a time in whole SIMD vectors (16-bit rows converted in registers),
 split between the threads by rows (the prefill attention: four query rows at a time, tasks
