@@ -23,12 +23,18 @@ class WindowRelease:
         self.memory = memory
         self.freed_local_slots = 0
         """Local slots freed so far (a counter for ``server_info``)."""
+        self.peak_local_in_use = 0
+        """The most local slots in use at the end of a step, after the release: the
+        running requests' windows, and what the radix cache keeps (``server_info``)."""
 
     def after_step(self) -> None:
         state = self.state
         reqs = state.running if state.chunked is None else [*state.running, state.chunked]
         for req in reqs:
             self.freed_local_slots += self.memory.release_window(req)
+        local = self.memory.allocator.local
+        self.peak_local_in_use = max(self.peak_local_in_use,
+                                     local.size - local.available_size())
 
     def info(self) -> dict:
         """The local pool, as plain data (``server_info``)."""
@@ -42,4 +48,5 @@ class WindowRelease:
             "cache_local_evictable_tokens": (tree.local_evictable_size()
                                              if hasattr(tree, "local_evictable_size") else 0),
             "freed_local_slots": self.freed_local_slots,
+            "peak_local_in_use": self.peak_local_in_use,
         }
