@@ -120,12 +120,12 @@ def smollm2_q4_k_m(cache: Path) -> Path:
     return target
 
 
-def bench(gguf: Path, rounds: int) -> dict:
+def bench(gguf: Path, rounds: int, extra_buffers: bool) -> dict:
     """Medians of each workload's seconds, and the largest resident memory, per system."""
     import gguf as gguf_package
 
     vocab = len(gguf_package.GGUFReader(gguf).fields["tokenizer.ggml.tokens"].data)
-    systems = [LlamaCpp(str(gguf), "", extra_buffers=True), RadixlmChild(str(gguf))]
+    systems = [LlamaCpp(str(gguf), "", extra_buffers), RadixlmChild(str(gguf))]
     systems[0].name = "llama.cpp"
     systems[1].child.stdout.readline()  # "ready": loaded and warmed up
     times = {(s.name, w): [] for s in systems for w in WORKLOADS}
@@ -151,6 +151,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=["gemma3", "smollm2"])
     parser.add_argument("--worker")
+    parser.add_argument("--llama-extra-buffers", action="store_true",
+                        help="let llama.cpp repack weights (use_extra_bufts); llama-cpp-python "
+                             "0.3.36 crashes with them on AMX CPUs (llama_cpp_worker.py)")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker)
@@ -161,9 +164,10 @@ def main() -> None:
 
     files = {"gemma3": lambda: gemma3_gguf(),
              "smollm2": lambda: smollm2_q4_k_m(radixlm_cache_dir() / "bench")}
-    print(f"cpu flags: {cpu_flags()}; {psutil.cpu_count()} cores")
+    print(f"cpu flags: {cpu_flags()}; {psutil.cpu_count()} cores; llama.cpp extra buffers "
+          f"{'on' if args.llama_extra_buffers else 'off'}")
     for model in args.models:
-        result = bench(files[model](), args.rounds)
+        result = bench(files[model](), args.rounds, args.llama_extra_buffers)
         print(f"\n{model}:")
         for workload, (*_, tokens) in WORKLOADS.items():
             ours = result["seconds"][f"radixlm | {workload}"]
