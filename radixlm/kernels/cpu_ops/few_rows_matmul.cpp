@@ -36,24 +36,6 @@ constexpr int kWeightsPerTile = 3;
 #endif
 constexpr int kRowsPerTile = 4;
 
-// a * b + c lane by lane, rounded once. Written `c + a * b`, GCC fused it in some tile shapes
-// and not in others (builds tuned for Zen), and a row's products must not depend on the tile
-// it falls in.
-inline Lanes multiply_add(Lanes a, Lanes b, Lanes c) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return reinterpret_cast<Lanes>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
-                                                 reinterpret_cast<__m512>(b),
-                                                 reinterpret_cast<__m512>(c)));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return reinterpret_cast<Lanes>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
-                                                 reinterpret_cast<__m256>(b),
-                                                 reinterpret_cast<__m256>(c)));
-#else
-  for (int64_t i = 0; i < kWidth; ++i) c[i] = std::fma(a[i], b[i], c[i]);
-  return c;
-#endif
-}
-
 // The first `count` (< kWidth) values from p, widened to float32, and zeros after them: the
 // columns past the last whole vector go through the same multiply-adds as the others. (A
 // scalar loop for them rounded by the tile's shape in GCC 12's builds tuned for Zen.)

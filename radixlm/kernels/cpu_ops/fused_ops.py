@@ -70,7 +70,7 @@ float32 results agree to float32 rounding (the tests hold them to both).
 
 The kernels are compiled for the CPU that builds them, with torch's C++ extension builder (a
 C++ compiler and ninja), once per machine. Each source compiles on its own: what they share
-is in ``common.h`` (``matmul_lanes.h`` and ``prefill_attention.h`` for two files each), the
+is in ``common.h`` (``matmul_lanes.h`` for the matmuls, ``prefill_attention.h`` for two files), the
 entry points are declared in ``kernels.h`` and exposed to Python by ``bindings.cpp``, and the
 constants Python shares with them (``ProjectionKernel``, ``PREFILL_MAX_VALUE_DIM``) are
 defined here only and passed as ``-D`` flags. The build is cached in torch's extensions

@@ -1,6 +1,7 @@
-// What the matmuls of few_rows_matmul.cpp and blocked_matmul.cpp share: the prefetch
-// distance and parallel threshold, and float32 lanes as the compiler's vector extension with
-// the loads that widen activations and weights into them.
+// What the matmuls of few_rows_matmul.cpp, blocked_matmul.cpp and quantized_matmul.cpp
+// share: the prefetch distance and parallel threshold, and float32 lanes as the compiler's
+// vector extension with the loads that widen activations and weights into them and their
+// fused multiply-add.
 
 #pragma once
 
@@ -67,6 +68,24 @@ inline Lanes load_weights(const W* p) {
   } else {
     return load_activations(p);
   }
+}
+
+// a * b + c lane by lane, rounded once. Written `c + a * b`, GCC fused it in some tile shapes
+// and not in others (builds tuned for Zen), and a row's products must not depend on the tile
+// it falls in.
+inline Lanes multiply_add(Lanes a, Lanes b, Lanes c) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return reinterpret_cast<Lanes>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                                 reinterpret_cast<__m512>(b),
+                                                 reinterpret_cast<__m512>(c)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return reinterpret_cast<Lanes>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
+                                                 reinterpret_cast<__m256>(b),
+                                                 reinterpret_cast<__m256>(c)));
+#else
+  for (int64_t i = 0; i < kWidth; ++i) c[i] = std::fma(a[i], b[i], c[i]);
+  return c;
+#endif
 }
 
 inline const float* scaled(const float* scales, int64_t n) {

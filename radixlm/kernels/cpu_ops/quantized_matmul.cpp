@@ -24,6 +24,7 @@ namespace radixlm_quant {
 
 using radixlm_matmul::kParallelWork;
 using radixlm_matmul::load_activations;
+using radixlm_matmul::multiply_add;
 
 // Values of a row dequantize_blocks decodes at a time (into a bfloat16 buffer: through a
 // float32 scratch of this size).
@@ -40,22 +41,6 @@ inline void decode_span(const uint8_t* row, int64_t first, int64_t count, float*
   const uint8_t* ahead = b + blocks * F::kBytes;
   for (int64_t j = 0; j < blocks * F::kBytes; j += 64) __builtin_prefetch(ahead + j, 0, 3);
   for (int64_t i = 0; i < blocks; ++i) decode<F>(b + i * F::kBytes, out + i * F::kValues);
-}
-
-// a * b + c lane by lane, rounded once.
-inline Lanes multiply_add(Lanes a, Lanes b, Lanes c) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return reinterpret_cast<Lanes>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
-                                                 reinterpret_cast<__m512>(b),
-                                                 reinterpret_cast<__m512>(c)));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return reinterpret_cast<Lanes>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
-                                                 reinterpret_cast<__m256>(b),
-                                                 reinterpret_cast<__m256>(c)));
-#else
-  for (int64_t i = 0; i < kWidth; ++i) c[i] = std::fma(a[i], b[i], c[i]);
-  return c;
-#endif
 }
 
 // Rows [0, MB) of x against weight rows [0, R), decoded in registers block by block into

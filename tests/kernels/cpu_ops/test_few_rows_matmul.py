@@ -5,15 +5,10 @@ one that this one can run (AVX2 only; AVX-512 without FP16, as a Zen 4 is)."""
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.cpp_extension import load
-
-from radixlm.kernels.cpu_ops import fused_ops
+from fused_kernels import build_alone
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5),
              torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}  # one bfloat16 step
@@ -140,21 +135,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 def other_build(request):
     """few_rows_matmul.cpp alone, built for another CPU this one can run (skipped where it
     cannot, or where no compiler or ninja is found), in a directory removed afterwards."""
-    needs, flags = OTHER_BUILDS[request.param]
-    missing = needs - set(fused_ops._cpu_flags())
-    if missing:
-        pytest.skip(f"this CPU cannot run a {request.param} build (no {sorted(missing)})")
-    missing_tool = fused_ops._missing_tool()
-    if missing_tool is not None:
-        pytest.skip(f"the kernels cannot be built here: {missing_tool}")
-    source = next(path for path in fused_ops.SOURCES if path.name == "few_rows_matmul.cpp")
-    with tempfile.TemporaryDirectory() as directory:
-        bindings = Path(directory) / "few_rows_bindings.cpp"
-        bindings.write_text(FEW_ROWS_BINDINGS)
-        yield load(name=f"few_rows_matmul_{request.param.replace('-', '_')}",
-                   sources=[str(source), str(bindings)],
-                   extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
-                   extra_include_paths=[str(source.parent)], build_directory=directory)
+    yield from build_alone(request, OTHER_BUILDS, "few_rows_matmul.cpp", FEW_ROWS_BINDINGS)
 
 
 @pytest.mark.slow

@@ -5,16 +5,12 @@ what does not fit."""
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from fused_kernels import build_alone
 from quantized_cases import random_blocks, reference
-from torch.utils.cpp_extension import load
 
-from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.quantized.block_formats import NATIVE_TYPES, QType, dequantize_rows
 
 TYPES = sorted(NATIVE_TYPES)
@@ -126,21 +122,7 @@ def test_arguments_that_do_not_fit_are_refused(kernels):
 def other_build(request):
     """quantized_matmul.cpp alone, built for another CPU this one can run (skipped where it
     cannot, or where no compiler or ninja is found), in a directory removed afterwards."""
-    needs, flags = OTHER_BUILDS[request.param]
-    missing = needs - set(fused_ops._cpu_flags())
-    if missing:
-        pytest.skip(f"this CPU cannot run a {request.param} build (no {sorted(missing)})")
-    missing_tool = fused_ops._missing_tool()
-    if missing_tool is not None:
-        pytest.skip(f"the kernels cannot be built here: {missing_tool}")
-    source = next(path for path in fused_ops.SOURCES if path.name == "quantized_matmul.cpp")
-    with tempfile.TemporaryDirectory() as directory:
-        bindings = Path(directory) / "quantized_bindings.cpp"
-        bindings.write_text(BINDINGS)
-        yield load(name=f"quantized_matmul_{request.param}",
-                   sources=[str(source), str(bindings)],
-                   extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
-                   extra_include_paths=[str(source.parent)], build_directory=directory)
+    yield from build_alone(request, OTHER_BUILDS, "quantized_matmul.cpp", BINDINGS)
 
 
 @pytest.mark.slow
