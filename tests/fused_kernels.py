@@ -22,12 +22,14 @@ def enable_or_skip() -> ModuleType:
     pytest.skip(f"the fused CPU kernels cannot be built here: {reason}")
 
 
-def build_alone(request, builds: dict, source_name: str, bindings: str):
-    """Yields ``source_name`` compiled alone with ``bindings`` (a C++ source binding its
-    functions) for the build ``request.param`` names in ``builds`` (name -> (the CPU flags it
-    needs, its compiler flags)), in a directory removed afterwards; skips where this CPU
-    cannot run that build or the tools to build it are missing. (For a module fixture
-    parametrized over ``builds``: ``yield from build_alone(...)``.)"""
+def build_alone(request, builds: dict, source_name: str, bindings: str,
+                also: tuple[str, ...] = ()):
+    """Yields ``source_name`` (and the sources named in ``also``, which it calls) compiled
+    alone with ``bindings`` (a C++ source binding its functions) for the build
+    ``request.param`` names in ``builds`` (name -> (the CPU flags it needs, its compiler
+    flags)), in a directory removed afterwards; skips where this CPU cannot run that build or
+    the tools to build it are missing. (For a module fixture parametrized over ``builds``:
+    ``yield from build_alone(...)``.)"""
     import tempfile
     from pathlib import Path
 
@@ -40,12 +42,13 @@ def build_alone(request, builds: dict, source_name: str, bindings: str):
     missing_tool = fused_ops._missing_tool()
     if missing_tool is not None:
         pytest.skip(f"the kernels cannot be built here: {missing_tool}")
-    source = next(path for path in fused_ops.SOURCES if path.name == source_name)
+    source, *others = (next(path for path in fused_ops.SOURCES if path.name == name)
+                       for name in (source_name, *also))
     stem = source_name.removesuffix(".cpp")
     with tempfile.TemporaryDirectory() as directory:
         binding_file = Path(directory) / f"{stem}_bindings.cpp"
         binding_file.write_text(bindings)
         yield load(name=f"{stem}_{request.param.replace('-', '_')}",
-                   sources=[str(source), str(binding_file)],
+                   sources=[str(source), *map(str, others), str(binding_file)],
                    extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
                    extra_include_paths=[str(source.parent)], build_directory=directory)

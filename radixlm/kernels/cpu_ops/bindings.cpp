@@ -36,4 +36,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_matmul", torch::wrap_pybind_function(quantized_matmul), "quantized_matmul");
   m.def("dequantize_blocks", torch::wrap_pybind_function(dequantize_blocks),
         "dequantize_blocks");
+  m.def("quantized_bf16_dots_serve", torch::wrap_pybind_function(quantized_bf16_dots_serve),
+        "quantized_bf16_dots_serve");
 }

@@ -53,7 +53,10 @@ operations inside ``F.rms_norm`` (figures in benchmarks/RESULTS.md). The kernels
 - ``quantized_matmul(x, blocks, type)`` and ``dequantize_blocks(blocks, type, out)`` (in
   ``quantized_matmul.cpp``): rows against a GGUF block-quantized weight (llama.cpp's Q4_0 to
   Q8_K layouts, ``kernels/quantized/block_formats.py``, ``gguf_blocks.h``), a few weight
-  rows' blocks decoded in registers against up to 4 rows of x at a time, float32 sums; and
+  rows' blocks decoded in registers against up to 4 rows of x at a time, float32 sums (in
+  ``quantized_matmul_bf16.cpp``, passes of up to 4 bfloat16 rows on a build with AVX-512 BF16:
+  each block's integers, unscaled, on bfloat16 dot products, its scales applied once to their
+  sums; ``quantized_bf16_dots_serve(x, type)`` says where); and
   the weight decoded into a reused buffer for torch's GEMM (``models/layers/gguf_weight.py``
   picks between them by rows).
 
@@ -104,7 +107,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "blocked_matmul.cpp", "prefill_attention.cpp",
                              "prefill_attention_float32.cpp", "pair_matmul.cpp",
                              "decode_layer.cpp", "argmax.cpp", "quantized_matmul.cpp",
-                             "bindings.cpp"))
+                             "quantized_matmul_bf16.cpp", "bindings.cpp"))
 BUILD_PREFIX = "radixlm_cpu_ops_"  # a build's directory and module: this and a digest
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
              "scatter_rows", "int8_matmul", "dense_matmul", "blocked_matmul",
@@ -112,7 +115,7 @@ FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "si
              "paged_prefill_attention", "prefill_attention_available", "pair_matmul",
              "int8_pair_matmul", "pair_matmul_silu", "int8_pair_matmul_silu",
              "pair_matmul_available", "decode_layer", "decode_layers",
-             "argmax_rows", "quantized_matmul", "dequantize_blocks")
+             "argmax_rows", "quantized_matmul", "dequantize_blocks", "quantized_bf16_dots_serve")
 COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 

@@ -72,3 +72,9 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // quantized_matmul.cpp
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type);
 void dequantize_blocks(const at::Tensor& blocks, int64_t type, at::Tensor& out);
+
+// quantized_matmul_bf16.cpp: quantized_matmul's few bfloat16 rows; _dots returns whether it
+// served (x contiguous, w its weight's blocks of N rows, out (M, N) bfloat16).
+bool quantized_bf16_dots_serve(const at::Tensor& x, int64_t type);
+bool quantized_matmul_bf16_dots(const at::Tensor& x, const uint8_t* w, int64_t N, int64_t type,
+                                at::Tensor& out);

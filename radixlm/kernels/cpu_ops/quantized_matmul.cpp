@@ -8,6 +8,9 @@
 // further 4 rows (from L1). Sums in float32, each output rounded once to x's type. Threads
 // split the output rows.
 //
+// Passes of a few bfloat16 rows go to quantized_matmul_bf16.cpp's dot products where the
+// build has AVX-512 BF16 (quantized_bf16_dots_serve(x, type) says which).
+//
 // dequantize_blocks(blocks, type, out): W decoded into out (N, K), float32 or bfloat16 (the
 // reused buffer a long pass multiplies with torch's GEMM).
 //
@@ -162,6 +165,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& blocks, int64
                                                out.data_ptr<scalar_t>());
     });
   }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+    if (quantized_matmul_bf16_dots(a, w, N, type, out)) return;
     radixlm_quant::dispatch_format(type, [&](auto format) {
       radixlm_quant::matmul<decltype(format)>(a.data_ptr<scalar_t>(), M, K, w, N,
                                                out.data_ptr<scalar_t>());

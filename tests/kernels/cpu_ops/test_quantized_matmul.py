@@ -1,16 +1,19 @@
 """The GGUF block kernels (quantized_matmul.cpp): ``quantized_matmul`` equals gguf's
-decoding followed by a float32 matmul to float32 rounding for every served type,
+decoding followed by a float32 matmul to float32 rounding for every served type (bfloat16
+rows on AVX-512 BF16 dot products too, quantized_matmul_bf16.cpp, taken where the CPU has them),
 ``dequantize_blocks`` decodes as ``block_formats.dequantize_rows`` does, and both refuse
 what does not fit."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
 from fused_kernels import build_alone
 from quantized_cases import random_blocks, reference
 
+from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.quantized.block_formats import NATIVE_TYPES, QType, dequantize_rows
 
 TYPES = sorted(NATIVE_TYPES)
@@ -78,6 +81,46 @@ def test_bfloat16_rows_come_back_in_bfloat16_within_one_rounding(kernels, qtype,
     assert_product(got, x, weight, tolerance=2**-8)
 
 
+def bfloat16_dot_rows(qtype: QType) -> int:
+    """The most bfloat16 rows a pass takes on the dot products (quantized_bf16_dots_serve):
+    one for the 32-value types of 4 and 5 bits, else 4."""
+    return 1 if qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1) else 4
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("in_features", [256, 640, 2048])
+def test_bfloat16_passes_of_up_to_4_rows_are_the_exact_product_rounded_once(
+        kernels, qtype, in_features):
+    """Each output is the bfloat16 rounding of a value within 1e-5 of sum |x| |w| of the
+    float64 product of gguf's weight and x (bfloat16, upcast exactly): the sums' float32
+    rounding, then the output's one rounding to bfloat16. 21 outputs: whole tiles and a rest."""
+    values = gguf.GGML_QUANT_SIZES[qtype][0]
+    if in_features % values:
+        pytest.skip(f"{qtype.name} blocks hold {values} values")
+    blocks, weight = case(qtype, 21, in_features // values, seed=in_features + int(qtype))
+    torch.manual_seed(in_features)
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, in_features).to(torch.bfloat16)
+        got = kernels.quantized_matmul(x, blocks, int(qtype))
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 21)
+        expected = x.double() @ weight.T
+        slack = 1e-5 * (x.double().abs() @ weight.abs().T)
+        low, high = (expected - slack).to(torch.bfloat16), (expected + slack).to(torch.bfloat16)
+        assert ((low <= got) & (got <= high)).all(), (qtype.name, rows)
+
+
+def test_bfloat16_passes_take_the_dot_products_where_the_cpu_has_them(kernels):
+    """The build (-march=native) has AVX-512 BF16 where the CPU does: passes of bfloat16 rows
+    up to bfloat16_dot_rows take the dot products there, and no others do."""
+    has_dots = {"avx512f", "avx512bw", "avx512_bf16"} <= set(fused_ops._cpu_flags())
+    for qtype in TYPES:
+        for rows in range(1, 6):
+            x = torch.zeros(rows, 256, dtype=torch.bfloat16)
+            taken = has_dots and rows <= bfloat16_dot_rows(qtype)
+            assert kernels.quantized_bf16_dots_serve(x, int(qtype)) == taken, (qtype.name, rows)
+        assert not kernels.quantized_bf16_dots_serve(torch.zeros(1, 256), int(qtype))
+
+
 def test_enough_work_to_split_between_threads_matches_one_thread(kernels):
     """Threads split the output rows: the outputs do not depend on how many there are."""
     blocks, weight = case(QType.Q8_0, 1000, 20, seed=5)
@@ -122,7 +165,8 @@ def test_arguments_that_do_not_fit_are_refused(kernels):
 def other_build(request):
     """quantized_matmul.cpp alone, built for another CPU this one can run (skipped where it
     cannot, or where no compiler or ninja is found), in a directory removed afterwards."""
-    yield from build_alone(request, OTHER_BUILDS, "quantized_matmul.cpp", BINDINGS)
+    yield from build_alone(request, OTHER_BUILDS, "quantized_matmul.cpp", BINDINGS,
+                           also=("quantized_matmul_bf16.cpp",))
 
 
 @pytest.mark.slow
