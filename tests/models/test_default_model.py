@@ -34,7 +34,8 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def conversions(monkeypatch) -> list[Path]:
-    """Replace the GGUF conversion by a slow fake that records each call."""
+    """Replace the GGUF conversion (the default model's) and view (a user's file) by a slow
+    fake that records each call."""
     calls: list[Path] = []
 
     def fake_convert(gguf_path, out_dir, progress=True):
@@ -45,6 +46,7 @@ def conversions(monkeypatch) -> list[Path]:
         return Path(out_dir)
 
     monkeypatch.setattr(default_model, "convert_gguf_to_hf", fake_convert)
+    monkeypatch.setattr(default_model, "write_gguf_view", fake_convert)
     return calls
 
 
@@ -76,11 +78,11 @@ def test_unknown_hub_id_raises_value_error_within_seconds():
     assert time.monotonic() - start < 10
 
 
-def test_gguf_file_is_converted_once_per_size_and_mtime(cache, conversions, tmp_path):
+def test_gguf_file_view_is_written_once_per_size_and_mtime(cache, conversions, tmp_path):
     gguf_path = tmp_path / "tiny.gguf"
     gguf_path.write_bytes(b"GGUF")
     first = resolve_model_path(str(gguf_path))
-    assert first.parent == cache / "models" and first.name.startswith("gguf-tiny-")
+    assert first.parent == cache / "models" and first.name.startswith("gguf-view-tiny-")
     assert resolve_model_path(str(gguf_path)) == first
     assert conversions == [gguf_path.resolve()]
 
