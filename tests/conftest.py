@@ -105,9 +105,11 @@ def _shut_down_engines():
 @pytest.fixture
 def engine_for(tiny_model_dir):
     """Returns a function building (once per module) a float32 Engine over a tiny model.
-    Its prompts are cut into chunks by size only, not by the measured prefill speed: where a
-    chunk ends changes the float32 sums slightly (prompt logprobs against transformers' by
-    up to 2e-4 were seen), and a test's outcome must not depend on the machine's load.
+    Its prompts are cut into chunks by size only, not by the measured prefill speed, and its
+    kernels are chosen without timing them (``disable_adaptive_timing``): where a chunk ends
+    or which kernel sums a row changes the float32 sums slightly (prompt logprobs against
+    transformers' by up to 2e-4 were seen under load), and a test's outcome must not depend
+    on the machine's load.
 
     After the test, every engine it used must be idle: every KV slot and request row free.
     """
@@ -122,7 +124,8 @@ def engine_for(tiny_model_dir):
             _shut_down([_ENGINES.pop(k) for k in idle[: max(len(_ENGINES) + 1
                                                             - MAX_LIVE_ENGINES, 0)]])
             options = {"dtype": "float32", "max_total_tokens": 8192,
-                       "chunked_prefill_step_ms": None, **options}
+                       "chunked_prefill_step_ms": None, "disable_adaptive_timing": True,
+                       **options}
             _ENGINES[key] = radixlm.Engine(str(path), **options)
         _ENGINES.move_to_end(key)
         used.append(_ENGINES[key])
