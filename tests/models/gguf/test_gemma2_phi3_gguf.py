@@ -90,6 +90,7 @@ def write_gguf(model, arch: str, path) -> None:
     writer.close()
 
 
+@pytest.mark.slow  # an engine each (~6 s): CI's last stage
 @pytest.mark.parametrize("architecture", list(MODELS))
 def test_served_as_stored_equals_transformers(tmp_path, monkeypatch, architecture):
     arch, overrides = MODELS[architecture]
