@@ -93,9 +93,12 @@ def _generate(args: argparse.Namespace) -> int:
     from radixlm.runtime.engine.engine import Engine
 
     with Engine(args.model_path, dtype=args.dtype) as engine:
-        prompt = args.prompt
+        prompt, input_ids = args.prompt, None
         if not args.raw and engine.tokenizer.chat_template:
-            prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])
+            # The template writes the special tokens it wants (Gemma's starts with <bos>):
+            # encoded as the chat route does, without the tokenizer adding its own.
+            text = engine.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt, input_ids = None, engine.tokenizer.encode(text, add_special_tokens=False)
         params = {
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature,
@@ -103,7 +106,7 @@ def _generate(args: argparse.Namespace) -> int:
             "sampling_seed": args.seed,
         }
         shown = 0
-        for chunk in engine.generate(prompt, params, stream=True):
+        for chunk in engine.generate(prompt, params, input_ids=input_ids, stream=True):
             text = chunk["text"]
             sys.stdout.write(text[shown:])
             sys.stdout.flush()
