@@ -177,3 +177,15 @@ def reference_greedy(directory: Path, input_ids: list[int], num_tokens: int) -> 
         name = "cache" if "cache" in out else "past_key_values"
         out = model(torch.tensor([[tokens[-1]]]), use_cache=True, **{name: out[name]})
     return tokens
+
+
+def assert_prompt_logprobs_match(path, prompt_ids: list[int], out: dict, start: int) -> None:
+    """Our logprobs of prompt tokens start+1 .. L-1 equal transformers' within 1e-4."""
+    entries = out["meta_info"]["input_token_logprobs"]
+    if start == 0:
+        assert entries[0] == [None, prompt_ids[0], None]
+        entries = entries[1:]
+    assert [entry[1] for entry in entries] == prompt_ids[start + 1 :]
+    theirs = reference_prompt_logprobs(path, prompt_ids)[start:]
+    got = torch.tensor([entry[0] for entry in entries])
+    torch.testing.assert_close(got, theirs, atol=1e-4, rtol=0)

@@ -5,8 +5,7 @@ radix cache serving a prefix longer than the window; and retraction."""
 
 from __future__ import annotations
 
-import torch
-from tiny_models import WINDOW, reference_greedy, reference_prompt_logprobs
+from tiny_models import WINDOW, assert_prompt_logprobs_match, reference_greedy
 from workloads import random_ids
 
 # Short prompts fit in the window; the long ones cross it (and the 16-token prefill chunks).
@@ -27,14 +26,7 @@ GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 def assert_matches_transformers(path, prompt_ids: list[int], out: dict, start: int = 0) -> None:
     """Greedy tokens equal transformers'; prompt logprobs from token start+1 on within 1e-4."""
     assert out["output_ids"] == reference_greedy(path, prompt_ids, GREEDY["max_new_tokens"])
-    entries = out["meta_info"]["input_token_logprobs"]
-    if start == 0:
-        assert entries[0] == [None, prompt_ids[0], None]
-        entries = entries[1:]
-    assert [entry[1] for entry in entries] == prompt_ids[start + 1 :]
-    theirs = reference_prompt_logprobs(path, prompt_ids)[start:]
-    got = torch.tensor([entry[0] for entry in entries])
-    torch.testing.assert_close(got, theirs, atol=1e-4, rtol=0)
+    assert_prompt_logprobs_match(path, prompt_ids, out, start)
 
 
 def check_alone_and_batched(engine, path) -> None:

@@ -5,8 +5,7 @@ serving part of the prompt."""
 from __future__ import annotations
 
 import pytest
-import torch
-from tiny_models import MOE_ARCHITECTURES, reference_greedy, reference_prompt_logprobs
+from tiny_models import MOE_ARCHITECTURES, assert_prompt_logprobs_match, reference_greedy
 
 from radixlm.models.layers.moe import MoEBlock
 from radixlm.models.mixtral import MixtralForCausalLM
@@ -25,18 +24,6 @@ SHARED_PREFIX = "The lazy dog jumps over the quick brown fox. The capital of Ger
 SUFFIXES = [" Paris is the capital of", " def add(a, b):\n    return", " Numbers: 9 8 7"]
 UNRELATED = "In 1492, Columbus sailed the ocean blue. Numbers: 0 1 2 3 4 5 6 7 8 9. Héllo wörld"
 GREEDY = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
-
-
-def assert_prompt_logprobs_match(path, prompt_ids: list[int], out: dict, start: int) -> None:
-    """Our logprobs of prompt tokens start+1 .. L-1 equal transformers' within 1e-4."""
-    entries = out["meta_info"]["input_token_logprobs"]
-    if start == 0:
-        assert entries[0] == [None, prompt_ids[0], None]
-        entries = entries[1:]
-    assert [entry[1] for entry in entries] == prompt_ids[start + 1 :]
-    theirs = reference_prompt_logprobs(path, prompt_ids)[start:]
-    got = torch.tensor([entry[0] for entry in entries])
-    torch.testing.assert_close(got, theirs, atol=1e-4, rtol=0)
 
 
 def test_moe_architectures_are_registered():
