@@ -44,6 +44,13 @@ KERNEL_MAX_ROWS_BFLOAT16 = 8
 16."""
 
 
+DECODE_CHUNK_VALUES = 1 << 22
+"""A long pass decodes a matrix of more values than this (a vocabulary's output head) a
+part of this many values at a time, each multiplied as it is decoded: the buffer stays that
+size (not the whole head widened, hundreds of MiB held for the model's life) and each
+part is still in cache when the GEMM reads it."""
+
+
 def native_type(qtype: QType) -> bool:
     """Whether tensors of GGUF type ``qtype`` are served in their blocks."""
     return qtype in NATIVE_TYPES
@@ -82,22 +89,34 @@ class GGUFBlockWeight(PackedWeight):
                 and x.dtype in (torch.float32, torch.bfloat16)
                 and x.shape[0] <= kernel_max_rows(x.dtype)):
             return kernels.quantized_matmul(x, self.blocks, int(self.qtype))
-        compute = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        wide = self._decoded_into(compute, x.device, kernels)  # (out, in)
-        return F.linear(x.to(compute), wide).to(x.dtype)
+        dtype = x.dtype
+        compute = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        x = x.to(compute)
+        out_features, in_features = self.shape
+        step = max(1, DECODE_CHUNK_VALUES // in_features)
+        if out_features <= step:
+            wide = self._decoded_into(self.blocks, compute, x.device, kernels)  # (out, in)
+            return F.linear(x, wide).to(dtype)
+        out = x.new_empty(x.shape[0], out_features)
+        for first in range(0, out_features, step):  # a tall matrix (an output head) by parts
+            rows = self.blocks[first:first + step]
+            out[:, first:first + len(rows)] = F.linear(
+                x, self._decoded_into(rows, compute, x.device, kernels))
+        return out.to(dtype)
 
-    def _decoded_into(self, dtype: torch.dtype, device: torch.device,
+    def _decoded_into(self, blocks: torch.Tensor, dtype: torch.dtype, device: torch.device,
                       kernels) -> torch.Tensor:
-        """The weight decoded into the buffer (else a fresh tensor) in ``dtype``."""
-        shape = torch.Size(self.shape)
+        """``blocks`` (some of the weight's rows) decoded into the buffer (else a fresh
+        tensor) in ``dtype``."""
+        shape = torch.Size((blocks.shape[0], self.shape[1]))
         if self.buffer is not None:
             wide = self.buffer.take(shape, dtype, device)
         else:
             wide = torch.empty(shape, dtype=dtype, device=device)
-        if kernels is not None and self.blocks.device.type == "cpu" and device.type == "cpu":
-            kernels.dequantize_blocks(self.blocks, int(self.qtype), wide)
+        if kernels is not None and blocks.device.type == "cpu" and device.type == "cpu":
+            kernels.dequantize_blocks(blocks, int(self.qtype), wide)
             return wide
-        return wide.copy_(dequantize_rows(self.blocks.to(device), self.qtype))
+        return wide.copy_(dequantize_rows(blocks.to(device), self.qtype))
 
     def dequantized(self) -> torch.Tensor:
         """float32 (out, in), equal to ``gguf.quants.dequantize``'s."""

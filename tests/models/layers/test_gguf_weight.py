@@ -121,6 +121,23 @@ def test_a_long_pass_decodes_into_the_shared_buffer():
     assert buffer._storage is storage
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tall_matrix_is_decoded_and_multiplied_by_parts(monkeypatch, dtype, cpu_kernels):
+    """A long pass over a matrix of more than DECODE_CHUNK_VALUES values (an output head)
+    decodes and multiplies it a part at a time: the same product, a buffer of one part."""
+    import radixlm.models.layers.gguf_weight as gguf_weight
+
+    monkeypatch.setattr(gguf_weight, "DECODE_CHUNK_VALUES", 7 * 256)  # 7 rows a part
+    buffer = ConversionBuffer()
+    packed, weight = weight_of(QType.Q4_K, 50, 1, seed=8, buffer=buffer)
+    x = torch.randn(kernel_max_rows(dtype) + 3, 256).to(dtype)
+    got = packed.matmul(x)
+    assert got.dtype == dtype and got.shape == (x.shape[0], 50)
+    assert_product(got.float(), x.float(), weight, tolerance=1e-6 if dtype == torch.float32
+                   else 1e-2)
+    assert buffer._storage.numel() == 7 * 256  # (one part: 1 block of 256 values a row)
+
+
 def test_unserved_types_and_mismatched_shapes_are_refused():
     assert native_type(QType.Q4_K) and not native_type(QType.IQ2_XS)
     assert not native_type(QType.F16)
