@@ -18,6 +18,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import gguf
@@ -56,6 +57,12 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def widened(kernels, x, blocks, qtype, buffer):
+    """The long-pass path: the blocks decoded into ``buffer``, then torch's GEMM."""
+    kernels.dequantize_blocks(blocks, int(qtype), buffer)
+    return F.linear(x, buffer)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
@@ -75,19 +82,14 @@ def main() -> None:
         blocks = random_blocks(qtype, out_features, in_features)
         for dtype in (torch.float32, torch.bfloat16):
             buffer = torch.empty(out_features, in_features, dtype=dtype)
-            decode = median_ms(lambda: kernels.dequantize_blocks(blocks, int(qtype), buffer),
+            decode = median_ms(partial(kernels.dequantize_blocks, blocks, int(qtype), buffer),
                                args.repeats)
             for rows in args.rows:
                 x = torch.randn(rows, in_features).to(dtype)
                 repeats = args.repeats if rows * out_features < 2**24 else 2
-                kernel = median_ms(lambda: kernels.quantized_matmul(x, blocks, int(qtype)),
+                kernel = median_ms(partial(kernels.quantized_matmul, x, blocks, int(qtype)),
                                    repeats)
-
-                def widened():
-                    kernels.dequantize_blocks(blocks, int(qtype), buffer)
-                    return F.linear(x, buffer)
-
-                gemm = median_ms(widened, repeats)
+                gemm = median_ms(partial(widened, kernels, x, blocks, qtype, buffer), repeats)
                 print(f"| {name} | {qtype.name} | {str(dtype).removeprefix('torch.')} | "
                       f"{rows} | {kernel:.2f} | {gemm:.2f} | {decode:.2f} |", flush=True)
 

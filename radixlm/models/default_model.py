@@ -74,9 +74,10 @@ def resolve_model_path(model_path: str | os.PathLike | None) -> Path:
 
     None -> the default model; a directory -> itself (it must contain config.json); a `.gguf`
     file -> its view (config and tokenizer; the weights stay in the file), cached under
-    `<cache>/models/gguf-view-<stem>-<hash>/` and redone when the file's size or mtime changes; anything else -> a Hugging Face hub id, downloaded with
-    `huggingface_hub`. Raises ValueError naming the path and what is wrong; an unreachable hub
-    fails within about `_HUB_PROBE_TIMEOUT_S` seconds instead of hanging.
+    `<cache>/models/gguf-view-<stem>-<hash>/` and redone when the file's size or mtime
+    changes; anything else -> a Hugging Face hub id, downloaded with `huggingface_hub`.
+    Raises ValueError naming the path and what is wrong; an unreachable hub fails within
+    about `_HUB_PROBE_TIMEOUT_S` seconds instead of hanging.
     """
     if model_path is None:
         return default_model_path()

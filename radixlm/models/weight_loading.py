@@ -76,7 +76,7 @@ def load_named_weights(
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         expert = _EXPERT_TENSOR.match(name)
-        experts = expert and _submodule_or_none(model, expert["experts"])
+        experts = expert and submodule_or_none(model, expert["experts"])
         if experts is not None and hasattr(experts, "load_expert_weight"):
             key = experts.load_expert_weight(int(expert["id"]), expert["proj"], tensor)
             loaded.add(f"{expert['experts']}.{key}")
@@ -125,7 +125,7 @@ def load_named_weights(
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
 
 
-def _submodule_or_none(model: nn.Module, path: str) -> nn.Module | None:
+def submodule_or_none(model: nn.Module, path: str) -> nn.Module | None:
     try:
         return model.get_submodule(path)
     except AttributeError:

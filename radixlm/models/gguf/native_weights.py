@@ -33,6 +33,7 @@ from radixlm.models.layers.gguf_weight import GGUFBlockWeight, StackedWeight, na
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.vocab_parallel import VocabParallelEmbedding
 from radixlm.models.layers.weight_formats import ConversionBuffer
+from radixlm.models.weight_loading import submodule_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def _block_targets(model: nn.Module, gguf_model: GGUFModel) -> dict[nn.Module, l
         if leaf in stacked:
             fused, shard = stacked[leaf]
             module_path = f"{parent}.{fused}" if parent else fused
-        module = _submodule(model, module_path)
+        module = submodule_or_none(model, module_path)
         if param == "weight" and isinstance(module, (Linear, VocabParallelEmbedding)):
             found[module][shard] = _Matrix(tensor.name, tensor, shard)
     targets = {}
@@ -146,9 +147,3 @@ def _warn_dequantized(tensors: list, in_blocks: bool, path: Path) -> None:
         logger.warning("GGUF %s: %d %s tensors dequantized to float (%s)", path.name, count,
                        name, reason)
 
-
-def _submodule(model: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        return None
