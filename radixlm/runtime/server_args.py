@@ -131,6 +131,19 @@ class ServerArgs:
     """Let a chat request bring its own Jinja template (``chat_template_kwargs``'s
     ``chat_template``). Off: such a request is refused, since a template is code the server
     runs (rendered off the event loop, with a time and size bound, where allowed)."""
+    chat_template: str | None = None
+    """The chat template to use instead of the tokenizer's: a Jinja file's path, or the name
+    of one shipped in ``radixlm/chat_templates`` (``chatml-tools``: ChatML with tools, for
+    models whose own template has none)."""
+    tool_call_parser: str | None = None
+    """How tool calls are read from the chat APIs' outputs (SGLang's parser names:
+    ``output_parsing/tool_call_registry.py``); None: detected from the chat template."""
+    reasoning_parser: str | None = None
+    """How reasoning (``<think>...</think>``) is split from the chat APIs' outputs
+    (``deepseek-r1``, ``qwen3``, ...); None: not split."""
+    incremental_streaming_output: bool = False
+    """Streamed ``/generate`` chunks carry each chunk's own text, ids and output logprobs
+    (disjoint segments) instead of everything so far, as SGLang's option."""
     host: str = "127.0.0.1"
     """Where ``radixlm serve`` listens (loopback only, unless told otherwise)."""
     port: int = 30000

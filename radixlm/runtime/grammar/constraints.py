@@ -1,6 +1,7 @@
 """What a constraint on a request's output is: its kinds and its key.
 
-A constraint is a regex, a JSON schema or an EBNF grammar, given as text. The sampling
+A constraint is a regex, a JSON schema, an EBNF grammar or an xgrammar structural tag (JSON
+text; SGLang's ``structural_tag``), given as text. The sampling
 parameters carry one, the entry checks it (with the configured backend's parser, see
 ``factory.constraint_checker``), and the scheduler's grammar backend compiles it. This
 module is the vocabulary all three share; it calls no backend.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CONSTRAINT_KINDS = ("regex", "json_schema", "ebnf")
+CONSTRAINT_KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)

@@ -119,10 +119,36 @@ def _json_schema_text(text: str) -> str:
     return json.dumps(harden_json_schema(schema))
 
 
+def _structural_tag_text(text: str) -> str:
+    """A structural tag as xgrammar should compile it: its JSON schemas hardened and bounded
+    in depth as a ``json_schema`` constraint's are; ``ValueError`` if it is not JSON."""
+    try:
+        tag = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise ValueError(f"structural_tag is not valid JSON: {err}") from None
+    if not isinstance(tag, dict):
+        raise ValueError(f"structural_tag must be a JSON object, got {type(tag).__name__}")
+    depth = schema_depth(tag)
+    if depth > 2 * MAX_SCHEMA_DEPTH:
+        raise ValueError(f"structural_tag is nested {depth} levels deep, over the limit of "
+                         f"{2 * MAX_SCHEMA_DEPTH}")
+    return json.dumps(_harden_tag_schemas(tag))
+
+
+def _harden_tag_schemas(value: Any) -> Any:
+    """``value`` with each ``json_schema`` of a structural tag hardened."""
+    if isinstance(value, list):
+        return [_harden_tag_schemas(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    return {key: harden_json_schema(item) if key == "json_schema" else _harden_tag_schemas(item)
+            for key, item in value.items()}
+
+
 def check_constraint(kind: str, text: str) -> None:
     """Raises ``ValueError`` naming the field and the problem if ``text`` is not a valid
-    ``kind`` (regex, json_schema or ebnf) or its work cannot be bounded; a valid one passes
-    (and is remembered)."""
+    ``kind`` (regex, json_schema, ebnf or structural_tag) or its work cannot be bounded; a
+    valid one passes (and is remembered)."""
     constraint_bounds(kind, text)
 
 
@@ -139,6 +165,8 @@ def constraint_bounds(kind: str, text: str) -> GrammarBounds:
         elif kind == "json_schema":
             grammar = xgr.Grammar.from_json_schema(_json_schema_text(text),
                                                    any_whitespace=False)
+        elif kind == "structural_tag":
+            grammar = xgr.Grammar.from_structural_tag(_structural_tag_text(text))
         else:
             grammar = xgr.Grammar.from_ebnf(text)
     except ValueError:
@@ -248,6 +276,8 @@ class XGrammarBackend(GrammarBackend):
             elif key.kind == "json_schema":
                 grammar = compiler.compile_json_schema(_json_schema_text(key.text),
                                                        any_whitespace=False)
+            elif key.kind == "structural_tag":
+                grammar = compiler.compile_structural_tag(_structural_tag_text(key.text))
             else:
                 grammar = compiler.compile_grammar(key.text)
         except Exception as err:

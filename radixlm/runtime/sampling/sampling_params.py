@@ -64,6 +64,15 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     json_schema: str | None = None
     """A JSON schema as a JSON string (``from_dict`` turns a dict into one)."""
     ebnf: str | None = None
+    structural_tag: str | None = None
+    """An xgrammar structural tag as a JSON string (SGLang's field; a dict becomes one): the
+    tool-call grammars of the chat APIs (``output_parsing``)."""
+    max_reasoning_tokens: int | None = None
+    """A thinking budget: once this many tokens were written before the end of the reasoning
+    (``reasoning_end_token_ids``), those ids are forced next. None: no budget."""
+    reasoning_end_token_ids: list[int] | None = None
+    """The token ids that end the reasoning (``</think>``'s), set by the chat APIs from the
+    server's reasoning parser."""
     use_beam_search: bool = False
     """Beam search of width ``n`` (``sampling/beam_search.py``): the ``n`` best outputs."""
     length_penalty: float = 1.0
@@ -171,12 +180,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                              "vocabulary: no token could be generated before min_new_tokens")
 
     def _check_constraint(self) -> None:
-        """At most one of regex, json_schema and ebnf, given as a non-empty string."""
+        """At most one constraint (``CONSTRAINT_KINDS``), given as a non-empty string."""
         if isinstance(self.json_schema, dict):
             self.json_schema = json.dumps(self.json_schema)
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = json.dumps(self.structural_tag)
         given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
         if len(given) > 1:
-            raise ValueError(f"give at most one of regex, json_schema and ebnf, got {given}")
+            raise ValueError(f"give at most one of {', '.join(CONSTRAINT_KINDS)}, got {given}")
         if not given:
             return
         kind = given[0]
@@ -212,7 +223,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         conflicts = [name for name in ("top_p", "top_k", "min_p", "frequency_penalty",
                                        "presence_penalty", "repetition_penalty",
                                        "sampling_seed", "logit_bias", "stop", "stop_regex",
-                                       "regex", "json_schema", "ebnf")
+                                       "regex", "json_schema", "ebnf", "structural_tag")
                      if name in given and getattr(self, name) != getattr(defaults, name)]
         if "temperature" in given and not self.is_greedy:
             conflicts.insert(0, "temperature")
