@@ -133,6 +133,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self._check_logit_bias()
         self._check_constraint()
         self._check_beam_search()
+        self._check_reasoning_budget()
 
     def stop_regex_size(self) -> int:
         """The NFA states of all the stop regexes together (each compiled once, then
@@ -169,9 +170,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         (``stop_token_ids`` and, unless ``ignore_eos``, the model's ``eos_token_ids``)."""
         ids = list(self.stop_token_ids or [])
         ids += [int(t) for t in (self.logit_bias or {})]
+        ids += list(self.reasoning_end_token_ids or [])
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} in stop_token_ids/logit_bias are outside "
+            raise ValueError(f"token ids {bad[:5]} in stop_token_ids/logit_bias/"
+                             "reasoning_end_token_ids are outside "
                              f"the vocabulary (size {vocab_size})")
         stopping = set(self.stop_token_ids or ()) | (set() if self.ignore_eos
                                                      else set(eos_token_ids))
@@ -214,6 +217,23 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} applies to beam search only: set use_beam_search "
                                  "(with n, the beam width)")
 
+    def _check_reasoning_budget(self) -> None:
+        """A budget counts tokens, and needs the ids it forces when it runs out."""
+        ids = self.reasoning_end_token_ids
+        if ids is not None and not (
+            isinstance(ids, list) and ids
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX
+                    for t in ids)
+        ):
+            raise ValueError("reasoning_end_token_ids must be a non-empty list of token ids "
+                             "(non-negative integers)")
+        if self.max_reasoning_tokens is None:
+            return
+        _check_int("max_reasoning_tokens", self.max_reasoning_tokens, minimum=0)
+        if ids is None:
+            raise ValueError("max_reasoning_tokens needs reasoning_end_token_ids (the ids "
+                             "forced when the budget runs out)")
+
     def beam_search_conflicts(self, given: set[str]) -> list[str]:
         """The parameters among ``given`` (those the caller set) that beam search cannot
         honour: it picks tokens deterministically, unconstrained, on raw logprobs."""
@@ -223,7 +243,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         conflicts = [name for name in ("top_p", "top_k", "min_p", "frequency_penalty",
                                        "presence_penalty", "repetition_penalty",
                                        "sampling_seed", "logit_bias", "stop", "stop_regex",
-                                       "regex", "json_schema", "ebnf", "structural_tag")
+                                       "regex", "json_schema", "ebnf", "structural_tag",
+                                       "max_reasoning_tokens")
                      if name in given and getattr(self, name) != getattr(defaults, name)]
         if "temperature" in given and not self.is_greedy:
             conflicts.insert(0, "temperature")
