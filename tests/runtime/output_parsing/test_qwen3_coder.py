@@ -1,0 +1,148 @@
+"""Qwen3-Coder's XML tool calls (``tool_call_formats/qwen3_coder.py``): a corpus of model-style
+outputs parsed, streamed over every split, and the structural tag checked with xgrammar."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from structural_tag_checks import TIME, TOOLS, WEATHER, accepts, accepts_prefix, assert_round_trip
+from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
+
+from radixlm.runtime.output_parsing.tool_call_formats.qwen3_coder import (
+    Qwen3CoderToolCallParser,
+    parameter_value,
+)
+from radixlm.runtime.output_parsing.tool_call_types import ToolCall
+
+PARSER = Qwen3CoderToolCallParser()
+
+
+def call(name: str, *params: tuple[str, str]) -> str:
+    """A block as the chat template writes it."""
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def tc(name: str, **arguments) -> ToolCall:
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+PARIS = call("get_weather", ("city", "Paris"), ("days", "3"))
+PARIS_CALL = tc("get_weather", city="Paris", days=3)
+UNCLOSED = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+
+CORPUS: list[tuple[str, str, list[ToolCall]]] = [
+    ("", "", []),
+    ("The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
+    (PARIS, "", [PARIS_CALL]),
+    ("Let me check.\n" + PARIS, "Let me check.\n", [PARIS_CALL]),
+    (PARIS + "\nDone.", "\nDone.", [PARIS_CALL]),
+    (PARIS + "\n" + call("get_time"), "\n", [PARIS_CALL, tc("get_time")]),
+    (call("get_time") + call("get_time"), "", [tc("get_time"), tc("get_time")]),
+    # JSON values load as JSON; other text stays a string.
+    (call("f", ("n", "-2.5e3"), ("ok", "true"), ("none", "null"), ("s", '"quoted"')), "",
+     [tc("f", n=-2500.0, ok=True, none=None, s="quoted")]),
+    (call("f", ("obj", '{"a": [1, 2], "b": {"c": "d"}}'), ("arr", "[1, \"x\"]")), "",
+     [tc("f", obj={"a": [1, 2], "b": {"c": "d"}}, arr=[1, "x"])]),
+    (call("f", ("text", "line one\nline two")), "", [tc("f", text="line one\nline two")]),
+    (call("f", ("text", "Zürich 東京 🌧 a<b & \"q\" \\n")), "",
+     [tc("f", text="Zürich 東京 🌧 a<b & \"q\" \\n")]),
+    (call("f", ("nan", "NaN"), ("big", "1e999"), ("x", "{not json")), "",
+     [tc("f", nan="NaN", big="1e999", x="{not json")]),
+    (call("f", ("empty", "")), "", [tc("f", empty="")]),
+    # Compact whitespace, as xgrammar's qwen_xml also allows.
+    ("<tool_call><function=f><parameter=a>1</parameter></function></tool_call>", "",
+     [tc("f", a=1)]),
+    # Malformed: content, byte for byte.
+    (UNCLOSED, UNCLOSED, []),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
+     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
+     []),
+    ("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>",
+     "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", []),
+    ("<tool_call>\n<function=>\n</function>\n</tool_call>",
+     "<tool_call>\n<function=>\n</function>\n</tool_call>", []),
+    ("<tool_call>\n<function=bad\nname>\n</function>\n</tool_call>",
+     "<tool_call>\n<function=bad\nname>\n</function>\n</tool_call>", []),
+    (call("f", ("a", "1"), ("a", "2")), call("f", ("a", "1"), ("a", "2")), []),
+    ("<tool_call>\n<function=f>\n</function>\ntrailing\n</tool_call>",
+     "<tool_call>\n<function=f>\n</function>\ntrailing\n</tool_call>", []),
+    # A marker in prose, then a real call.
+    ("Qwen wraps calls in <tool_call> tags. " + PARIS,
+     "Qwen wraps calls in <tool_call> tags. ", [PARIS_CALL]),
+    ("Use <tool_call to start", "Use <tool_call to start", []),
+    ("a broken " + UNCLOSED + call("get_time"), "a broken " + UNCLOSED, [tc("get_time")]),
+    ("ends with a partial <tool_ca", "ends with a partial <tool_ca", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), CORPUS)
+def test_corpus_parses_and_streams_over_every_split(text, content, calls):
+    parsed = assert_stream_agrees(PARSER, text)
+    assert parsed.content == content
+    assert parsed.calls == calls
+
+
+def test_any_cutting_of_the_corpus_streams_to_the_parse():
+    assert_any_split_agrees(PARSER, [text for text, _, _ in CORPUS])
+
+
+def test_parameter_values_fall_back_to_their_text():
+    assert parameter_value("42") == 42
+    assert parameter_value("Paris") == "Paris"
+    assert parameter_value("[1e999]") == "[1e999]"
+    assert parameter_value('"\\ud800"') == '"\\ud800"'
+    assert parameter_value("[" * 100_000) == "[" * 100_000
+
+
+WEATHER_CALL = call("get_weather", ("city", "Paris"), ("days", "3"))
+TIME_CALL = call("get_time")
+
+
+def test_auto_tag_allows_text_and_calls():
+    tag = PARSER.structural_tag(TOOLS, at_least_one=False, parallel=True)
+    assert_round_trip(PARSER, tag, "Sure.", [], "Sure.")
+    assert_round_trip(PARSER, tag, "Checking.\n" + WEATHER_CALL + "\n" + TIME_CALL + "\nOk",
+                      [tc("get_weather", city="Paris", days=3), tc("get_time")],
+                      "Checking.\n\n\nOk")
+
+
+def test_required_tag_allows_calls_only():
+    tag = PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True)
+    assert_round_trip(PARSER, tag, WEATHER_CALL + "\n" + TIME_CALL,
+                      [tc("get_weather", city="Paris", days=3), tc("get_time")], "\n")
+    assert not accepts(tag, "")
+    assert not accepts_prefix(tag, "Sure")
+    assert not accepts(tag, "Sure. " + WEATHER_CALL)
+    assert not accepts(tag, WEATHER_CALL + "\nDone.")
+
+
+def test_not_parallel_allows_one_call():
+    for at_least_one in (False, True):
+        tag = PARSER.structural_tag(TOOLS, at_least_one=at_least_one, parallel=False)
+        assert accepts(tag, WEATHER_CALL)
+        assert not accepts(tag, WEATHER_CALL + "\n" + TIME_CALL)
+    assert accepts(PARSER.structural_tag(TOOLS, False, False), "Text first. " + TIME_CALL)
+
+
+def test_named_function_tag_allows_that_function_only():
+    tag = PARSER.structural_tag([TIME], at_least_one=True, parallel=False)
+    assert_round_trip(PARSER, tag, TIME_CALL, [tc("get_time")])
+    assert not accepts_prefix(tag, "<tool_call>\n<function=get_weather")
+
+
+def test_tag_rejects_schema_violations():
+    tag = PARSER.structural_tag([WEATHER], at_least_one=True, parallel=True)
+    assert not accepts(tag, call("get_weather", ("days", "3")))  # city is required
+    assert not accepts_prefix(tag, call("get_weather", ("city", "Paris"), ("days", "three")))
+    assert not accepts_prefix(tag, call("get_weather", ("city", "Paris"), ("unit", "kelvin")))
+    assert not accepts_prefix(tag, call("get_weather", ("town", "Paris")))
+    assert_round_trip(PARSER, tag, call("get_weather", ("city", "Oslo"), ("unit", "celsius")),
+                      [tc("get_weather", city="Oslo", unit="celsius")])
+
+
+def test_required_tag_needs_a_tool():
+    with pytest.raises(ValueError, match="no tools"):
+        PARSER.structural_tag([], at_least_one=True, parallel=True)
+    assert accepts(PARSER.structural_tag([], at_least_one=False, parallel=True), "any text")
