@@ -1,0 +1,106 @@
+"""The Llama 3.x JSON tool-call format (Llama 3.1, 3.2, 3.3 with JSON tool calling): a call
+is a JSON object whose first key is ``name``,
+
+    {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+with the arguments under ``parameters`` (or ``arguments``), optionally after the
+``<|python_tag|>`` marker; several calls are separated by ``;``.
+
+A block starts at ``<|python_tag|>``, at a ``;``, or at a ``{``; it is a call only when what
+follows (after whitespace) is an object with exactly the keys ``name`` (a string, written
+first) and one of ``parameters``/``arguments`` (an object). So ordinary JSON in text (a
+config, an object whose keys differ) stays content, and a ``;`` or marker not followed by a
+call is content too. An object of exactly a call's shape is a call wherever it stands, the
+same rule xgrammar's Llama structural tag applies (a call may begin anywhere in the text).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xgrammar as xgr
+from xgrammar import structural_tag as st
+
+from radixlm.runtime.output_parsing.block_parser import (
+    INCOMPLETE,
+    INVALID,
+    Block,
+    BlockToolCallParser,
+    Undecided,
+    partial_suffix,
+)
+from radixlm.runtime.output_parsing.tool_call_formats.hermes import (
+    call_from_object,
+    openai_tools,
+)
+from radixlm.runtime.output_parsing.tool_call_formats.json_prefix import (
+    JsonSpan,
+    scan_json,
+    skip_whitespace,
+)
+from radixlm.runtime.output_parsing.tool_call_types import FunctionTool
+
+PYTHON_TAG = "<|python_tag|>"
+SEPARATOR = ";"
+FIRST_KEY = '"name"'
+ARGUMENT_KEYS = ("parameters", "arguments")
+
+# How the constrained form writes a call (xgrammar's Llama tag writes it so).
+CALL_BEGIN = '{"name": "'
+PARAMETERS_BEGIN = '", "parameters": '
+CALL_END = "}"
+
+
+class Llama3ToolCallParser(BlockToolCallParser):
+    """Llama 3.x JSON calls (see module docstring)."""
+
+    name = "llama3"
+
+    def find_block(self, text: str, start: int) -> tuple[int | None, int]:
+        found = [at for at in (text.find(PYTHON_TAG, start), text.find("{", start),
+                               text.find(SEPARATOR, start)) if at >= 0]
+        if found:
+            return min(found), 0
+        return None, partial_suffix(text, PYTHON_TAG)
+
+    def match_block(self, text: str, start: int) -> Block | Undecided:
+        if text.startswith(PYTHON_TAG, start):
+            body = skip_whitespace(text, start + len(PYTHON_TAG))
+        elif text[start] == SEPARATOR:
+            body = skip_whitespace(text, start + 1)
+        else:
+            body = start
+        if body >= len(text):
+            return INCOMPLETE
+        if text[body] != "{":
+            return INVALID
+        # Most braces in text open no call: decide those on their first key.
+        key = skip_whitespace(text, body + 1)
+        written = text[key:key + len(FIRST_KEY)]
+        if written != FIRST_KEY:
+            return INCOMPLETE if FIRST_KEY.startswith(written) else INVALID
+        span = scan_json(text, body)
+        if not isinstance(span, JsonSpan):
+            return span
+        for arguments_key in ARGUMENT_KEYS:
+            call = call_from_object(text, body, span, frozenset({"name", arguments_key}),
+                                    arguments_key)
+            if call is not None:
+                return Block([call], span.end)
+        return INVALID
+
+    def structural_tag(self, tools: list[FunctionTool], at_least_one: bool,
+                       parallel: bool) -> dict[str, Any]:
+        if not at_least_one:
+            # xgrammar's Llama tag: free text, a call wherever '{"name": ' begins.
+            return xgr.get_builtin_structural_tag(
+                "llama", tools=openai_tools(tools), tool_choice="auto", reasoning=False,
+                parallel_tool_calls=parallel).model_dump()
+        # xgrammar's "required" still lets text follow the calls; ours is calls only.
+        tags = [st.TagFormat(begin=CALL_BEGIN + tool.name + PARAMETERS_BEGIN,
+                             content=st.JSONSchemaFormat(json_schema=tool.parameters),
+                             end=CALL_END)
+                for tool in tools]
+        calls = st.TagsWithSeparatorFormat(tags=tags, separator=SEPARATOR, at_least_one=True,
+                                           stop_after_first=not parallel)
+        return st.StructuralTag(format=calls).model_dump()
