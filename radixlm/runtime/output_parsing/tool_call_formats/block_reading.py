@@ -29,7 +29,7 @@ from radixlm.runtime.output_parsing.block_parser import (
 )
 
 
-class StopReading(Exception):  # noqa: N818 - a control-flow signal, not an error
+class StopReading(Exception):
     """Ends a block's match early with ``answer`` (INCOMPLETE or INVALID)."""
 
     def __init__(self, answer: Undecided):
