@@ -97,6 +97,8 @@ class Llama3ToolCallParser(BlockToolCallParser):
                 "llama", tools=openai_tools(tools), tool_choice="auto", reasoning=False,
                 parallel_tool_calls=parallel).model_dump()
         # xgrammar's "required" still lets text follow the calls; ours is calls only.
+        if not tools:
+            raise ValueError("at least one tool call is required, but no tools are given")
         tags = [st.TagFormat(begin=CALL_BEGIN + tool.name + PARAMETERS_BEGIN,
                              content=st.JSONSchemaFormat(json_schema=tool.parameters),
                              end=CALL_END)

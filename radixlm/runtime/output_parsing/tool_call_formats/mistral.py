@@ -78,6 +78,10 @@ class MistralToolCallParser(BlockToolCallParser):
 
     def structural_tag(self, tools: list[FunctionTool], at_least_one: bool,
                        parallel: bool) -> dict[str, Any]:
+        if not tools:
+            if at_least_one:
+                raise ValueError("at least one tool call is required, but no tools are given")
+            return st.StructuralTag(format=st.AnyTextFormat()).model_dump()
         tags = [st.TagFormat(begin=CALL_BEGIN + tool.name + ARGUMENTS_BEGIN,
                              content=st.JSONSchemaFormat(json_schema=tool.parameters),
                              end=CALL_END)

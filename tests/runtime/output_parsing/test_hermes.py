@@ -1,0 +1,177 @@
+"""The Hermes format (``tool_call_formats/hermes.py``; qwen25, qwen, hermes): a corpus of
+model-style outputs parsed, streamed over every split, and the structural tag checked with
+a real xgrammar matcher."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+from structural_tag_checks import TIME, TOOLS, WEATHER, accepts, accepts_prefix, assert_round_trip
+from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
+
+from radixlm.runtime.output_parsing.tool_call_formats.hermes import (
+    HermesToolCallParser,
+    openai_tools,
+)
+from radixlm.runtime.output_parsing.tool_call_types import ToolCall
+
+PARSER = HermesToolCallParser()
+
+
+def block(name: str, arguments: str) -> str:
+    """A call as Qwen's chat template writes it (``arguments`` is the JSON text)."""
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+PARIS_ARGS = '{"city": "Paris", "days": 3}'
+PARIS = block("get_weather", PARIS_ARGS)
+PARIS_CALL = ToolCall("get_weather", PARIS_ARGS)
+TIME_BLOCK = block("get_time", "{}")
+TIME_CALL = ToolCall("get_time", "{}")
+NESTED = '{"filter": {"and": [{"x": 1}, {"y": [true, null, -1.5e-3]}]}, "tags": []}'
+UNICODE = '{"city": "Zürich 東京 🌧", "note": "\\u00e9\\ud83c\\udf27"}'
+ESCAPED = '{"q": "say \\"hi\\"\\n</tool_call> {\\"x\\": 1}\\\\"}'
+UNCLOSED = '<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+
+
+def same(text: str) -> tuple[str, str, list[ToolCall]]:
+    """A malformed output: all of it is content."""
+    return text, text, []
+
+
+CORPUS: list[tuple[str, str, list[ToolCall]]] = [
+    ("", "", []),
+    ("The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
+    (PARIS, "", [PARIS_CALL]),
+    ("Let me check.\n" + PARIS, "Let me check.\n", [PARIS_CALL]),
+    (PARIS + "\nI asked for the weather.", "\nI asked for the weather.", [PARIS_CALL]),
+    (PARIS + "\n" + TIME_BLOCK, "\n", [PARIS_CALL, TIME_CALL]),
+    ("a" + TIME_BLOCK + "b" + PARIS + "c" + TIME_BLOCK + "d", "abcd",
+     [TIME_CALL, PARIS_CALL, TIME_CALL]),
+    (block("search", NESTED), "", [ToolCall("search", NESTED)]),
+    (block("get_weather", UNICODE), "", [ToolCall("get_weather", UNICODE)]),
+    # A closing marker inside a JSON string does not close the block.
+    (block("ask", ESCAPED), "", [ToolCall("ask", ESCAPED)]),
+    # Whitespace around the JSON is free; the arguments keep the model's own text.
+    ('<tool_call>{"name":"f","arguments":{"b":1,  "a" : [ 1,2 ]}}</tool_call>', "",
+     [ToolCall("f", '{"b":1,  "a" : [ 1,2 ]}')]),
+    ('<tool_call>\n\n  {"name": "f", "arguments": {}} \t\n\n</tool_call>', "",
+     [ToolCall("f", "{}")]),
+    ('<tool_call>\n{"arguments": {"a": 1}, "name": "f"}\n</tool_call>', "",
+     [ToolCall("f", '{"a": 1}')]),
+    # Malformed: content, byte for byte.
+    same('<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>'),
+    same('<tool_call>\n{"name": "f", "arguments": {"x": NaN}}\n</tool_call>'),
+    same(UNCLOSED),
+    same('<tool_call>\n{"name": "get_weather", "argu'),
+    same('<tool_call>\n{"function": "f", "arguments": {}}\n</tool_call>'),
+    same('<tool_call>\n{"name": "f", "arguments": {}, "id": "1"}\n</tool_call>'),
+    same('<tool_call>\n{"name": "f"}\n</tool_call>'),
+    same('<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>'),
+    same('<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>'),
+    same('<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>'),
+    same('<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>'),
+    same('<tool_call>\n[{"name": "f", "arguments": {}}]\n</tool_call>'),
+    same('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_cal>'),
+    same("ends with a partial <tool_ca"),
+    # A marker in prose, then a real call; a broken block, then a real one.
+    ("Wrap calls in <tool_call> tags. " + PARIS, "Wrap calls in <tool_call> tags. ",
+     [PARIS_CALL]),
+    ("broken: " + UNCLOSED + TIME_BLOCK, "broken: " + UNCLOSED, [TIME_CALL]),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), CORPUS)
+def test_corpus_parses_and_streams_over_every_split(text, content, calls):
+    parsed = assert_stream_agrees(PARSER, text)
+    assert parsed.content == content
+    assert parsed.calls == calls
+
+
+def test_any_cutting_of_the_corpus_streams_to_the_parse():
+    assert_any_split_agrees(PARSER, [text for text, _, _ in CORPUS])
+
+
+def test_a_call_is_given_when_its_block_closes():
+    stream = PARSER.stream()
+    assert stream.feed("Sure. <tool_") == ["Sure. "]
+    assert stream.feed('call>\n{"name": "get_time", "arguments": {}}\n</tool_call') == []
+    assert stream.feed(">\n") == [TIME_CALL, "\n"]
+    assert stream.finish() == []
+
+
+WEATHER_BLOCK = block("get_weather", '{"city": "Paris", "days": 3}')
+
+
+def test_auto_tag_allows_text_and_calls():
+    tag = PARSER.structural_tag(TOOLS, at_least_one=False, parallel=True)
+    assert_round_trip(PARSER, tag, "Sure.", [], "Sure.")
+    assert_round_trip(PARSER, tag, "Checking.\n" + WEATHER_BLOCK + "\n" + TIME_BLOCK + "\nOk",
+                      [PARIS_CALL, TIME_CALL], "Checking.\n\n\nOk")
+
+
+def test_required_tag_allows_calls_only():
+    tag = PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True)
+    assert_round_trip(PARSER, tag, WEATHER_BLOCK + "\n" + TIME_BLOCK, [PARIS_CALL, TIME_CALL],
+                      "\n")
+    assert not accepts(tag, "")
+    assert not accepts_prefix(tag, "Sure")
+    assert not accepts(tag, "Sure. " + WEATHER_BLOCK)
+    assert not accepts(tag, WEATHER_BLOCK + "\nDone.")
+
+
+def test_xgrammars_own_required_tag_lets_text_follow_the_calls():
+    """Why ``required`` is built here: xgrammar's builtin Qwen 3 tag takes text after."""
+    builtin = xgr.get_builtin_structural_tag("qwen_3", tools=openai_tools(TOOLS),
+                                             tool_choice="required", reasoning=False)
+    assert accepts(builtin.model_dump(), WEATHER_BLOCK + "\nDone.")
+    assert not accepts(builtin.model_dump(), "Sure. " + WEATHER_BLOCK)
+
+
+def test_not_parallel_allows_one_call():
+    for at_least_one in (False, True):
+        tag = PARSER.structural_tag(TOOLS, at_least_one=at_least_one, parallel=False)
+        assert accepts(tag, WEATHER_BLOCK)
+        assert not accepts(tag, WEATHER_BLOCK + "\n" + TIME_BLOCK)
+    assert accepts(PARSER.structural_tag(TOOLS, False, False), "Text first. " + TIME_BLOCK)
+
+
+def test_named_function_tag_allows_that_function_only():
+    tag = PARSER.structural_tag([TIME], at_least_one=True, parallel=False)
+    assert_round_trip(PARSER, tag, TIME_BLOCK, [TIME_CALL])
+    assert not accepts_prefix(tag, '<tool_call>\n{"name": "get_weather"')
+
+
+def test_tag_rejects_schema_violations():
+    for at_least_one in (False, True):
+        tag = PARSER.structural_tag([WEATHER], at_least_one=at_least_one, parallel=True)
+        assert not accepts(tag, block("get_weather", '{"days": 3}'))  # city is required
+        assert not accepts_prefix(tag, block("get_weather", '{"city": "P", "days": "three"}'))
+        assert not accepts_prefix(tag, block("get_weather", '{"city": "P", "unit": "kelvin"}'))
+        assert_round_trip(PARSER, tag, block("get_weather", '{"city": "Oslo", "unit": "celsius"}'),
+                          [ToolCall("get_weather", '{"city": "Oslo", "unit": "celsius"}')])
+
+
+def test_required_tag_needs_a_tool():
+    with pytest.raises(ValueError, match="no tools"):
+        PARSER.structural_tag([], at_least_one=True, parallel=True)
+    assert accepts(PARSER.structural_tag([], at_least_one=False, parallel=True), "any text")
+
+
+@pytest.mark.default_model
+def test_tag_takes_the_calls_as_the_default_models_tokens():
+    from transformers import AutoTokenizer
+
+    from radixlm.models.default_model import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    tag = json.dumps(PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True))
+    matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(tag))
+    text = WEATHER_BLOCK + "\n" + TIME_BLOCK
+    assert all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+    assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+    assert PARSER.parse(text).calls == [PARIS_CALL, TIME_CALL]

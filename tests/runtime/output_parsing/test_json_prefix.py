@@ -1,0 +1,88 @@
+"""The JSON prefix scanner (``tool_call_formats/json_prefix.py``): complete values end where
+``json.loads`` says, their members' spans are their own text, every proper prefix is
+undecided, and a definite answer never changes as the text grows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixlm.runtime.output_parsing.block_parser import INCOMPLETE, INVALID
+from radixlm.runtime.output_parsing.tool_call_formats.json_prefix import JsonSpan, scan_json
+
+SCALARS = st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.floats(
+    allow_nan=False, allow_infinity=False)
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+    st.text(max_size=6), inner, max_size=4), max_leaves=12)
+CONTAINERS = st.lists(VALUES, max_size=4) | st.dictionaries(st.text(max_size=6), VALUES,
+                                                             max_size=4)
+LAYOUTS = st.sampled_from([{}, {"indent": 2}, {"separators": (",", ":")},
+                           {"ensure_ascii": False}])
+
+
+@settings(max_examples=300, deadline=None)
+@given(CONTAINERS, LAYOUTS, st.text(max_size=6))
+def test_a_complete_value_ends_where_json_says_and_its_prefixes_are_undecided(
+        value, layout, tail):
+    written = json.dumps(value, **layout)
+    span = scan_json(written + tail, 0)
+    assert isinstance(span, JsonSpan) and span.end == len(written)
+    for key, start, end in span.members:
+        member = json.loads(written[start:end])
+        assert member == (value[key] if isinstance(value, dict) else member)
+    if isinstance(value, list):
+        assert [json.loads(written[a:b]) for _, a, b in span.members] == value
+    for cut in range(len(written)):
+        assert scan_json(written[:cut], 0) is INCOMPLETE, written[:cut]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet='{}[]",:01-.eE tfrunalsx\\', max_size=24))
+def test_answers_agree_with_json_and_never_change_as_the_text_grows(text):
+    answer = scan_json(text, 0)
+    if isinstance(answer, JsonSpan):
+        json.loads(text[:answer.end])
+    for cut in range(len(text) + 1):
+        earlier = scan_json(text[:cut], 0)
+        if earlier is not INCOMPLETE:
+            assert earlier == answer, (text[:cut], earlier, answer)
+    if answer is INVALID and text[:1] in ("{", "["):  # only containers are scanned
+        with pytest.raises(ValueError):
+            json.loads(text)
+
+
+@pytest.mark.parametrize("text", [
+    '{"a": NaN}', '{"a": Infinity}', '{"a": 1,}', '[1,]', '{"a": 01}', '{"a": .5}',
+    '{"a": 1.}', '{"a": 1e}', '{"a" 1}', "{'a': 1}", '{"a": "tab\there"}', '{"a": "\\x"}',
+    '{"a": "\\u12g4"}', '{"a": truex}', '{"a": 1]', '[1}', '"string"', "42", " {}",
+])
+def test_strict_json_rejects_what_rfc_8259_does(text):
+    assert scan_json(text, 0) is INVALID
+
+
+@pytest.mark.parametrize("text", [
+    '{"a": tr', '{"a": -', '{"a": 1.5e+', '{"a": "\\u12', '{"a": "\\', '[', '{"a"', '{"a":',
+    '{"a": 12',
+])
+def test_text_that_could_still_become_json_is_incomplete(text):
+    assert scan_json(text, 0) is INCOMPLETE
+
+
+def test_members_keep_their_own_text_and_the_last_duplicate_wins():
+    text = '{"args" : {"b":1,  "a" : [ 1,2 ]}, "x": "}", "args": {"c": true}} tail'
+    span = scan_json(text, 0)
+    assert isinstance(span, JsonSpan) and text[span.end:] == " tail"
+    assert [key for key, _, _ in span.members] == ["args", "x", "args"]
+    assert span.member_text(text, "args") == '{"c": true}'
+    assert span.member_text(text, "x") == '"}"'
+    assert span.member_text(text, "missing") is None
+
+
+def test_deep_nesting_is_scanned_without_recursion():
+    depth = 50_000
+    assert scan_json("[" * depth + "]" * depth, 0) == JsonSpan(2 * depth, [(None, 1,
+                                                                           2 * depth - 1)])
+    assert scan_json("[" * depth, 0) is INCOMPLETE
