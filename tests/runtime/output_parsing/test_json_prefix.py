@@ -10,8 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.output_parsing.block_parser import INCOMPLETE, INVALID
-from radixlm.runtime.output_parsing.tool_call_formats.json_prefix import JsonSpan, scan_json
+from radixlm.runtime.output_parsing.block_parser import INCOMPLETE, INVALID, Undecided
+from radixlm.runtime.output_parsing.tool_call_formats.json_prefix import (
+    JsonScan,
+    JsonScans,
+    JsonSpan,
+    scan_json,
+)
 
 SCALARS = st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.floats(
     allow_nan=False, allow_infinity=False)
@@ -86,3 +91,38 @@ def test_deep_nesting_is_scanned_without_recursion():
     assert scan_json("[" * depth + "]" * depth, 0) == JsonSpan(2 * depth, [(None, 1,
                                                                            2 * depth - 1)])
     assert scan_json("[" * depth, 0) is INCOMPLETE
+
+
+@settings(max_examples=300, deadline=None)
+@given(CONTAINERS, LAYOUTS, st.lists(st.integers(0, 10_000), max_size=6),
+       st.text(alphabet='{}[]",:01\\u tx', max_size=6))
+def test_a_scan_taken_up_again_answers_as_a_fresh_one(value, layout, points, tail):
+    """JsonScan goes on from where its text ran out; JsonScans finds it for the longer text,
+    wherever in the text the value now begins."""
+    text = json.dumps(value, **layout) + tail
+    cuts = sorted({p % (len(text) + 1) for p in points} | {len(text)})
+    scan, scans = JsonScan(), JsonScans(size=2)
+    for cut in cuts:
+        fresh = scan_json(text[:cut], 0)
+        assert scan.advance(text[:cut], 0) == fresh
+        pad = 4 * (cut % 3)
+        assert scans.scan("pad " * (cut % 3) + text[:cut], pad) == moved(fresh, pad)
+        if fresh is not INCOMPLETE:
+            break
+
+
+def moved(answer: JsonSpan | Undecided, by: int) -> JsonSpan | Undecided:
+    """``answer`` for the same value ``by`` characters further into the text."""
+    if not isinstance(answer, JsonSpan):
+        return answer
+    return JsonSpan(answer.end + by, [(key, a + by, b + by) for key, a, b in answer.members])
+
+
+def test_scans_of_different_texts_do_not_mix():
+    scans = JsonScans(size=2)
+    assert scans.scan('{"a": "x', 0) is INCOMPLETE
+    assert scans.scan('[1, 2', 0) is INCOMPLETE
+    assert scans.scan('{"a": "xy"}', 0) == JsonSpan(11, [("a", 6, 10)])
+    assert scans.scan('[1, 2]', 0) == JsonSpan(6, [(None, 1, 2), (None, 4, 5)])
+    assert scans.scan('{"a": "x\x01"}', 0) is INVALID  # the same start, then a control char
+    assert scans.scan('[1, 2x', 0) is INVALID

@@ -28,8 +28,8 @@ from radixlm.runtime.output_parsing.block_parser import (
     partial_suffix,
 )
 from radixlm.runtime.output_parsing.tool_call_formats.json_prefix import (
+    JsonScans,
     JsonSpan,
-    scan_json,
     skip_whitespace,
 )
 from radixlm.runtime.output_parsing.tool_call_types import FunctionTool, ToolCall
@@ -74,6 +74,9 @@ class HermesToolCallParser(BlockToolCallParser):
 
     name = "qwen25"
 
+    def __init__(self) -> None:
+        self._scans = JsonScans()  # a stream's growing block is read once
+
     def find_block(self, text: str, start: int) -> tuple[int | None, int]:
         found = text.find(OPEN, start)
         if found >= 0:
@@ -86,7 +89,7 @@ class HermesToolCallParser(BlockToolCallParser):
             return INCOMPLETE
         if text[body] != "{":
             return INVALID
-        span = scan_json(text, body)
+        span = self._scans.scan(text, body)
         if not isinstance(span, JsonSpan):
             return span
         call = call_from_object(text, body, span, CALL_KEYS)

@@ -68,77 +68,136 @@ def skip_whitespace(text: str, pos: int) -> int:
 
 def scan_json(text: str, pos: int) -> JsonSpan | Undecided:
     """Reads the object or array that begins at ``text[pos]`` (see module docstring)."""
-    if pos >= len(text):
-        return INCOMPLETE
-    if text[pos] not in "{[":
-        return INVALID
-    closers: list[str] = []  # the brackets still open, innermost last
-    members: list[tuple[str | None, int, int]] = []
-    key: str | None = None
-    value_start = 0
-    expect = "value"  # value | key | key_or_close | colon | value_or_close | comma_or_close
-    i = pos
-    while True:
-        i = skip_whitespace(text, i)
-        if i >= len(text):
+    return JsonScan().advance(text, pos)
+
+
+class JsonScan:
+    """A scan that stopped where its text ran out, to go on when the text has grown.
+
+    Its fields say where the scan stands, relative to the value's first character: ``read``
+    is where the next token begins (a string cut short goes on from ``string_from``), and the
+    rest is the state of the reading (brackets open, what comes next, outermost members). It
+    depends only on the text it read, so it goes on for any text that begins with that."""
+
+    __slots__ = ("read", "string_from", "closers", "members", "key", "value_start", "expect")
+
+    def __init__(self) -> None:
+        self.read = 0
+        self.string_from: int | None = None
+        self.closers: list[str] = []  # the brackets still open, innermost last
+        self.members: list[tuple[str | None, int, int]] = []
+        self.key: str | None = None
+        self.value_start = 0
+        # value | key | key_or_close | colon | value_or_close | comma_or_close
+        self.expect = "value"
+
+    def copy(self) -> JsonScan:
+        other = JsonScan()
+        for name in self.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.closers, other.members = list(self.closers), list(self.members)
+        return other
+
+    def advance(self, text: str, base: int) -> JsonSpan | Undecided:
+        """Reads on in ``text``, whose value begins at ``base``; INCOMPLETE leaves the scan
+        ready to go on."""
+        if base >= len(text):
             return INCOMPLETE
-        char = text[i]
-        if expect in ("comma_or_close", "key_or_close", "value_or_close") and char in "}]":
-            if char != closers[-1]:
-                return INVALID
-            closers.pop()
-            i += 1
-            if not closers:
-                return JsonSpan(i, members)
+        if text[base] not in "{[":
+            return INVALID
+        closers, members, expect = self.closers, self.members, self.expect
+        i = base + self.read
+        while True:
+            i = skip_whitespace(text, i)
+            self.read, self.expect = i - base, expect
+            if i >= len(text):
+                return INCOMPLETE
+            char = text[i]
+            if expect in ("comma_or_close", "key_or_close", "value_or_close") and char in "}]":
+                if char != closers[-1]:
+                    return INVALID
+                closers.pop()
+                i += 1
+                if not closers:
+                    return JsonSpan(i, [(key, base + a, base + b) for key, a, b in members])
+                if len(closers) == 1:
+                    members.append((self.key, self.value_start, i - base))
+                expect = "comma_or_close"
+                continue
+            if expect == "comma_or_close":
+                if char != ",":
+                    return INVALID
+                expect = "key" if closers[-1] == "}" else "value"
+                i += 1
+                continue
+            if expect == "colon":
+                if char != ":":
+                    return INVALID
+                expect = "value"
+                i += 1
+                continue
+            if expect in ("key", "key_or_close"):
+                if char != '"':
+                    return INVALID
+                end = self._string_end(text, i, base)
+                if isinstance(end, Undecided):
+                    return end
+                if len(closers) == 1:
+                    self.key = json.loads(text[i:end])
+                i, expect = end, "colon"
+                continue
+            # A value (after a colon, a comma in an array, an opening bracket, or at the start).
             if len(closers) == 1:
-                members.append((key, value_start, i))
-            expect = "comma_or_close"
-            continue
-        if expect == "comma_or_close":
-            if char != ",":
-                return INVALID
-            expect = "key" if closers[-1] == "}" else "value"
-            i += 1
-            continue
-        if expect == "colon":
-            if char != ":":
-                return INVALID
-            expect = "value"
-            i += 1
-            continue
-        if expect in ("key", "key_or_close"):
-            if char != '"':
-                return INVALID
-            end = _string_end(text, i)
+                self.value_start = i - base
+                if closers[-1] == "]":
+                    self.key = None
+            if char in "{[":
+                closers.append("}" if char == "{" else "]")
+                expect = "key_or_close" if char == "{" else "value_or_close"
+                i += 1
+                continue
+            end = self._string_end(text, i, base) if char == '"' else _scalar_end(text, i)
             if isinstance(end, Undecided):
                 return end
             if len(closers) == 1:
-                key = json.loads(text[i:end])
-            i, expect = end, "colon"
-            continue
-        # A value (after a colon, a comma in an array, an opening bracket, or at the start).
-        if len(closers) == 1:
-            value_start = i
-            if closers[-1] == "]":
-                key = None
-        if char in "{[":
-            closers.append("}" if char == "{" else "]")
-            expect = "key_or_close" if char == "{" else "value_or_close"
-            i += 1
-            continue
-        end = _scalar_end(text, i)
-        if isinstance(end, Undecided):
-            return end
-        if len(closers) == 1:
-            members.append((key, value_start, end))
-        i, expect = end, "comma_or_close"
+                members.append((self.key, self.value_start, end - base))
+            i, expect = end, "comma_or_close"
+
+    def _string_end(self, text: str, i: int, base: int) -> int | Undecided:
+        """The end of the string at ``i``, going on from where a cut-off read of it stopped."""
+        resume = i + 1 if self.string_from is None else base + self.string_from
+        end, stopped = _string_end(text, resume)
+        self.string_from = stopped - base if end is INCOMPLETE else None
+        return end
+
+
+class JsonScans:
+    """Scans that stopped where their text ran out, kept so that a stream's growing block is
+    read once, not once per piece: a scan is taken up again for a text that begins, at the
+    value, with all the text the scan read. A few are kept (the most recent first), so one
+    parser may serve several streams; a scan is copied before it goes on."""
+
+    def __init__(self, size: int = 16):
+        self._size = size
+        self._scans: list[tuple[str, JsonScan]] = []  # (the text read, the scan)
+
+    def scan(self, text: str, pos: int) -> JsonSpan | Undecided:
+        """As ``scan_json(text, pos)``."""
+        for read, kept in self._scans:
+            if text.startswith(read, pos):
+                scan = kept.copy()
+                break
+        else:
+            scan = JsonScan()
+        answer = scan.advance(text, pos)
+        if answer is INCOMPLETE:
+            self._scans = [(text[pos:], scan)] + self._scans[:self._size - 1]
+        return answer
 
 
 def _scalar_end(text: str, i: int) -> int | Undecided:
-    """The end of the string, number or literal at ``i``."""
+    """The end of the number or literal at ``i``."""
     char = text[i]
-    if char == '"':
-        return _string_end(text, i)
     if char == "-" or char in _DIGITS:
         return _number_end(text, i)
     for word in _LITERALS:
@@ -149,31 +208,32 @@ def _scalar_end(text: str, i: int) -> int | Undecided:
     return INVALID
 
 
-def _string_end(text: str, i: int) -> int | Undecided:
-    """The index just past the string whose opening quote is at ``i``."""
-    i += 1
+def _string_end(text: str, i: int) -> tuple[int | Undecided, int]:
+    """The index just past the string whose characters go on from ``i`` (just after its
+    opening quote, or any later place outside an escape), and where a read of it that ran
+    out of text may go on from."""
     while True:
         i = _PLAIN_STRING_RUN.match(text, i).end()
         if i >= len(text):
-            return INCOMPLETE
+            return INCOMPLETE, i
         char = text[i]
         if char == '"':
-            return i + 1
+            return i + 1, i
         if char != "\\":
-            return INVALID  # a control character
+            return INVALID, i  # a control character
         if i + 1 >= len(text):
-            return INCOMPLETE
+            return INCOMPLETE, i
         escape = text[i + 1]
         if escape in _ESCAPES:
             i += 2
             continue
         if escape != "u":
-            return INVALID
+            return INVALID, i
         digits = text[i + 2:i + 6]
         if not all(d in _HEX for d in digits):
-            return INVALID
+            return INVALID, i
         if len(digits) < 4:
-            return INCOMPLETE
+            return INCOMPLETE, i
         i += 6
 
 

@@ -34,8 +34,8 @@ from radixlm.runtime.output_parsing.tool_call_formats.hermes import (
     openai_tools,
 )
 from radixlm.runtime.output_parsing.tool_call_formats.json_prefix import (
+    JsonScans,
     JsonSpan,
-    scan_json,
     skip_whitespace,
 )
 from radixlm.runtime.output_parsing.tool_call_types import FunctionTool
@@ -55,6 +55,9 @@ class Llama3ToolCallParser(BlockToolCallParser):
     """Llama 3.x JSON calls (see module docstring)."""
 
     name = "llama3"
+
+    def __init__(self) -> None:
+        self._scans = JsonScans()  # a stream's growing block is read once
 
     def find_block(self, text: str, start: int) -> tuple[int | None, int]:
         found = [at for at in (text.find(PYTHON_TAG, start), text.find("{", start),
@@ -79,7 +82,7 @@ class Llama3ToolCallParser(BlockToolCallParser):
         written = text[key:key + len(FIRST_KEY)]
         if written != FIRST_KEY:
             return INCOMPLETE if FIRST_KEY.startswith(written) else INVALID
-        span = scan_json(text, body)
+        span = self._scans.scan(text, body)
         if not isinstance(span, JsonSpan):
             return span
         for arguments_key in ARGUMENT_KEYS:

@@ -28,6 +28,7 @@ from radixlm.runtime.output_parsing.block_parser import (
 )
 from radixlm.runtime.output_parsing.tool_call_formats.hermes import call_from_object
 from radixlm.runtime.output_parsing.tool_call_formats.json_prefix import (
+    JsonScans,
     JsonSpan,
     scan_json,
     skip_whitespace,
@@ -62,6 +63,9 @@ class MistralToolCallParser(BlockToolCallParser):
 
     name = "mistral"
 
+    def __init__(self) -> None:
+        self._scans = JsonScans()  # a stream's growing block is read once
+
     def find_block(self, text: str, start: int) -> tuple[int | None, int]:
         found = text.find(MARKER, start)
         if found >= 0:
@@ -73,8 +77,8 @@ class MistralToolCallParser(BlockToolCallParser):
         if body >= len(text):
             return INCOMPLETE
         if text[body] == "[":
-            return _array_block(text, body)
-        return _compact_block(text, start + len(MARKER))
+            return _array_block(text, body, self._scans)
+        return _compact_block(text, start + len(MARKER), self._scans)
 
     def structural_tag(self, tools: list[FunctionTool], at_least_one: bool,
                        parallel: bool) -> dict[str, Any]:
@@ -96,9 +100,9 @@ class MistralToolCallParser(BlockToolCallParser):
         return st.StructuralTag(format=free).model_dump()
 
 
-def _array_block(text: str, body: int) -> Block | Undecided:
+def _array_block(text: str, body: int, scans: JsonScans) -> Block | Undecided:
     """``[{...}, ...]`` at ``body``: one or more call objects."""
-    span = scan_json(text, body)
+    span = scans.scan(text, body)
     if not isinstance(span, JsonSpan):
         return span
     calls: list[ToolCall] = []
@@ -113,7 +117,7 @@ def _array_block(text: str, body: int) -> Block | Undecided:
     return Block(calls, span.end) if calls else INVALID
 
 
-def _compact_block(text: str, pos: int) -> Block | Undecided:
+def _compact_block(text: str, pos: int, scans: JsonScans) -> Block | Undecided:
     """``name[ARGS]{...}`` (or ``name[CALL_ID]id[ARGS]{...}``) right after the marker."""
     name_end = _NAME.match(text, pos).end()
     if name_end >= len(text):
@@ -139,7 +143,7 @@ def _compact_block(text: str, pos: int) -> Block | Undecided:
         return INCOMPLETE
     if text[body] != "{":
         return INVALID
-    span = scan_json(text, body)
+    span = scans.scan(text, body)
     if not isinstance(span, JsonSpan):
         return span
     return Block([ToolCall(name, text[body:span.end])], span.end)
