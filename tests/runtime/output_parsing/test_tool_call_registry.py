@@ -138,3 +138,13 @@ def test_chatml_tools_without_tools_is_plain_chatml():
                      {"role": "user", "content": [{"type": "text", "text": "Hello"}]}])
     assert prompt == ("<|im_start|>system\nHi.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
                       "<|im_start|>assistant\n")
+
+
+@pytest.mark.default_model
+def test_chatml_tools_renders_bare_calls_and_missing_arguments_as_objects():
+    prompt = render([{"role": "user", "content": "Time?"},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"name": "get_time", "arguments": None},
+                         {"type": "function", "function": {"name": "get_time"}}]}])
+    turn = prompt.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert get_tool_call_parser("qwen25").parse(turn).calls == [ToolCall("get_time", "{}")] * 2

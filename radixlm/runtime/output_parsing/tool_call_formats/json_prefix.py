@@ -13,6 +13,12 @@ Monotone by construction: the scan reads left to right and never looks past the 
 bracket, so a definite answer for a text stands for every text it is a prefix of. It follows
 RFC 8259 strictly (no ``NaN``, no trailing commas, no control characters in strings), which
 ``json.loads`` then accepts on every complete span.
+
+A stream asks again about the same block each time its text grows. ``JsonScan`` is a scan
+that stopped where its text ran out and goes on from there; ``JsonScans`` keeps a few such
+scans and takes one up for a text that begins with all the text it read, so a block is read
+once, not once per piece. The answer is the one a fresh scan gives, since a scan's state
+depends only on the text it read.
 """
 
 from __future__ import annotations
