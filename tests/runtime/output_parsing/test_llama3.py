@@ -5,10 +5,13 @@ real xgrammar matcher. Ordinary JSON and semicolons in text stay content."""
 from __future__ import annotations
 
 import pytest
+import xgrammar as xgr
 from structural_tag_checks import TIME as TIME_TOOL
 from structural_tag_checks import TOOLS, WEATHER, accepts, accepts_prefix, assert_round_trip
+from token_checks import accepts_tokens
 from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
 
+from radixlm.runtime.output_parsing.tool_call_formats.hermes import openai_tools
 from radixlm.runtime.output_parsing.tool_call_formats.llama3 import Llama3ToolCallParser
 from radixlm.runtime.output_parsing.tool_call_types import ToolCall
 
@@ -113,6 +116,14 @@ def test_required_tag_allows_calls_only():
     assert not accepts(tag, PARIS + " Done.")
 
 
+def test_xgrammars_own_required_tag_lets_text_follow_the_calls():
+    """Why ``required`` is built here: xgrammar's builtin Llama tag takes text after."""
+    builtin = xgr.get_builtin_structural_tag("llama", tools=openai_tools(TOOLS),
+                                             tool_choice="required", reasoning=False)
+    assert accepts(builtin.model_dump(), PARIS + " Done.")
+    assert not accepts(builtin.model_dump(), "Sure. " + PARIS)
+
+
 def test_not_parallel_allows_one_call():
     for at_least_one in (False, True):
         tag = PARSER.structural_tag(TOOLS, at_least_one=at_least_one, parallel=False)
@@ -141,3 +152,10 @@ def test_required_tag_needs_a_tool():
     with pytest.raises(ValueError, match="no tools"):
         PARSER.structural_tag([], at_least_one=True, parallel=True)
     assert accepts(PARSER.structural_tag([], at_least_one=False, parallel=True), "any text")
+
+
+@pytest.mark.default_model
+def test_tag_takes_the_calls_as_the_default_models_tokens():
+    tag = PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True)
+    assert accepts_tokens(tag, PARIS + ";" + TIME)
+    assert not accepts_tokens(tag, "Sure. " + PARIS)

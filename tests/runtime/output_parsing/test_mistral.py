@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from structural_tag_checks import TIME as TIME_TOOL
 from structural_tag_checks import TOOLS, WEATHER, accepts, accepts_prefix, assert_round_trip
+from token_checks import accepts_tokens
 from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
 
 from radixlm.runtime.output_parsing.tool_call_formats.mistral import MistralToolCallParser
@@ -148,3 +149,10 @@ def test_required_tag_needs_a_tool():
     with pytest.raises(ValueError, match="no tools"):
         PARSER.structural_tag([], at_least_one=True, parallel=True)
     assert accepts(PARSER.structural_tag([], at_least_one=False, parallel=True), "any text")
+
+
+@pytest.mark.default_model
+def test_tag_takes_the_calls_as_the_default_models_tokens():
+    tag = PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True)
+    assert accepts_tokens(tag, array(PARIS, TIME))
+    assert not accepts_tokens(tag, "Sure. " + array(PARIS))
