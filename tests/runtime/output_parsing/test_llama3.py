@@ -68,6 +68,8 @@ CORPUS: list[tuple[str, str, list[ToolCall]]] = [
     same('{"name": "f", "parameters": {}, "arguments": {}}'),
     same('{"name": "f", "parameters": {}, "id": 1}'),
     same('{"name": "", "parameters": {}}'),
+    same('{"name": "app", "version": "1.0", "parameters": {}}'),
+    same('{"name": "a\\"b", "name": "f", "parameters": {}}'),
     same("{'name': 'f', 'parameters': {}}"),
     same('<|python_tag|>brave_search.call(query="weather")'),
     same('x; {"name": "f"}'),
@@ -95,6 +97,7 @@ def test_braces_that_open_no_call_are_given_as_soon_as_their_first_key_says_so()
     assert stream.feed('config {"port"') == ['config {"port"']
     assert stream.feed(': 1} {"na') == [': 1} ']
     assert stream.feed('me": "f", "parameters": {}}') == [ToolCall("f", "{}")]
+    assert stream.feed('{"name": "my-app", "vers') == ['{"name": "my-app", "vers']
     assert stream.finish() == []
 
 

@@ -7,15 +7,17 @@ with the arguments under ``parameters`` (or ``arguments``), optionally after the
 ``<|python_tag|>`` marker; several calls are separated by ``;``.
 
 A block starts at ``<|python_tag|>``, at a ``;``, or at a ``{``; it is a call only when what
-follows (after whitespace) is an object with exactly the keys ``name`` (a string, written
-first) and one of ``parameters``/``arguments`` (an object). So ordinary JSON in text (a
-config, an object whose keys differ) stays content, and a ``;`` or marker not followed by a
-call is content too. An object of exactly a call's shape is a call wherever it stands, the
-same rule xgrammar's Llama structural tag applies (a call may begin anywhere in the text).
+follows (after whitespace) is an object of two keys: ``name`` (a string) first, then one of
+``parameters``/``arguments`` (an object). So ordinary JSON in text (a config, an object
+whose keys differ) stays content, given as soon as its first keys show it is no call; a
+``;`` or marker not followed by a call is content too. An object of exactly a call's shape
+is a call wherever it stands, even inside other JSON: the rule xgrammar's Llama structural
+tag applies (a call may begin anywhere in the text).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import xgrammar as xgr
@@ -44,6 +46,11 @@ PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = ";"
 FIRST_KEY = '"name"'
 ARGUMENT_KEYS = ("parameters", "arguments")
+QUOTED_KEYS = tuple(f'{key}"' for key in ARGUMENT_KEYS)
+LONGEST_KEY = max(QUOTED_KEYS, key=len)
+# A name (a string) written and a second key begun: up to that key's opening quote. The match,
+# once there is one, is the same for every longer text, so what it decides stays decided.
+_NAME_THEN_KEY = re.compile(r'\{\s*"name"\s*:\s*"(?:[^"\\]|\\.)*"\s*,\s*"')
 
 # How the constrained form writes a call (xgrammar's Llama tag writes it so).
 CALL_BEGIN = '{"name": "'
@@ -77,11 +84,16 @@ class Llama3ToolCallParser(BlockToolCallParser):
             return INCOMPLETE
         if text[body] != "{":
             return INVALID
-        # Most braces in text open no call: decide those on their first key.
+        # Most braces in text open no call: decide those on their first keys, not their end.
         key = skip_whitespace(text, body + 1)
         written = text[key:key + len(FIRST_KEY)]
         if written != FIRST_KEY:
             return INCOMPLETE if FIRST_KEY.startswith(written) else INVALID
+        second = _NAME_THEN_KEY.match(text, body)
+        if second is not None:
+            written = text[second.end():second.end() + len(LONGEST_KEY)]
+            if not any(k.startswith(written) or written.startswith(k) for k in QUOTED_KEYS):
+                return INVALID
         span = self._scans.scan(text, body)
         if not isinstance(span, JsonSpan):
             return span
