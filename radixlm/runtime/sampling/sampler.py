@@ -10,8 +10,9 @@ what else is in the batch. One draw a row, not one a token: on CPUs, drawing a u
 every token of a batch's rows took longer than the float64 running sums and the search
 together (benchmarks/RESULTS.md).
 
-A constrained request's grammar mask is applied last, after bias and penalties, so that
-whatever else is set, only tokens the grammar allows can be drawn. The ``min_new_tokens``
+A constrained request's grammar mask is applied after bias and penalties, so that
+whatever else is set, only tokens the grammar allows can be drawn; a thinking budget's forced
+token comes last, where the grammar allows it (``reasoning_budget``). The ``min_new_tokens``
 ban on stop tokens yields to a grammar that is complete (else nothing might be allowed).
 
 Device-true: every tensor is made on the logits' device, and nothing waits on that device:
@@ -28,7 +29,7 @@ import torch
 from radixlm.host_to_device import to_device
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.runtime.grammar.grammar_backend import GrammarBackend
-from radixlm.runtime.sampling import penalties
+from radixlm.runtime.sampling import penalties, reasoning_budget
 from radixlm.runtime.sampling.sampling_batch import (
     GRAMMAR,
     MIN_P,
@@ -74,12 +75,15 @@ class Sampler:
         banning = batch.banning_rows()
         processing = bool(banning) or batch.needs_penalties()
         constrained = batch.uses(GRAMMAR)
-        if processing or constrained:
+        forcing = reasoning_budget.forcing_rows(batch)
+        if processing or constrained or forcing:
             logits = logits.clone()
         if processing:
             self.process_logits(logits, batch, banning)
         if constrained:
             self.grammar_backend.mask_logits(logits, batch.matchers())
+        if forcing:  # last: only where the rest still allows the forced token
+            reasoning_budget.force(logits, batch, forcing)
         if not batch.uses(SAMPLED):
             return _argmax(logits)
         greedy = _argmax(logits)

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from radixlm.host_to_device import to_device
-from radixlm.runtime.sampling import penalties
+from radixlm.runtime.sampling import penalties, reasoning_budget
+from radixlm.runtime.sampling.reasoning_budget import BUDGET
 from radixlm.runtime.sampling.token_rows import CountPool, TokenRows
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     BIAS: ("bias_ids", "bias_values"),
     MIN_TOKENS: ("ban_below", "output_lens", "banned_ids"),
     GRAMMAR: (),
+    BUDGET: reasoning_budget.COLUMNS,
 }
 _COLUMNS = tuple(name for names in FEATURES.values() for name in names)
 
@@ -104,6 +106,8 @@ def features_of(req: SamplingRequest) -> frozenset[str]:
         found.append(MIN_TOKENS)
     if req.grammar is not None:
         found.append(GRAMMAR)
+    if reasoning_budget.has_budget(req):
+        found.append(BUDGET)
     return frozenset(found)
 
 
@@ -127,6 +131,9 @@ class SamplingBatch:
     ban_below: torch.Tensor | None  # (K, 1) int64: stop tokens banned while output_lens < this
     output_lens: torch.Tensor | None  # (K, 1) int64: len(output_ids)
     banned_ids: torch.Tensor | None  # (K, n) int64, padded
+    budget_ends: torch.Tensor | None  # (K, M) int64: see ``reasoning_budget``
+    budget_window: torch.Tensor | None  # (K, M) int64
+    budget_matched: torch.Tensor | None  # (K, 1) bool
 
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device: torch.device):
         self.vocab_size = vocab_size
@@ -262,7 +269,8 @@ class SamplingBatch:
     def record_appended(self, req: SamplingRequest, tokens: list[int]) -> None:
         """Appends tokens added to ``req``'s output without a draw (jump-forward)."""
         self._advance([self._rows[id(req)]], len(tokens))
-        if tokens and any(n in self._store for n in ("output_ids", "seen_ids", "output_lens")):
+        if tokens and any(n in self._store for n in ("output_ids", "seen_ids", "output_lens",
+                                                     "budget_window")):
             row = self._rows[id(req)]
             ids = to_device(tokens, torch.int64, self.device)
             self._append(ids[None, :], slice(row, row + 1))
@@ -283,6 +291,11 @@ class SamplingBatch:
             return []
         return [row for row, req in enumerate(self.reqs)
                 if self._positions[row] < req.sampling.min_new_tokens]
+
+    def position(self, row: int) -> int:
+        """Row ``row``'s output length as recorded (kept while seeds, ``min_new_tokens`` or
+        a reasoning budget read it)."""
+        return self._positions[row]
 
     def matchers(self) -> list[GrammarMatcher | None]:
         return [req.grammar for req in self.reqs]
@@ -311,6 +324,9 @@ class SamplingBatch:
         if "output_lens" in store:
             lens = store["output_lens"]
             (lens if rows == slice(None) else lens[rows]).add_(columns.shape[1])
+        if "budget_window" in store:
+            reasoning_budget.record(self.budget_ends, self.budget_window, self.budget_matched,
+                                    columns, rows)
 
     def _publish(self) -> None:
         """Points the column attributes at the current storage (and the host flags at the
@@ -340,7 +356,7 @@ class SamplingBatch:
     def _advance(self, rows: Sequence[int], count: int) -> None:
         """Adds ``count`` tokens to the recorded output length of ``rows`` (kept only while
         some row reads it)."""
-        if self.uses(SEEDED) or self.uses(MIN_TOKENS):
+        if self.uses(SEEDED) or self.uses(MIN_TOKENS) or self.uses(BUDGET):
             positions = self._positions
             for row in rows:
                 positions[row] += count
@@ -412,5 +428,6 @@ _BUILDERS: dict[str, Callable[[SamplingBatch, Rows],
     REPETITION: _repetition_rows,
     BIAS: _bias_rows,
     MIN_TOKENS: _ban_rows,
+    BUDGET: lambda batch, reqs: reasoning_budget.budget_rows(reqs, batch.device),
 }
 """Per feature with columns: its columns (``FEATURES``' order) for rows ``reqs``."""
