@@ -8,7 +8,16 @@ import json
 
 import pytest
 import xgrammar as xgr
-from structural_tag_checks import TIME, TOOLS, WEATHER, accepts, accepts_prefix, assert_round_trip
+from structural_tag_checks import (
+    TIME,
+    TOOLS,
+    WEATHER,
+    accepts,
+    accepts_prefix,
+    assert_round_trip,
+    assert_tokens_open,
+    first_tokens,
+)
 from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
 
 from radixlm.runtime.output_parsing.block_parser import INCOMPLETE, INVALID
@@ -195,3 +204,12 @@ def test_required_tag_needs_a_tool():
     with pytest.raises(ValueError, match="no tools"):
         V3.structural_tag([], at_least_one=True, parallel=True)
     assert accepts(V3.structural_tag([], at_least_one=False, parallel=True), "any text")
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("version", WRITERS)
+def test_default_model_may_only_open_a_block_under_the_required_tag(version):
+    parser = WRITERS[version][0]
+    assert_tokens_open(parser.structural_tag(TOOLS, at_least_one=True, parallel=True),
+                       CALLS_BEGIN)
+    assert len(first_tokens(parser.structural_tag(TOOLS, False, True))) > 1000

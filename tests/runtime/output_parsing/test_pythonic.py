@@ -9,7 +9,16 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from structural_tag_checks import TIME, TOOLS, WEATHER, accepts, accepts_prefix, assert_round_trip
+from structural_tag_checks import (
+    TIME,
+    TOOLS,
+    WEATHER,
+    accepts,
+    accepts_prefix,
+    assert_round_trip,
+    assert_tokens_open,
+    first_tokens,
+)
 from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
 
 from radixlm.runtime.output_parsing.block_parser import INCOMPLETE, INVALID
@@ -188,3 +197,9 @@ def test_names_that_are_not_identifiers_raise():
         PARSER.structural_tag([FunctionTool("get-weather")], at_least_one=True, parallel=True)
     with pytest.raises(ValueError, match="no tools"):
         PARSER.structural_tag([], at_least_one=True, parallel=True)
+
+
+@pytest.mark.default_model
+def test_default_model_may_only_open_a_call_under_the_required_tag():
+    assert_tokens_open(PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True), "[get_")
+    assert len(first_tokens(PARSER.structural_tag(TOOLS, False, True))) > 1000

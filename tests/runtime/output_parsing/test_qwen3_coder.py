@@ -6,7 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from structural_tag_checks import TIME, TOOLS, WEATHER, accepts, accepts_prefix, assert_round_trip
+from structural_tag_checks import (
+    TIME,
+    TOOLS,
+    WEATHER,
+    accepts,
+    accepts_prefix,
+    assert_round_trip,
+    assert_tokens_open,
+    first_tokens,
+)
 from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
 
 from radixlm.runtime.output_parsing.tool_call_formats.qwen3_coder import (
@@ -146,3 +155,10 @@ def test_required_tag_needs_a_tool():
     with pytest.raises(ValueError, match="no tools"):
         PARSER.structural_tag([], at_least_one=True, parallel=True)
     assert accepts(PARSER.structural_tag([], at_least_one=False, parallel=True), "any text")
+
+
+@pytest.mark.default_model
+def test_default_model_may_only_open_a_call_under_the_required_tag():
+    assert_tokens_open(PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True),
+                       "<tool_call>\n<function=")
+    assert len(first_tokens(PARSER.structural_tag(TOOLS, False, True))) > 1000
