@@ -53,12 +53,9 @@ class BlockCursor:
         self.text = text
         self.pos = pos
 
-    def at_end(self) -> bool:
-        return self.pos >= len(self.text)
-
     def literal(self, expected: str) -> None:
         """Reads ``expected`` exactly."""
-        self.pos += len(self.one_of(expected)[1])
+        self.one_of(expected)
 
     def one_of(self, *choices: str) -> tuple[int, str]:
         """Reads whichever of ``choices`` (none a prefix of another) comes next: its index and
@@ -71,13 +68,6 @@ class BlockCursor:
         if any(choice.startswith(rest) for choice in choices):
             raise StopReading(INCOMPLETE)
         raise StopReading(INVALID)
-
-    def peek_one_of(self, *choices: str) -> int:
-        """Which of ``choices`` comes next, without reading it."""
-        pos = self.pos
-        index, _ = self.one_of(*choices)
-        self.pos = pos
-        return index
 
     def skip_space(self) -> None:
         """Reads any whitespace."""
