@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import xgrammar as xgr
 from structural_tag_checks import (
     TIME,
     TOOLS,
@@ -125,6 +126,15 @@ def test_required_tag_allows_calls_only():
     assert not accepts_prefix(tag, "Sure")
     assert not accepts(tag, "Sure. " + WEATHER_CALL)
     assert not accepts(tag, WEATHER_CALL + "\nDone.")
+
+
+def test_xgrammars_own_required_tag_lets_text_follow_which_ours_does_not():
+    tools = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}}
+             for t in TOOLS]
+    theirs = xgr.get_builtin_structural_tag("qwen_3_coder", tools=tools, tool_choice="required",
+                                            reasoning=False).model_dump()
+    assert accepts(theirs, TIME_CALL + "\nDone.")
+    assert not accepts(PARSER.structural_tag(TOOLS, True, True), TIME_CALL + "\nDone.")
 
 
 def test_not_parallel_allows_one_call():
