@@ -133,8 +133,9 @@ def test_xgrammars_own_required_tag_lets_text_follow_which_ours_does_not():
              for t in TOOLS]
     theirs = xgr.get_builtin_structural_tag("qwen_3_coder", tools=tools, tool_choice="required",
                                             reasoning=False).model_dump()
-    assert accepts(theirs, TIME_CALL + "\nDone.")
-    assert not accepts(PARSER.structural_tag(TOOLS, True, True), TIME_CALL + "\nDone.")
+    assert accepts(theirs, WEATHER_CALL + "\nDone.")
+    assert not accepts(PARSER.structural_tag(TOOLS, True, True), WEATHER_CALL + "\nDone.")
+    assert not accepts(theirs, TIME_CALL)  # it wants a blank line where no parameters are
 
 
 def test_not_parallel_allows_one_call():
