@@ -7,6 +7,8 @@ import json
 
 import pytest
 import xgrammar as xgr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from structural_tag_checks import (
     TIME,
     TOOLS,
@@ -23,7 +25,7 @@ from radixlm.runtime.output_parsing.tool_call_formats.qwen3_coder import (
     Qwen3CoderToolCallParser,
     parameter_value,
 )
-from radixlm.runtime.output_parsing.tool_call_types import ToolCall
+from radixlm.runtime.output_parsing.tool_call_types import FunctionTool, ToolCall
 
 PARSER = Qwen3CoderToolCallParser()
 
@@ -173,3 +175,30 @@ def test_default_model_may_only_open_a_call_under_the_required_tag():
     assert_tokens_open(PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True),
                        "<tool_call>\n<function=")
     assert len(first_tokens(PARSER.structural_tag(TOOLS, False, True))) > 1000
+
+
+NOTE = FunctionTool("note", {
+    "type": "object",
+    "properties": {"text": {"type": "string"}, "count": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"type": "string"}},
+                   "meta": {"type": "object", "properties": {"ok": {"type": "boolean"}}}},
+    "required": ["text"],
+})
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(max_size=12).filter(lambda s: parameter_value(s) == s),
+       count=st.none() | st.integers(), tags=st.none() | st.lists(st.text(max_size=4)),
+       meta=st.none() | st.fixed_dictionaries({"ok": st.booleans()}))
+def test_values_written_as_the_template_writes_them_parse_back(text, count, tags, meta):
+    written = {key: value for key, value in
+               {"text": text, "count": count, "tags": tags, "meta": meta}.items()
+               if value is not None}
+    params = [(key, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+              for key, value in written.items()]
+    tag = PARSER.structural_tag([NOTE], at_least_one=True, parallel=False)
+    source = call("note", *params)
+    if "</parameter>" in text:  # a value cannot hold its own end tag
+        assert not accepts(tag, source)
+        return
+    assert_round_trip(PARSER, tag, source, [tc("note", **written)])
