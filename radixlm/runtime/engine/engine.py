@@ -27,6 +27,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from radixlm.chat_templates import load_chat_template
 from radixlm.models.default_model import resolve_model_path
 from radixlm.models.model_config import ModelConfig
 from radixlm.models.registry import model_class
@@ -56,6 +57,8 @@ from radixlm.runtime.engine.request_tracker import RequestTracker
 from radixlm.runtime.engine.runtime_processes import start_runtime_processes
 from radixlm.runtime.engine.template_render_worker import TEMPLATE_FAILURES
 from radixlm.runtime.grammar.factory import constraint_checker
+from radixlm.runtime.output_parsing.reasoning_parser import get_reasoning_parser
+from radixlm.runtime.output_parsing.tool_call_registry import get_tool_call_parser
 from radixlm.runtime.server_args import ServerArgs
 
 TOKENIZE_ON_LOOP_CHARS = 50_000
@@ -82,6 +85,9 @@ class Engine:
         model_class(self.model_config.architecture)  # an unknown one fails here, fast
         tokenizer_path = str(self.server_args.tokenizer_path or path)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_path)
+        check_output_parsers(self.server_args)
+        if self.server_args.chat_template is not None:
+            self.tokenizer.chat_template = load_chat_template(self.server_args.chat_template)
         self._runtime = start_runtime_processes(self.server_args, str(path), tokenizer_path)
         # renders the templates requests bring (only where the operator trusts them)
         self.client_templates = (ClientTemplateRenderer(tokenizer_path)
@@ -122,15 +128,17 @@ class Engine:
         ``options`` are the other fields of ``GenerateInput`` (``return_logprob``,
         ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``,
         ``stream``, ``rid``, ``extra_key``). With ``stream=True`` returns an iterator of
-        chunks whose ``text`` is cumulative; for a list of prompts each chunk carries its
+        chunks whose ``text`` is cumulative (each chunk's own segment with
+        ``incremental_streaming_output``); for a list of prompts each chunk carries its
         prompt's ``index``. Closing the iterator early aborts what is unfinished.
         """
         request = GenerateInput(text=prompt, input_ids=input_ids,
                                 sampling_params=sampling_params, **options)
         reqs, batched = self._build(request)
         if request.stream:
-            return iterate_on_loop(native_chunks(self._tracker.stream(reqs), reqs, batched),
-                                   self._loop)
+            chunks = native_chunks(self._tracker.stream(reqs), reqs, batched,
+                                   self.server_args.incremental_streaming_output)
+            return iterate_on_loop(chunks, self._loop)
         outputs = self._call(native_results(self._tracker.stream(reqs, streamed=False), reqs))
         return outputs if batched else outputs[0]
 
@@ -152,7 +160,8 @@ class Engine:
         """``async_generate`` for a request already in its one shape (the HTTP body)."""
         reqs, batched = await self._build_off_loop(request)
         if request.stream:
-            return self._from_loop(native_chunks(self._tracker.stream(reqs), reqs, batched))
+            return self._from_loop(native_chunks(self._tracker.stream(reqs), reqs, batched,
+                                                 self.server_args.incremental_streaming_output))
         whole = native_results(self._tracker.stream(reqs, streamed=False), reqs)
         outputs = await run_on_loop(whole, self._loop)
         return outputs if batched else outputs[0]
@@ -341,6 +350,15 @@ class Engine:
         if self._shut_down:
             raise RuntimeUnavailable("this Engine has been shut down")
         return build_generate_reqs(request, self.tokenizer, self._limits)
+
+
+def check_output_parsers(args: ServerArgs) -> None:
+    """Raises ``ValueError`` for an unknown ``--tool-call-parser`` or ``--reasoning-parser``
+    (at start, not on the first chat with tools)."""
+    if args.tool_call_parser is not None:
+        get_tool_call_parser(args.tool_call_parser)
+    if args.reasoning_parser is not None:
+        get_reasoning_parser(args.reasoning_parser)
 
 
 def _text_chars(request: GenerateInput) -> int:

@@ -136,13 +136,18 @@ def _structural_tag_text(text: str) -> str:
 
 
 def _harden_tag_schemas(value: Any) -> Any:
-    """``value`` with each ``json_schema`` of a structural tag hardened."""
+    """``value`` with each ``json_schema`` of a structural tag hardened, and its free
+    whitespace bounded to one character a place (xgrammar's default is any amount, in which
+    a small model can wander until its token budget runs out)."""
     if isinstance(value, list):
         return [_harden_tag_schemas(item) for item in value]
     if not isinstance(value, dict):
         return value
-    return {key: harden_json_schema(item) if key == "json_schema" else _harden_tag_schemas(item)
-            for key, item in value.items()}
+    hardened = {key: harden_json_schema(item) if key == "json_schema"
+                else _harden_tag_schemas(item) for key, item in value.items()}
+    if hardened.get("type") == "json_schema" and hardened.get("max_whitespace_cnt") is None:
+        hardened["max_whitespace_cnt"] = 1
+    return hardened
 
 
 def check_constraint(kind: str, text: str) -> None:

@@ -100,15 +100,53 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A call an assistant message of the history made."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     """One message of a chat; only text content is supported."""
 
-    model_config = ConfigDict(extra="ignore")  # tool_calls, refusal, ... are not used
+    model_config = ConfigDict(extra="ignore")  # refusal, audio, ... are not used
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    reasoning_content: str | None = None  # an earlier turn's: not part of the prompt
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(fields_model("_ChatFields", CHAT_FIELDS, SamplingExtras)):
@@ -120,9 +158,14 @@ class ChatCompletionRequest(fields_model("_ChatFields", CHAT_FIELDS, SamplingExt
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # SGLang's reasoning switches: split the thinking off (``reasoning_content``), and
+    # stream it (else it comes in the last chunk); a thinking budget.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    max_reasoning_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
 
 
 # Responses ------------------------------------------------------------------------------
@@ -190,9 +233,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -211,9 +267,26 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: its first piece has the id, type and name (arguments
+    empty), the next ones pieces of the arguments (``index`` says which call)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

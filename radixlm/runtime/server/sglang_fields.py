@@ -97,7 +97,6 @@ NATIVE_FIELDS: dict[str, FieldSpec] = {
 SAMPLING_FIELDS: dict[str, FieldSpec] = {
     "stream_interval": ("ignored", int | None, None),
     "beam_width": ("neutral", int | None, None),
-    "structural_tag": ("neutral", str | None, None),
     "custom_params": ("neutral", _ANY_DICT, None),
     "watermark": ("neutral", Any, None),
 }
@@ -130,8 +129,6 @@ COMPLETION_FIELDS: dict[str, FieldSpec] = {
 }
 CHAT_FIELDS: dict[str, FieldSpec] = {
     **_OPENAI_SHARED,
-    "separate_reasoning": ("ignored", bool, True),
-    "stream_reasoning": ("ignored", bool, True),
     "return_flat_raw_top_logprobs_b64": ("ignored", bool, True),
     "return_prompt_token_ids": ("neutral", bool, False),
     "return_meta_info": ("neutral", bool, False),

@@ -96,8 +96,8 @@ def test_sglang_sampling_parameters(url):
     beam = post(url, "/generate", {"text": "Hi", "sampling_params": {"beam_width": 4}})
     assert beam.status_code == 400 and "sampling_params.beam_width" in beam.text
     listed = post(url, "/generate", {"text": ["a", "b"], "sampling_params": [
-        {}, {"structural_tag": "{}"}]})
-    assert listed.status_code == 400 and "sampling_params[1].structural_tag" in listed.text
+        {}, {"custom_params": {"a": 1}}]})
+    assert listed.status_code == 400 and "sampling_params[1].custom_params" in listed.text
 
 
 def test_the_routers_openai_bodies_are_served(url):

@@ -1,0 +1,285 @@
+"""One chat turn as every chat API serves it (``/v1/chat/completions``, ``/v1/messages``,
+``/v1/responses``): the prompt, the constraints the request's tools and reasoning add to
+sampling, and how the output is read back into reasoning, content and tool calls.
+
+Each API turns its own body into OpenAI-style chat messages (``role``, ``content`` text,
+an assistant's ``tool_calls`` with ``arguments`` as a dict, a ``tool`` message's
+``tool_call_id``) and ``FunctionTool``s, and maps the ``TurnEvent``s back to its own shapes.
+
+- **Tools.** The functions go to the chat template as ``tools`` (transformers'
+  ``apply_chat_template(tools=...)`` form). The server's ``--tool-call-parser``, or the one
+  detected from the template, reads the calls. ``tool_choice`` ``required`` or a named
+  function, and any ``strict`` function, add a grammar (an xgrammar structural tag built
+  from the functions' schemas) so the calls the parser reads always parse and validate;
+  ``none`` leaves the tools out of the prompt and reads no calls.
+- **Reasoning.** With ``--reasoning-parser``, ``<think>...</think>`` (or the family's tags)
+  becomes reasoning, unless the request turns ``separate_reasoning`` off. A tool grammar then
+  lets the thinking come first. ``max_reasoning_tokens`` forces the end-of-thinking tag once
+  that many tokens were spent (``sampling/``'s thinking budget).
+
+Reading is a stream either way: ``read`` is ``stream`` fed the whole text, so a streamed
+turn and a whole one give the same reasoning, content and calls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from radixlm.runtime.output_parsing.reasoning_parser import ReasoningParser, get_reasoning_parser
+from radixlm.runtime.output_parsing.tool_call_registry import (
+    detect_tool_call_parser,
+    get_tool_call_parser,
+)
+from radixlm.runtime.output_parsing.tool_call_types import FunctionTool, ToolCall, ToolCallParser
+
+
+class ChatTurnError(ValueError):
+    """Bad input to a chat turn; ``param`` is the field at fault (the message names it)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """``none``, ``auto``, ``required`` or ``function`` (the function ``name``)."""
+
+    mode: Literal["none", "auto", "required", "function"] = "auto"
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    text: str
+
+
+TurnEvent = ReasoningDelta | ContentDelta | ToolCall
+
+
+@dataclass
+class TurnOutput:
+    """A whole turn's output: reasoning (None where none was split off), content, calls."""
+
+    reasoning: str | None
+    content: str
+    tool_calls: list[ToolCall]
+
+
+class TurnStream:
+    """Reads one output as it arrives: reasoning first, then content and calls.
+
+    Content that is only whitespace is held until text follows it; an output with calls
+    drops what is still held at its end (the newlines between and after calls), one
+    without gives it back."""
+
+    def __init__(self, tool_parser: ToolCallParser | None,
+                 reasoning_parser: ReasoningParser | None, thinking: bool):
+        self._tools = tool_parser.stream() if tool_parser is not None else None
+        self._reasoning = (reasoning_parser.stream(thinking)
+                           if reasoning_parser is not None else None)
+        self._blank = ""  # whitespace-only content held back
+        self._called = False
+
+    def feed(self, text: str) -> list[TurnEvent]:
+        if self._reasoning is None:
+            return self._content(text, final=False)
+        reasoning, content = self._reasoning.feed(text)
+        return self._with_reasoning(reasoning, content, final=False)
+
+    def finish(self) -> list[TurnEvent]:
+        if self._reasoning is None:
+            return self._content("", final=True)
+        reasoning, content = self._reasoning.finish()
+        return self._with_reasoning(reasoning, content, final=True)
+
+    def _with_reasoning(self, reasoning: str, content: str, final: bool) -> list[TurnEvent]:
+        events: list[TurnEvent] = [ReasoningDelta(reasoning)] if reasoning else []
+        return events + self._content(content, final)
+
+    def _content(self, text: str, final: bool) -> list[TurnEvent]:
+        if self._tools is None:
+            return [ContentDelta(text)] if text else []
+        pieces = self._tools.feed(text) if text else []
+        if final:
+            pieces += self._tools.finish()
+        events: list[TurnEvent] = []
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                self._called = True
+                events.append(piece)
+            elif piece.strip():
+                events.append(ContentDelta(self._blank + piece))
+                self._blank = ""
+            else:
+                self._blank += piece
+        if final and self._blank and not self._called:
+            events.append(ContentDelta(self._blank))
+        return events
+
+
+@dataclass
+class ChatTurn:
+    """A prepared turn: generate from ``prompt_ids`` with ``sampling_params`` merged into the
+    request's own, then read the output with ``read`` or ``stream``."""
+
+    prompt_ids: list[int]
+    sampling_params: dict[str, Any]
+    tool_parser: ToolCallParser | None
+    reasoning_parser: ReasoningParser | None
+    thinking: bool = True
+
+    def stream(self) -> TurnStream:
+        return TurnStream(self.tool_parser, self.reasoning_parser, self.thinking)
+
+    def read(self, text: str) -> TurnOutput:
+        stream = self.stream()
+        events = stream.feed(text) + stream.finish()
+        reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+        return TurnOutput(
+            reasoning=reasoning if self.reasoning_parser is not None and reasoning else None,
+            content="".join(e.text for e in events if isinstance(e, ContentDelta)),
+            tool_calls=[e for e in events if isinstance(e, ToolCall)],
+        )
+
+
+async def prepare_chat_turn(
+    engine, messages: list[dict[str, Any]], *, tools: list[FunctionTool] | tuple = (),
+    tool_choice: ToolChoice = ToolChoice(), parallel_tool_calls: bool = True,
+    template_kwargs: dict[str, Any] | None = None, separate_reasoning: bool = True,
+    max_reasoning_tokens: int | None = None,
+) -> ChatTurn:
+    """Checks the turn, renders and tokenizes its prompt and builds its constraints. Raises
+    ``ChatTurnError`` for bad input, ``ValueError`` where the template refuses it."""
+    tools = list(tools)
+    check_tools(tools, tool_choice)
+    check_tool_messages(messages)
+    template_kwargs = dict(template_kwargs or {})
+    offered = tools if tool_choice.mode != "none" else []
+    if offered:
+        template_kwargs["tools"] = [tool_definition(tool) for tool in offered]
+    ids = await engine.async_chat_prompt_ids(messages, template_kwargs)
+    args = engine.server_args
+    reasoning_parser = (get_reasoning_parser(args.reasoning_parser)
+                        if args.reasoning_parser and separate_reasoning else None)
+    thinking = bool(template_kwargs.get("enable_thinking", template_kwargs.get("thinking", True)))
+    sampling: dict[str, Any] = {}
+    tool_parser = None
+    if offered:
+        tool_parser = server_tool_parser(engine)
+        tag = tool_grammar(tool_parser, offered, tool_choice, parallel_tool_calls)
+        if tag is not None:
+            if reasoning_parser is not None and thinking:
+                tag = allowing_reasoning_first(tag, reasoning_parser)
+            sampling["structural_tag"] = json.dumps(tag)
+    if max_reasoning_tokens is not None:
+        if args.reasoning_parser is None:
+            raise ChatTurnError("max_reasoning_tokens needs a server started with "
+                                "--reasoning-parser", param="max_reasoning_tokens")
+        end_tag = get_reasoning_parser(args.reasoning_parser).end_tag
+        sampling["max_reasoning_tokens"] = max_reasoning_tokens
+        sampling["reasoning_end_token_ids"] = engine.tokenizer.encode(
+            end_tag, add_special_tokens=False)
+    return ChatTurn(ids, sampling, tool_parser, reasoning_parser, thinking)
+
+
+def server_tool_parser(engine) -> ToolCallParser:
+    """The server's ``--tool-call-parser``, or the one its chat template shows."""
+    name = engine.server_args.tool_call_parser or detect_tool_call_parser(
+        getattr(engine.tokenizer, "chat_template", None))
+    if name is None:
+        raise ChatTurnError("tools: this model's chat template shows no tool-call format the "
+                            "server knows; start it with --tool-call-parser (and a template "
+                            "with tools, --chat-template)", param="tools")
+    return get_tool_call_parser(name)
+
+
+def tool_grammar(parser: ToolCallParser, tools: list[FunctionTool], choice: ToolChoice,
+                 parallel: bool) -> dict[str, Any] | None:
+    """The structural tag a choice needs: calls only (``required``, a named function), or
+    text with calls whose arguments keep their schemas (``auto`` with a ``strict``
+    function); None where the model is free."""
+    if choice.mode == "function":
+        named = [tool for tool in tools if tool.name == choice.name]
+        return _structural_tag(parser, named, True, parallel, "tool_choice")
+    if choice.mode == "required":
+        return _structural_tag(parser, tools, True, parallel, "tool_choice")
+    if any(tool.strict for tool in tools):
+        return _structural_tag(parser, tools, False, parallel, "tools")
+    return None
+
+
+def _structural_tag(parser: ToolCallParser, tools: list[FunctionTool], at_least_one: bool,
+                    parallel: bool, param: str) -> dict[str, Any]:
+    try:
+        return parser.structural_tag(tools, at_least_one, parallel)
+    except ValueError as err:
+        raise ChatTurnError(f"{param}: {err}", param=param) from None
+
+
+def allowing_reasoning_first(tag: dict[str, Any], parser: ReasoningParser) -> dict[str, Any]:
+    """``tag`` after a free stretch of reasoning up to the end-of-thinking tag: required
+    where the prompt opens the thinking, optional where the model opens it itself."""
+    begin = "" if parser.starts_in_reasoning else parser.start_tag
+    thinking: dict[str, Any] = {"type": "tag", "begin": begin,
+                                "content": {"type": "any_text"}, "end": parser.end_tag}
+    if not parser.starts_in_reasoning:
+        thinking = {"type": "optional", "content": thinking}
+    return {"type": "structural_tag",
+            "format": {"type": "sequence", "elements": [thinking, tag["format"]]}}
+
+
+def tool_definition(tool: FunctionTool) -> dict[str, Any]:
+    """A function in the form chat templates take (OpenAI's ``tools`` item)."""
+    function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters}
+    if tool.description is not None:
+        function["description"] = tool.description
+    return {"type": "function", "function": function}
+
+
+def check_tools(tools: list[FunctionTool], choice: ToolChoice) -> None:
+    """Unique names, object schemas, and a choice that names an offered function."""
+    seen: set[str] = set()
+    for index, tool in enumerate(tools):
+        if not tool.name or len(tool.name) > 128:
+            raise ChatTurnError(f"tools[{index}]: a function needs a name of 1 to 128 "
+                                "characters", param=f"tools[{index}].name")
+        if tool.name in seen:
+            raise ChatTurnError(f"tools[{index}]: the function name {tool.name!r} is given "
+                                "twice", param=f"tools[{index}].name")
+        seen.add(tool.name)
+        schema = tool.parameters
+        if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+            raise ChatTurnError(f"tools[{index}] ({tool.name}): parameters must be a JSON "
+                                f"schema of type object, got {json.dumps(schema)[:80]}",
+                                param=f"tools[{index}].parameters")
+    if choice.mode in ("required", "function") and not tools:
+        raise ChatTurnError(f"tool_choice {choice.mode!r} needs tools", param="tool_choice")
+    if choice.mode == "function" and choice.name not in seen:
+        raise ChatTurnError(f"tool_choice names the function {choice.name!r}, which is not "
+                            f"among the tools ({sorted(seen)})", param="tool_choice")
+
+
+def check_tool_messages(messages: list[dict[str, Any]]) -> None:
+    """Each tool message answers a call an earlier assistant message made."""
+    calls: set[str] = set()
+    for index, message in enumerate(messages):
+        for call in message.get("tool_calls") or ():
+            calls.add(call["id"])
+        if message.get("role") != "tool":
+            continue
+        call_id = message.get("tool_call_id")
+        if call_id is None:
+            raise ChatTurnError(f"messages[{index}]: a tool message needs tool_call_id",
+                                param=f"messages[{index}].tool_call_id")
+        if call_id not in calls:
+            raise ChatTurnError(f"messages[{index}].tool_call_id {call_id!r} answers no tool "
+                                "call of an earlier assistant message",
+                                param=f"messages[{index}].tool_call_id")
