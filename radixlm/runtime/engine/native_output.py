@@ -1,9 +1,18 @@
 """The native API's output, ``{"text", "output_ids", "meta_info"}``: the one place it is built.
 
 Both the Engine's API and the HTTP server's ``/generate`` take it from here: a whole result
-(``native_results``) or a stream of cumulative chunks (``native_chunks``), each folded from
-a request's ``OutputDelta``s by a ``NativeOutput``. Text is cumulative, as SGLang's native
-API sends it.
+(``native_results``) or a stream of chunks (``native_chunks``), each folded from a
+request's ``OutputDelta``s by a ``NativeOutput``.
+
+A stream's chunks are cumulative by default, as SGLang's native API sends them: each holds
+the whole output so far. With ``incremental`` (``ServerArgs.incremental_streaming_output``)
+each holds its own segment instead: its ``text``, ``output_ids`` and the output-side lists
+of ``OUTPUT_LISTS`` are what was added since the previous chunk, so a request's segments are
+disjoint and concatenate to its whole output. Either way the counters
+(``completion_tokens``, ``output_token_logprobs_length``) count the whole output so far,
+and the prompt-side logprobs are whole, as SGLang's tokenizer manager sends them. A
+segment cannot take back text an earlier one sent: where a stop regex matched text already
+streamed (a delta's ``trim``), that text stays sent and no later segment repeats it.
 """
 
 from __future__ import annotations
@@ -15,9 +24,17 @@ from typing import Any
 from radixlm.runtime import messages as wire
 from radixlm.runtime.engine.request_state import OutputDelta
 
+OUTPUT_LISTS = ("output_token_logprobs", "output_top_logprobs")
+"""The meta_info lists that run along the output: an incremental chunk carries its part."""
+
 
 class NativeOutput:
-    """A request's output in the native shape, built up from its deltas."""
+    """A request's output in the native shape, built up from its deltas.
+
+    Invariant: ``shown`` holds, for the text, ``output_ids`` and each of ``OUTPUT_LISTS``,
+    how much of it the segments rendered so far cover; ``render(segment=True)`` moves it to
+    the end (for text a trim cut below it, to the new end: a segment starts at or after it).
+    """
 
     def __init__(self, req: wire.GenerateReq):
         self.rid = req.rid
@@ -32,6 +49,7 @@ class NativeOutput:
         self.input_top_logprobs: list = []
         self.output_token_logprobs: list = []
         self.output_top_logprobs: list = []
+        self.shown = {"text": 0, "output_ids": 0, **dict.fromkeys(OUTPUT_LISTS, 0)}
 
     def add(self, delta: OutputDelta) -> None:
         if delta.trim:
@@ -46,8 +64,14 @@ class NativeOutput:
                 self.input_top_logprobs += delta.input_top_logprobs
                 self.output_top_logprobs += delta.output_top_logprobs
 
-    def render(self) -> dict[str, Any]:
-        """The output so far; its lists are copies, so later deltas do not change it."""
+    def render(self, segment: bool = False) -> dict[str, Any]:
+        """The output so far, or with ``segment`` only what was added since the previous
+        segment (text, ids and ``OUTPUT_LISTS``; counters still count everything). Its lists
+        are copies, so later deltas do not change it."""
+        start = self.shown if segment else dict.fromkeys(self.shown, 0)
+        if segment:
+            self.shown = {"text": len(self.text), "output_ids": len(self.output_ids),
+                          **{name: len(getattr(self, name)) for name in OUTPUT_LISTS}}
         last = self.last
         meta: dict[str, Any] = {
             "id": self.rid,
@@ -63,11 +87,15 @@ class NativeOutput:
             meta["cumulative_logprob"], meta["beam_score"] = last.beam
         if self.return_logprob:
             meta["input_token_logprobs"] = list(self.input_token_logprobs)
-            meta["output_token_logprobs"] = list(self.output_token_logprobs)
+            meta["output_token_logprobs"] = self.output_token_logprobs[
+                start["output_token_logprobs"]:]
+            meta["output_token_logprobs_length"] = len(self.output_token_logprobs)
             if self.top_logprobs:
                 meta["input_top_logprobs"] = list(self.input_top_logprobs)
-                meta["output_top_logprobs"] = list(self.output_top_logprobs)
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+                meta["output_top_logprobs"] = self.output_top_logprobs[
+                    start["output_top_logprobs"]:]
+        return {"text": self.text[start["text"]:],
+                "output_ids": self.output_ids[start["output_ids"]:], "meta_info": meta}
 
 
 async def native_results(deltas: AsyncIterator[tuple[int, OutputDelta]],
@@ -85,15 +113,17 @@ async def native_results(deltas: AsyncIterator[tuple[int, OutputDelta]],
 
 async def native_chunks(deltas: AsyncIterator[tuple[int, OutputDelta]],
                         reqs: list[wire.GenerateReq],
-                        batched: bool) -> AsyncIterator[dict[str, Any]]:
-    """The native stream: one chunk per delta, the request's whole output so far (with its
-    prompt's ``index`` when ``batched``). Closing it closes ``deltas``."""
+                        batched: bool,
+                        incremental: bool = False) -> AsyncIterator[dict[str, Any]]:
+    """The native stream: one chunk per delta, the request's whole output so far, or with
+    ``incremental`` the delta's own segment (with its prompt's ``index`` when
+    ``batched``). Closing it closes ``deltas``."""
     outputs = [NativeOutput(req) for req in reqs]
     try:
         async for index, delta in deltas:
             output = outputs[index]
             output.add(delta)
-            chunk = output.render()
+            chunk = output.render(segment=incremental)
             if batched:
                 chunk["index"] = index
             yield chunk
