@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import keyword
 import math
+import re
 from typing import Any
 
 from xgrammar import structural_tag as xst
@@ -34,6 +35,7 @@ from radixlm.runtime.output_parsing.tool_call_types import FunctionTool
 ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment"})
 PARAMETER_KEYS = ANNOTATIONS | {"type", "properties", "required", "additionalProperties",
                                 "$schema"}
+RULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SCALAR_TYPES = ("string", "integer", "number", "boolean", "null")
 SEPARATOR = '"," " "?'
 
@@ -56,9 +58,14 @@ BASE_RULES = {
 def pythonic_structural_tag(tools: list[FunctionTool], at_least_one: bool,
                             parallel: bool) -> dict[str, Any]:
     """``[name(key=value, ...), ...]`` of ``tools`` (see ``ToolCallParser.structural_tag``):
-    with ``at_least_one`` the output is one list alone; otherwise free text in which a list
-    may open wherever ``[name(`` of a tool is written (again after a list, when
-    ``parallel``). ``parallel`` false allows one call in the list."""
+    with ``at_least_one`` the output is one list alone; otherwise it is text, or text and one
+    list (text after it only when ``parallel``), and text never writes ``[name(`` of a tool
+    but to open that list. ``parallel`` false allows one call in the list.
+
+    The grammar stays linear in the tools: the list's first call is dispatched on its
+    ``[name(`` to that tool's rules alone, and the rest of the list, which may call any tool,
+    is one grammar after it (a tag per tool holding the whole list would hold every tool's
+    rules once per tool)."""
     if not tools:
         if at_least_one:
             raise ValueError("at least one tool call is required, but no tools are given")
@@ -68,14 +75,18 @@ def pythonic_structural_tag(tools: list[FunctionTool], at_least_one: bool,
     if at_least_one:
         grammar = rules.ebnf(f'"[" call {more} "]"')
         return xst.StructuralTag(format=xst.GrammarFormat(grammar=grammar)).model_dump()
-    # A tag per tool, opened by "[name(": the rest of that call, then any further calls.
-    tags = []
-    for tool in tools:
-        rest = xst.GrammarFormat(grammar=rules.ebnf(f'{rules.args[tool.name]} ")" {more}'))
-        tags.append(xst.TagFormat(begin=f"[{tool.name}(", content=rest, end="]"))
-    return xst.StructuralTag(format=xst.TriggeredTagsFormat(
-        triggers=[f"[{tool.name}(" for tool in tools], tags=tags,
-        stop_after_first=not parallel)).model_dump()
+    openers = [f"[{tool.name}(" for tool in tools]
+    text = xst.AnyTextFormat(excludes=openers)
+    first_call = xst.TriggeredTagsFormat(
+        triggers=openers,
+        tags=[xst.TagFormat(begin=opener,
+                            content=xst.GrammarFormat(grammar=rules.ebnf(rules.args[tool.name])),
+                            end=")")
+              for opener, tool in zip(openers, tools)],
+        at_least_one=True, stop_after_first=True)
+    rest = xst.GrammarFormat(grammar=rules.ebnf(f'{more} "]"'))
+    with_list = xst.SequenceFormat(elements=[text, first_call, rest, *([text] if parallel else [])])
+    return xst.StructuralTag(format=xst.OrFormat(elements=[text, with_list])).model_dump()
 
 
 class CallRules:
@@ -94,9 +105,15 @@ class CallRules:
                                         for name, rule in self.args.items())
 
     def ebnf(self, root: str) -> str:
-        """The grammar whose root is ``root`` over these rules."""
-        return "".join(f"{name} ::= {body}\n" for name, body in
-                       [("root", root), *self.rules.items()])
+        """The grammar whose root is ``root``, with the rules it reaches (and perhaps a few
+        more: a literal that spells a rule's name counts as a reference)."""
+        reached, pending = {"root": root}, [root]
+        while pending:
+            for name in RULE_NAME.findall(pending.pop()):
+                if name in self.rules and name not in reached:
+                    reached[name] = self.rules[name]
+                    pending.append(self.rules[name])
+        return "".join(f"{name} ::= {body}\n" for name, body in reached.items())
 
     def _new_rule(self, body: str) -> str:
         name = f"r{len(self.rules)}"
