@@ -14,10 +14,10 @@ tool and the part, which the API answers with a 400):
   No ``pattern``, bounds, nested objects or ``$ref``.
 
 Literals as the grammar writes them parse back to the JSON values the schema allows:
-strings in single or double quotes, with the escapes JSON has (never a lone surrogate);
-``True``/``False``/``None``; a ``number`` that is not an integer has at most 16
-integer digits (as many as ``repr`` of a float writes) and a 2-digit
-exponent, so it is never too large for a float.
+strings in single or double quotes, with JSON's escapes and ``\\'`` (never a lone
+surrogate); ``True``/``False``/``None``; a ``number`` that is not an integer has at most 16
+integer digits (as many as ``repr`` of a float writes) and a 2-digit exponent, so it is
+never too large for a float.
 """
 
 from __future__ import annotations
