@@ -53,7 +53,8 @@ _PAD = -1  # no token id: in the ends, matches any token; in a window, no token 
 
 
 def has_budget(req: SamplingRequest) -> bool:
-    return req.sampling.max_reasoning_tokens is not None
+    params = req.sampling
+    return params.max_reasoning_tokens is not None and bool(params.reasoning_end_token_ids)
 
 
 def budget_rows(reqs: Sequence[SamplingRequest], device: torch.device
@@ -63,12 +64,12 @@ def budget_rows(reqs: Sequence[SamplingRequest], device: torch.device
     retraction may have written it long ago) is found here, on the host, once."""
     ends, windows, matched = [], [], []
     for req in reqs:
-        end_ids = req.sampling.reasoning_end_token_ids if has_budget(req) else None
-        if not end_ids:
+        if not has_budget(req):
             ends.append([])
             windows.append([])
             matched.append(True)
             continue
+        end_ids = req.sampling.reasoning_end_token_ids
         size = len(end_ids)
         tail = req.output_ids[-size:]
         ends.append(end_ids[::-1])
@@ -101,10 +102,9 @@ def forcing_rows(batch: SamplingBatch) -> list[tuple[int, int]]:
         return []
     found = []
     for row, req in enumerate(batch.reqs):
-        limit = req.sampling.max_reasoning_tokens
-        if limit is None:
+        if not has_budget(req):
             continue
-        step = batch.position(row) - limit
+        step = batch.position(row) - req.sampling.max_reasoning_tokens
         end_ids = req.sampling.reasoning_end_token_ids
         if 0 <= step < len(end_ids):
             found.append((row, end_ids[step]))

@@ -5,6 +5,8 @@ scheduler, for n > 1, after jump-forward tokens, and where the logits forbid the
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from runtime_checks import run_to_completion, scheduler_req
@@ -200,6 +202,18 @@ def test_each_of_n_samples_has_its_own_budget(engine_for):
         ids = out["output_ids"]
         assert [i for i, t in enumerate(ids) if t in END] == [LIMIT, LIMIT + 1], ids
         assert ids[LIMIT:LIMIT + 2] == END
+
+
+def test_a_grammar_that_forbids_the_end_ids_wins(engine_for):
+    engine = engine_for()
+    digit = engine.tokenizer.convert_tokens_to_ids("7")
+    params = greedy(10, regex="[a-z]{10}", max_reasoning_tokens=2,
+                    reasoning_end_token_ids=[digit])
+    out = engine.generate(PROMPTS[0], params)
+    assert out["meta_info"]["finish_reason"]["type"] != "abort"
+    assert re.fullmatch("[a-z]{10}", out["text"]) and digit not in out["output_ids"]
+    allowed = engine.generate(PROMPTS[0], {**params, "regex": "[a-z7]{10}"})
+    assert allowed["output_ids"][2] == digit
 
 
 OVERLAP = {"num_threads": 1, "disable_overlap_schedule": False}
