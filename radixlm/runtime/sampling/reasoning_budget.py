@@ -37,7 +37,7 @@ compares the first len(its end ids) columns only: a -1 in ``budget_ends`` matche
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -45,19 +45,37 @@ from radixlm.host_to_device import to_device
 from radixlm.runtime.sampling.token_rows import TokenRows
 
 if TYPE_CHECKING:
-    from radixlm.runtime.sampling.sampling_batch import SamplingBatch, SamplingRequest
+    from radixlm.runtime.sampling.sampling_params import SamplingParams
 
 BUDGET = "reasoning_budget"
 COLUMNS = ("budget_ends", "budget_window", "budget_matched")
 _PAD = -1  # no token id: in the ends, matches any token; in a window, no token (yet)
 
 
-def has_budget(req: SamplingRequest) -> bool:
+class BudgetRequest(Protocol):
+    """What the budget reads of a request."""
+
+    sampling: SamplingParams
+    output_ids: list[int]
+
+
+class BudgetRows(Protocol):
+    """What forcing reads of the ``SamplingBatch`` (or a view of it)."""
+
+    reqs: Sequence[BudgetRequest]
+    budget_matched: torch.Tensor | None
+
+    def uses(self, feature: str) -> bool: ...
+
+    def position(self, row: int) -> int: ...
+
+
+def has_budget(req: BudgetRequest) -> bool:
     params = req.sampling
     return params.max_reasoning_tokens is not None and bool(params.reasoning_end_token_ids)
 
 
-def budget_rows(reqs: Sequence[SamplingRequest], device: torch.device
+def budget_rows(reqs: Sequence[BudgetRequest], device: torch.device
                 ) -> tuple[TokenRows, TokenRows, torch.Tensor]:
     """The columns (``COLUMNS``' order) of rows joining the batch, from their outputs so far:
     whether the end sequence is anywhere in an output (a request re-admitted after a
@@ -94,7 +112,7 @@ def record(ends: torch.Tensor, window: torch.Tensor, matched: torch.Tensor,
     matched[rows] |= found
 
 
-def forcing_rows(batch: SamplingBatch) -> list[tuple[int, int]]:
+def forcing_rows(batch: BudgetRows) -> list[tuple[int, int]]:
     """(row, the end id due) of each row in its forcing window, whether or not its end
     sequence has appeared (that is the device's to say: ``force``). Empty at once when no
     row has a budget."""
@@ -111,7 +129,7 @@ def forcing_rows(batch: SamplingBatch) -> list[tuple[int, int]]:
     return found
 
 
-def force(logits: torch.Tensor, batch: SamplingBatch, forcing: list[tuple[int, int]]) -> None:
+def force(logits: torch.Tensor, batch: BudgetRows, forcing: list[tuple[int, int]]) -> None:
     """Masks every token but the due end id in the (B, V) ``logits`` of ``forcing``'s rows
     whose end sequence has not appeared and whose logits still allow that id; in place."""
     device = logits.device
