@@ -22,10 +22,11 @@ Invariants:
 - Token state: ``output_ids``, ``seen_ids``, the counts and ``output_lens`` describe each
   row's prompt and ``output_ids`` as they are when the row is next sampled.
 - Host state: which settings are used (counted per feature), seeds, grammar matchers, and
-  each row's output length as recorded here (its position, for seeds and ``min_new_tokens``;
-  counted from the request's output when it joins, then by ``record_*``, so a sampler can
-  run ahead of the host appending the tokens). The sampler decides what to run from these,
-  never by reading a device tensor back.
+  each row's output length as recorded here (its position, for seeds, ``min_new_tokens``
+  and a thinking budget, ``reasoning_budget``; counted from the request's output when it
+  joins, then by ``record_*``, so a sampler can run ahead of the host appending the
+  tokens). The sampler decides what to run from these, never by reading a device tensor
+  back.
 
 Joining and leaving cost O(rows x listed tokens), plus O(V) per joining row with a
 frequency or presence penalty (its counts); nothing is O(rows x V).
