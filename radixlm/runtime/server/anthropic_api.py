@@ -5,7 +5,8 @@ A request becomes one chat turn (``chat_turn.py``): ``system`` the system messag
 ``tool_use`` block an assistant's tool call, each ``tool_result`` block a ``tool`` message
 (``is_error`` results prefixed ``Error: ``), ``thinking`` blocks dropped from the prompt;
 ``tool_choice`` ``any`` is ``required``, ``tool`` a named function; ``thinking`` sets the
-template's thinking switch (on, with ``budget_tokens`` the thinking budget, or off).
+template's thinking switch (on, with ``budget_tokens`` the thinking budget where the server
+has a reasoning parser, or off).
 
 The answer's blocks come in the turn's order: thinking, then text and ``tool_use`` blocks as
 the model wrote them. Whitespace-only text next to a tool call is no block. ``stop_reason``
@@ -116,6 +117,8 @@ def as_anthropic_error(err: Exception) -> AnthropicError:
     if isinstance(err, RequestValidationError):
         first = err.errors()[0]
         path, message = field_path(first.get("loc", ())), first.get("msg", "invalid value")
+        if first.get("type") == "json_invalid":  # its location is a character offset
+            path = "body"
         if first.get("type") == UNKNOWN_BLOCK:
             given = first.get("input")
             kind = given.get("type") if isinstance(given, dict) else None
@@ -216,7 +219,9 @@ async def _prepare(engine: Engine, body: CountTokensRequest) -> ChatTurn:
         tool_choice=ToolChoice(modes[choice.type], choice.name) if choice else ToolChoice(),
         parallel_tool_calls=not (choice and choice.disable_parallel_tool_use),
         template_kwargs=_thinking_switch(engine, thinking),
-        max_reasoning_tokens=thinking.budget_tokens if thinking is not None else None,
+        # Without a reasoning parser the end of the thinking is unknown: no budget applies.
+        max_reasoning_tokens=thinking.budget_tokens
+        if thinking is not None and engine.server_args.reasoning_parser else None,
     )
 
 

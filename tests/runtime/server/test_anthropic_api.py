@@ -305,6 +305,8 @@ TOOL_USE = {"role": "assistant", "content": [
     ({"tools": [{**WEATHER, "input_schema": ["city"]}]}, "tools.0.input_schema"),
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": ASK + [TOOL_USE]}, "messages.1.role"),
+    ({"thinking": {"type": "enabled"}}, "thinking"),
+    ({"top_n": 3}, "top_n"),
 ])
 def test_bad_input_is_a_400_naming_the_field(live, change, field):
     body = {"model": MODEL, "max_tokens": 4, "messages": ASK, **change}
@@ -317,6 +319,13 @@ def test_bad_input_is_a_400_naming_the_field(live, change, field):
         assert error["type"] == "error"
         assert error["error"]["type"] == "invalid_request_error"
         assert error["error"]["message"].startswith(f"{field}:"), error["error"]["message"]
+
+
+def test_a_body_that_is_not_json_is_a_400(live):
+    response = httpx.post(f"{live[0]}/v1/messages", content=b'{"model": ', timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("body: JSON decode error")
 
 
 def test_the_client_raises_bad_request_for_a_400(client):
