@@ -57,6 +57,28 @@ def client(server):
         yield client
 
 
+def sse_events(url: str, body: dict) -> list[dict]:
+    """The events of a streamed response, read off the wire (each ``event:`` line checked
+    against its data's ``type``)."""
+    events = []
+    with httpx.stream("POST", url + "/v1/responses", json=body, timeout=60) as reply:
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        kind = None
+        for line in reply.iter_lines():
+            if line.startswith("event: "):
+                kind = line[len("event: "):]
+            elif line.startswith("data: "):
+                event = json.loads(line[len("data: "):])
+                assert event["type"] == kind
+                events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def without_ids(output: list[dict]) -> list[dict]:
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in output]
+
+
 def test_text_input_answers_what_the_chat_route_answers(client):
     response = client.responses.create(model=MODEL, input="Tell me a story.", **GREEDY)
     chat = client.chat.completions.create(
@@ -98,20 +120,9 @@ def test_instructions_and_message_items_are_the_chat_messages(client):
 
 def test_a_text_stream_sends_each_event_in_order_and_its_deltas_make_the_text(server):
     body = {"model": MODEL, "input": "Tell me a story.", "stream": True, **GREEDY}
-    events = []
-    with httpx.stream("POST", server + "/v1/responses", json=body, timeout=60) as reply:
-        assert reply.headers["content-type"].startswith("text/event-stream")
-        kind = None
-        for line in reply.iter_lines():
-            if line.startswith("event: "):
-                kind = line[len("event: "):]
-            elif line.startswith("data: "):
-                event = json.loads(line[len("data: "):])
-                assert event["type"] == kind
-                events.append(event)
+    events = sse_events(server, body)
     whole = httpx.post(server + "/v1/responses", json={**body, "stream": False},
                        timeout=60).json()
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     final = events[-1]["response"]
     assert deltas == final["output"][-1]["content"][0]["text"] == \
@@ -121,6 +132,7 @@ def test_a_text_stream_sends_each_event_in_order_and_its_deltas_make_the_text(se
         "response.created", "response.in_progress", "response.output_item.added",
         "response.content_part.added", "response.content_part.done",
         "response.output_item.done", f"response.{final['status']}"]
+    assert without_ids(final["output"]) == without_ids(whole["output"])
 
 
 def test_call_items_are_the_chat_routes_tool_calls_and_results(client):
@@ -225,3 +237,41 @@ def test_json_schema_format_constrains_the_text(client):
         jsonschema.validate(json.loads(response.output_text), schema)
     else:  # cut short: still a prefix the schema allows
         assert response.output_text.lstrip().startswith("{")
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tiny_model_dir):
+    """A server splitting reasoning off as DeepSeek-R1's parser does: the output begins
+    inside the reasoning, so all of a tiny model's output (which never closes it) is."""
+    with radixlm.Engine(str(tiny_model_dir()), dtype="float32", max_total_tokens=4096,
+                        chunked_prefill_step_ms=None, disable_adaptive_timing=True,
+                        chat_template="chatml-tools", reasoning_parser="deepseek-r1") as engine:
+        app = FastAPI()
+        add_responses_routes(app, engine, MODEL)
+        server = LiveServer(app)
+        yield server.url
+        server.close()
+
+
+def test_reasoning_is_an_item_of_its_own_whole_and_streamed(reasoning_server):
+    body = {"model": MODEL, "input": "Think.", **GREEDY}
+    whole = httpx.post(reasoning_server + "/v1/responses", json=body, timeout=60).json()
+    events = sse_events(reasoning_server, {**body, "stream": True})
+    reasoning, message = whole["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["summary"] == [] and reasoning["content"][0]["type"] == "reasoning_text"
+    text = reasoning["content"][0]["text"]
+    assert text and message["content"][0]["text"] == ""
+    assert 0 < whole["usage"]["output_tokens_details"]["reasoning_tokens"] <= 8
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(deltas) == text
+    assert without_ids(events[-1]["response"]["output"]) == without_ids(whole["output"])
+    kinds = [e["type"] for e in events if not e["type"].endswith(".delta")]
+    assert kinds == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.incomplete"]
