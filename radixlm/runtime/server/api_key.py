@@ -41,8 +41,9 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
 
 
 class ApiKeyCheck:
-    """ASGI middleware: without ``Authorization: Bearer <key>`` (the scheme in any case, the
-    key compared in constant time), every HTTP route but ``OPEN_ROUTES`` answers 401."""
+    """ASGI middleware: without ``Authorization: Bearer <key>`` (the scheme in any case) or
+    ``x-api-key: <key>`` (what Anthropic's clients send), the key compared in constant time,
+    every HTTP route but ``OPEN_ROUTES`` answers 401."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -50,10 +51,13 @@ class ApiKeyCheck:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
-            header = dict(scope.get("headers", ())).get(b"authorization", b"")
-            scheme, _, given = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(),
-                                                                      self.expected):
+            headers = dict(scope.get("headers", ()))
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(),
+                                                                         self.expected)
+            anthropic = hmac.compare_digest(headers.get(b"x-api-key", b"").strip(),
+                                            self.expected)
+            if not (bearer or anthropic):
                 response = JSONResponse({"error": {"message": "invalid or missing API key"}},
                                         status_code=401)
                 await response(scope, receive, send)

@@ -128,7 +128,9 @@ class TurnStream:
 @dataclass
 class ChatTurn:
     """A prepared turn: generate from ``prompt_ids`` with ``sampling_params`` merged into the
-    request's own, then read the output with ``read`` or ``stream``."""
+    request's own, then read the output with ``read`` or ``stream``. With tools offered,
+    ``sampling_params`` keeps special tokens in the text (a request may still set
+    ``skip_special_tokens`` itself)."""
 
     prompt_ids: list[int]
     sampling_params: dict[str, Any]
@@ -169,11 +171,15 @@ async def prepare_chat_turn(
     args = engine.server_args
     reasoning_parser = (get_reasoning_parser(args.reasoning_parser)
                         if args.reasoning_parser and separate_reasoning else None)
-    thinking = bool(template_kwargs.get("enable_thinking", template_kwargs.get("thinking", True)))
+    thinking = (reasoning_parser.thinking_enabled(template_kwargs)
+                if reasoning_parser is not None else True)
     sampling: dict[str, Any] = {}
     tool_parser = None
     if offered:
         tool_parser = server_tool_parser(engine)
+        # Some families' call markers are special tokens ([TOOL_CALLS], <|python_tag|>):
+        # the reader must see them.
+        sampling["skip_special_tokens"] = False
         tag = tool_grammar(tool_parser, offered, tool_choice, parallel_tool_calls)
         if tag is not None:
             if reasoning_parser is not None and thinking:

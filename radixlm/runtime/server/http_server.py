@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
+from radixlm.runtime.server.anthropic_api import add_anthropic_routes
 from radixlm.runtime.server.api_key import ApiKeyCheck
 from radixlm.runtime.server.body_limit import BodySizeLimit, BodyTooLarge, too_large_response
 from radixlm.runtime.server.disconnect import CancelOnDisconnect
@@ -62,7 +63,9 @@ def create_app(
 
     app = FastAPI(title="radixlm", description="SGLang's native API and the OpenAI API",
                   lifespan=lifespan)
-    add_openai_routes(app, engine, served_model_name or engine.model_config.path.name)
+    name = served_model_name or engine.model_config.path.name
+    add_openai_routes(app, engine, name)
+    add_anthropic_routes(app, engine, name)
 
     # Middleware, outermost last: the disconnect watch, the key check, the body limit.
     app.add_middleware(BodySizeLimit, limit=MAX_BODY_BYTES)

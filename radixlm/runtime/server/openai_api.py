@@ -156,7 +156,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
                               "function is a grammar of its own: it cannot be combined with "
                               "response_format, regex, ebnf or json_schema",
                               param="tool_choice")
-        params.update(turn.sampling_params)
+        params = {**turn.sampling_params, **params}
         request = GenerateInput(
             input_ids=[turn.prompt_ids], sampling_params=params, return_logprob=body.logprobs,
             top_logprobs_num=body.top_logprobs if body.logprobs else None,

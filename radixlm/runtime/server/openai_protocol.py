@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from radixlm.runtime.sampling.sampling_params import INT64_MAX, SEED_MAX, TOP_K_MAX
 from radixlm.runtime.server.sglang_fields import CHAT_FIELDS, COMPLETION_FIELDS, fields_model
@@ -267,12 +267,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class DeltaFunction(BaseModel):
+class _WithoutNones(BaseModel):
+    """Serialised without its None fields: a client's stream accumulator merges a chunk's
+    fields into what it has, so a null ``type`` or ``name`` would overwrite the first
+    piece's value."""
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunction(_WithoutNones):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_WithoutNones):
     """A piece of a streamed call: its first piece has the id, type and name (arguments
     empty), the next ones pieces of the arguments (``index`` says which call)."""
 

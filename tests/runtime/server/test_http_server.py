@@ -127,6 +127,11 @@ def test_api_key_guards_every_route_but_health(server):
         for header in (API_KEY, f"Basic {API_KEY}", f"Bearer {API_KEY}x"):
             assert anonymous.get("/get_model_info",
                                  headers={"Authorization": header}).status_code == 401
+        # Anthropic's clients send the key as x-api-key.
+        assert anonymous.get("/get_model_info",
+                             headers={"x-api-key": API_KEY}).status_code == 200
+        for key in ("", "nope", f"{API_KEY}x"):
+            assert anonymous.post("/v1/messages", headers={"x-api-key": key}).status_code == 401
 
 
 def test_info_routes_and_health_generate(server, engine_for):

@@ -84,18 +84,18 @@ def test_a_thinking_budget_ends_the_thinking(engine_for, monkeypatch):
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
             def think(**extra):
                 return client.chat.completions.create(
-                    model="tiny", messages=ASK, temperature=0, max_tokens=20,
-                    extra_body={"ignore_eos": True, **extra}).choices[0].message
+                    model="tiny", messages=ASK, temperature=0, max_tokens=20, logprobs=True,
+                    extra_body={"ignore_eos": True, **extra}).choices[0]
 
             free = think()
-            assert free.content in ("", None)  # never closed: all reasoning
             budget = think(max_reasoning_tokens=5)
     finally:
         server.close()
-    ids = engine.tokenizer.encode(budget.model_extra["reasoning_content"],
-                                  add_special_tokens=False)
-    assert len(ids) <= 5 + 1, budget  # the budget's tokens (a token may decode to two)
-    assert budget.content, "nothing was written after the forced end of thinking"
-    # Greedy: the same first tokens, then the budget's end of thinking.
-    assert free.model_extra["reasoning_content"].startswith(
-        budget.model_extra["reasoning_content"])
+    end = [engine.tokenizer.decode([i])
+           for i in engine.tokenizer.encode("</think>", add_special_tokens=False)]
+    tokens = [entry.token for entry in budget.logprobs.content]
+    assert tokens[5:5 + len(end)] == end  # forced right after the budget's 5 tokens
+    assert free.message.content in ("", None)  # never closed: all reasoning
+    assert budget.message.content, "nothing was written after the forced end of thinking"
+    # Greedy: the same first five tokens, then the budget's end of thinking.
+    assert [entry.token for entry in free.logprobs.content][:5] == tokens[:5]

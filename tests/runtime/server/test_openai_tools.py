@@ -10,13 +10,14 @@ parallel calls in ``auto`` mode, where nothing is forced)."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
 import jsonschema
 import openai
 import pytest
 from live_server import LiveServer
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 import radixlm
 from radixlm.runtime.server.http_server import create_app
@@ -74,13 +75,27 @@ def assert_valid_calls(calls) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-def test_required_gives_calls_that_validate(client, model):
+def test_required_gives_a_call_that_validates(client, model):
     out = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,
-                                         tool_choice="required", temperature=0, max_tokens=200)
+                                         tool_choice="required", parallel_tool_calls=False,
+                                         temperature=0, max_tokens=200)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert_valid_calls(choice.message.tool_calls)
+    assert len(choice.message.tool_calls) == 1
     assert choice.message.content is None
+
+
+def test_required_parallel_calls_all_validate(client, model):
+    """With parallel calls allowed the model decides how many: this one may repeat calls
+    until its tokens run out; every complete call still validates."""
+    out = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,
+                                         tool_choice="required", temperature=0, max_tokens=120)
+    choice = out.choices[0]
+    assert choice.finish_reason in ("tool_calls", "length")
+    assert_valid_calls(choice.message.tool_calls)
+    if choice.finish_reason == "tool_calls":
+        assert choice.message.content is None
 
 
 def test_a_named_function_is_the_one_called(client, model):
@@ -102,7 +117,7 @@ def test_none_leaves_the_tools_out(client, model):
 
 def test_streamed_calls_accumulate_to_the_unstreamed_ones(client, model):
     kwargs = {"model": model, "messages": ASK, "tools": TOOLS, "tool_choice": "required",
-              "temperature": 0, "max_tokens": 200}
+              "parallel_tool_calls": False, "temperature": 0, "max_tokens": 200}
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
     with client.chat.completions.stream(**kwargs) as stream:
         final = stream.get_final_completion()
@@ -113,13 +128,13 @@ def test_streamed_calls_accumulate_to_the_unstreamed_ones(client, model):
 
 
 class Forecast(BaseModel):
-    city: str
-    days: int
+    city: Literal["Paris", "Tokyo"]
+    days: int = Field(ge=1, le=7)
 
 
 def test_parse_with_a_strict_pydantic_tool(client, model):
     out = client.chat.completions.parse(
-        model=model, messages=ASK, temperature=0, max_tokens=100,
+        model=model, messages=ASK, temperature=0, max_tokens=100, parallel_tool_calls=False,
         tools=[openai.pydantic_function_tool(Forecast)],
         tool_choice={"type": "function", "function": {"name": "Forecast"}})
     parsed = out.choices[0].message.tool_calls[0].function.parsed_arguments
@@ -146,8 +161,8 @@ def test_auto_reads_parallel_calls_the_model_writes(client, model):
 
 def test_a_conversation_with_tool_results(client, model):
     first = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,
-                                           tool_choice="required", temperature=0,
-                                           max_tokens=200).choices[0].message
+                                           tool_choice="required", parallel_tool_calls=False,
+                                           temperature=0, max_tokens=200).choices[0].message
     history = ASK + [first.model_dump(exclude_none=True)] + [
         {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees"}
         for call in first.tool_calls]
@@ -186,20 +201,22 @@ def test_langchain_bind_tools_gets_tool_calls(server, model):
 
     chat = ChatOpenAI(model=model, base_url=f"{server.url}/v1", api_key="x", temperature=0,
                       max_tokens=200, max_retries=0)
-    bound = chat.bind_tools(TOOLS, tool_choice="get_weather")
+    bound = chat.bind_tools(TOOLS, tool_choice="get_weather", parallel_tool_calls=False)
     message = bound.invoke("What is the weather in Paris this week?")
     assert [call["name"] for call in message.tool_calls] == ["get_weather"]
     jsonschema.validate(message.tool_calls[0]["args"], WEATHER)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("choice", [
+@pytest.mark.parametrize("choice", [  # one call each (see the parallel test above)
     "required", {"type": "function", "function": {"name": "get_weather"}}, "auto-strict"])
 def test_200_sampled_requests_all_parse_and_validate(client, model, choice):
     tools = TOOLS
     if choice == "auto-strict":
         tools = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
-    kwargs = {} if choice == "auto-strict" else {"tool_choice": choice}
+    kwargs = {"parallel_tool_calls": False}
+    if choice != "auto-strict":
+        kwargs["tool_choice"] = choice
     called = 0
     for _ in range(4):
         out = client.chat.completions.create(model=model, messages=ASK, tools=tools, n=50,
