@@ -30,6 +30,7 @@ from radixlm.runtime.server.disconnect import CancelOnDisconnect
 from radixlm.runtime.server.metrics import ServerMetrics
 from radixlm.runtime.server.native_body import GenerateBody, generate_input
 from radixlm.runtime.server.openai_api import add_openai_routes
+from radixlm.runtime.server.responses_api import add_responses_routes
 from radixlm.runtime.server.server_sent_events import server_sent_events
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ def create_app(
     name = served_model_name or engine.model_config.path.name
     add_openai_routes(app, engine, name)
     add_anthropic_routes(app, engine, name)
+    add_responses_routes(app, engine, name)
 
     # Middleware, outermost last: the disconnect watch, the key check, the body limit.
     app.add_middleware(BodySizeLimit, limit=MAX_BODY_BYTES)
