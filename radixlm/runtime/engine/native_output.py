@@ -123,7 +123,7 @@ async def native_chunks(deltas: AsyncIterator[tuple[int, OutputDelta]],
         async for index, delta in deltas:
             output = outputs[index]
             output.add(delta)
-            chunk = output.render(segment=incremental)
+            chunk = output.render(segment=True) if incremental else output.render()
             if batched:
                 chunk["index"] = index
             yield chunk
