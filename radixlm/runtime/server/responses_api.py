@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
@@ -104,7 +104,7 @@ def add_responses_routes(app: FastAPI, engine: Engine, served_model_name: str,
         response = _response(head, items, reason, engine, meta["prompt_tokens"],
                              meta["completion_tokens"], meta["cached_tokens"])
         finished(response)
-        return response
+        return JSONResponse(response)  # as built: response_model would add nested nulls
 
     @router.get("/responses/{response_id}", response_model=ResponseObject,
                 responses=ERROR_RESPONSES)
@@ -112,7 +112,7 @@ def add_responses_routes(app: FastAPI, engine: Engine, served_model_name: str,
         stored = store.get(response_id)
         if stored is None:
             raise _not_found(response_id)
-        return stored.response
+        return JSONResponse(stored.response)
 
     @router.delete("/responses/{response_id}", response_model=DeletedResponse,
                    responses=ERROR_RESPONSES)
@@ -238,11 +238,14 @@ def _head(body: ResponsesRequest, response_id: str, model: str) -> dict[str, Any
     """The response's fields known before generation (those the request echoes)."""
     echoed = body.model_dump(include={
         "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
-        "temperature", "top_p", "previous_response_id", "reasoning", "text", "user", "store",
-    }, by_alias=True)
+        "temperature", "top_p", "previous_response_id", "user", "store",
+    }, mode="json", by_alias=True)
+    # As given, without the settings left out (OpenAI echoes no nulls inside these two).
+    text, reasoning = (None if part is None else part.model_dump(
+        mode="json", by_alias=True, exclude_none=True) for part in (body.text, body.reasoning))
     return {**echoed, "id": response_id, "object": "response", "created_at": int(time.time()),
             "model": model, "tools": echoed["tools"] or [], "metadata": body.metadata or {},
-            "text": echoed["text"] or {"format": {"type": "text"}},
+            "text": text or {"format": {"type": "text"}}, "reasoning": reasoning,
             "truncation": body.truncation or "disabled", "output": [], "usage": None,
             "status": "in_progress", "incomplete_details": None, "error": None,
             "completed_at": None}
@@ -267,7 +270,8 @@ def _response(head: dict[str, Any], items: OutputItems, reason: str | None, engi
                                                               completion_tokens)},
         },
     }
-    return ResponseObject.model_validate(response).model_dump(mode="json", by_alias=True)
+    ResponseObject.model_validate(response)  # the shape promised in /openapi.json
+    return response
 
 
 async def _stream_events(deltas: AsyncIterator[tuple[int, OutputDelta]], turn: ChatTurn,

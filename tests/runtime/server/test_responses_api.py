@@ -133,6 +133,9 @@ def test_a_text_stream_sends_each_event_in_order_and_its_deltas_make_the_text(se
         "response.content_part.added", "response.content_part.done",
         "response.output_item.done", f"response.{final['status']}"]
     assert without_ids(final["output"]) == without_ids(whole["output"])
+    head = events[0]["response"]
+    assert head["id"] == final["id"] and head["status"] == "in_progress"
+    assert head["text"] == final["text"] == whole["text"] == {"format": {"type": "text"}}
 
 
 def test_call_items_are_the_chat_routes_tool_calls_and_results(client):
