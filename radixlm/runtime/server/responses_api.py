@@ -40,7 +40,12 @@ from radixlm.runtime.engine.request_state import OutputDelta
 from radixlm.runtime.grammar.constraints import CONSTRAINT_KINDS
 from radixlm.runtime.output_parsing.tool_call_types import FunctionTool
 from radixlm.runtime.server.chat_turn import ChatTurn, ChatTurnError, ToolChoice, prepare_chat_turn
-from radixlm.runtime.server.openai_errors import ERROR_RESPONSES, OpenAIError, OpenAIRoute
+from radixlm.runtime.server.openai_errors import (
+    ERROR_RESPONSES,
+    OpenAIError,
+    OpenAIRoute,
+    as_openai_error,
+)
 from radixlm.runtime.server.response_store import ResponseStore, StoredResponse
 from radixlm.runtime.server.responses_output import OutputItems, new_id
 from radixlm.runtime.server.responses_protocol import (
@@ -51,6 +56,8 @@ from radixlm.runtime.server.responses_protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+_ERROR_CODES = {400: "invalid_request_error", 503: "server_error"}
 
 
 
@@ -320,8 +327,9 @@ async def _framed(events: AsyncIterator[dict[str, Any]],
         async for event in events:
             yield frame(event)
     except (ValueError, RuntimeUnavailable, QueueFull) as err:
-        yield frame({"type": "error", "code": type(err).__name__, "message": str(err),
-                     "param": None})
+        error = as_openai_error(err)  # the code a whole request's error body would carry
+        yield frame({"type": "error", "code": error.code or _ERROR_CODES.get(error.status),
+                     "message": error.message, "param": error.param})
     except Exception as err:  # a fault of ours: the client still sees the stream end
         logger.exception("a responses stream failed")
         yield frame({"type": "error", "code": "server_error", "param": None,
