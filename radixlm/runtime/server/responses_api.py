@@ -60,7 +60,6 @@ logger = logging.getLogger(__name__)
 _ERROR_CODES = {400: "invalid_request_error", 503: "server_error"}
 
 
-
 def add_responses_routes(app: FastAPI, engine: Engine, served_model_name: str,
                          store: ResponseStore | None = None) -> None:
     """Adds ``/v1/responses`` serving ``engine`` as ``served_model_name``; finished responses
