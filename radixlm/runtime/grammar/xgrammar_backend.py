@@ -136,18 +136,34 @@ def _structural_tag_text(text: str) -> str:
 
 
 def _harden_tag_schemas(value: Any) -> Any:
-    """``value`` with each ``json_schema`` of a structural tag hardened, and its free
-    whitespace bounded to one character a place (xgrammar's default is any amount, in which
-    a small model can wander until its token budget runs out)."""
+    """``value`` with each JSON ``json_schema`` content of a structural tag compiled as a
+    ``json_schema`` constraint is: hardened, and without free whitespace. xgrammar's tags
+    allow any amount of whitespace between JSON tokens (its ``max_whitespace_cnt`` can
+    bound it, not remove it), in which a small model can wander until its tokens run out;
+    so the schema goes in as the EBNF of ``from_json_schema(any_whitespace=False)``. Other
+    styles (``qwen_xml``, ...) keep their own form, bounded to one whitespace a place."""
     if isinstance(value, list):
         return [_harden_tag_schemas(item) for item in value]
     if not isinstance(value, dict):
         return value
+    if value.get("type") == "json_schema" and value.get("style", "json") == "json":
+        return {"type": "grammar", "grammar": _compact_json_ebnf(value.get("json_schema"))}
     hardened = {key: harden_json_schema(item) if key == "json_schema"
                 else _harden_tag_schemas(item) for key, item in value.items()}
     if hardened.get("type") == "json_schema" and hardened.get("max_whitespace_cnt") is None:
         hardened["max_whitespace_cnt"] = 1
     return hardened
+
+
+def _compact_json_ebnf(schema: Any) -> str:
+    """The EBNF of a JSON schema without free whitespace (as ``json_schema`` constraints)."""
+    import xgrammar as xgr
+
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"a structural tag's json_schema must be a JSON schema, got "
+                         f"{type(schema).__name__}")
+    return str(xgr.Grammar.from_json_schema(json.dumps(harden_json_schema(schema)),
+                                            any_whitespace=False))
 
 
 def check_constraint(kind: str, text: str) -> None:
