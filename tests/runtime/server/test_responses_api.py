@@ -278,3 +278,9 @@ def test_reasoning_is_an_item_of_its_own_whole_and_streamed(reasoning_server):
         "response.output_item.added", "response.content_part.added",
         "response.output_text.done", "response.content_part.done",
         "response.output_item.done", "response.incomplete"]
+
+
+def test_openapi_describes_the_routes(server):
+    schema = httpx.get(server + "/openapi.json", timeout=30).json()
+    assert {"/v1/responses", "/v1/responses/{response_id}"} <= set(schema["paths"])
+    assert {"ResponsesRequest", "ResponseObject"} <= set(schema["components"]["schemas"])
