@@ -30,7 +30,6 @@ from live_server import LiveServer
 
 import radixlm
 from radixlm.runtime.server.http_server import create_app
-from radixlm.runtime.server.responses_api import add_responses_routes
 
 pytestmark = pytest.mark.default_model
 
@@ -58,10 +57,7 @@ QUESTION = {"role": "user", "content": "What are the weather and the time in Par
 @pytest.fixture(scope="module")
 def server():
     with radixlm.Engine(max_total_tokens=8192, chat_template="chatml-tools") as engine:
-        app = create_app(engine)
-        if not any(getattr(route, "path", None) == "/v1/responses" for route in app.routes):
-            add_responses_routes(app, engine, MODEL)
-        server = LiveServer(app)
+        server = LiveServer(create_app(engine))
         yield server.url
         server.close()
 

@@ -43,10 +43,7 @@ def engine(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(engine, served_model_name=MODEL)
-    if not any(getattr(route, "path", None) == "/v1/responses" for route in app.routes):
-        add_responses_routes(app, engine, MODEL)
-    server = LiveServer(app)
+    server = LiveServer(create_app(engine, served_model_name=MODEL))
     yield server.url
     server.close()
 
