@@ -32,6 +32,16 @@ class FunctionTool:
     description: str | None = None
     strict: bool = False
 
+    def openai_tool(self) -> dict[str, Any]:
+        """The function as an OpenAI ``tools`` item: what chat templates take (transformers'
+        ``apply_chat_template(tools=...)``) and xgrammar's builtin structural tags read.
+        ``strict`` is left out: xgrammar drops the schema of a tool whose ``strict`` is
+        false, and a structural tag's arguments always follow the schema."""
+        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
 
 @dataclass(frozen=True)
 class ToolCall:

@@ -30,6 +30,11 @@ LENGTH_PENALTY_LIMIT = 10.0
 10 a 10-token hypothesis's score is already scaled 1e10 times)."""
 
 
+MAX_REASONING_END_IDS = 32
+"""The longest end-of-thinking sequence a thinking budget forces: the batch's budget
+window is as wide as its longest (a tag of a few tokens in practice)."""
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick the next tokens and when to stop.
 
@@ -227,6 +232,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         ):
             raise ValueError("reasoning_end_token_ids must be a non-empty list of token ids "
                              "(non-negative integers)")
+        if ids is not None and len(ids) > MAX_REASONING_END_IDS:
+            raise ValueError(f"reasoning_end_token_ids has {len(ids)} ids, over the limit of "
+                             f"{MAX_REASONING_END_IDS} (every running request's budget "
+                             "window is that wide)")
         if self.max_reasoning_tokens is None:
             return
         _check_int("max_reasoning_tokens", self.max_reasoning_tokens, minimum=0)

@@ -74,19 +74,26 @@ class TurnOutput:
 
 
 class TurnStream:
-    """Reads one output as it arrives: reasoning first, then content and calls.
+    """Reads one output as it arrives: reasoning first, then content and calls. The events
+    of any split of an output, joined, equal ``ChatTurn.read`` of the whole.
 
-    Content that is only whitespace is held until text follows it; an output with calls
-    drops what is still held at its end (the newlines between and after calls), one
-    without gives it back."""
+    - Content that is only whitespace is held until text follows it; an output with calls
+      drops what is still held at its end (the newlines between and after calls), one
+      without gives it back.
+    - A call is given only if it names an offered function (others are dropped, as SGLang
+      drops them: a client cannot run them), and, without ``parallel`` calls, only the
+      first.
+    """
 
     def __init__(self, tool_parser: ToolCallParser | None,
-                 reasoning_parser: ReasoningParser | None, thinking: bool):
+                 reasoning_parser: ReasoningParser | None, thinking: bool,
+                 offered: frozenset[str] = frozenset(), parallel: bool = True):
         self._tools = tool_parser.stream() if tool_parser is not None else None
         self._reasoning = (reasoning_parser.stream(thinking)
                            if reasoning_parser is not None else None)
+        self._offered, self._parallel = offered, parallel
         self._blank = ""  # whitespace-only content held back
-        self._called = False
+        self._calls = 0
 
     def feed(self, text: str) -> list[TurnEvent]:
         if self._reasoning is None:
@@ -106,21 +113,23 @@ class TurnStream:
 
     def _content(self, text: str, final: bool) -> list[TurnEvent]:
         if self._tools is None:
-            return [ContentDelta(text)] if text else []
-        pieces = self._tools.feed(text) if text else []
-        if final:
-            pieces += self._tools.finish()
+            pieces: list[str | ToolCall] = [text] if text else []
+        else:
+            pieces = self._tools.feed(text) if text else []
+            if final:
+                pieces += self._tools.finish()
         events: list[TurnEvent] = []
         for piece in pieces:
             if isinstance(piece, ToolCall):
-                self._called = True
-                events.append(piece)
+                if piece.name in self._offered and (self._parallel or not self._calls):
+                    self._calls += 1
+                    events.append(piece)
             elif piece.strip():
                 events.append(ContentDelta(self._blank + piece))
                 self._blank = ""
             else:
                 self._blank += piece
-        if final and self._blank and not self._called:
+        if final and self._blank and not self._calls:
             events.append(ContentDelta(self._blank))
         return events
 
@@ -137,9 +146,12 @@ class ChatTurn:
     tool_parser: ToolCallParser | None
     reasoning_parser: ReasoningParser | None
     thinking: bool = True
+    offered: frozenset[str] = frozenset()
+    parallel_tool_calls: bool = True
 
     def stream(self) -> TurnStream:
-        return TurnStream(self.tool_parser, self.reasoning_parser, self.thinking)
+        return TurnStream(self.tool_parser, self.reasoning_parser, self.thinking,
+                          self.offered, self.parallel_tool_calls)
 
     def read(self, text: str) -> TurnOutput:
         stream = self.stream()
@@ -156,44 +168,61 @@ async def prepare_chat_turn(
     engine, messages: list[dict[str, Any]], *, tools: list[FunctionTool] | tuple = (),
     tool_choice: ToolChoice = ToolChoice(), parallel_tool_calls: bool = True,
     template_kwargs: dict[str, Any] | None = None, separate_reasoning: bool = True,
-    max_reasoning_tokens: int | None = None,
+    max_reasoning_tokens: int | None = None, response_schema: dict[str, Any] | None = None,
 ) -> ChatTurn:
     """Checks the turn, renders and tokenizes its prompt and builds its constraints. Raises
-    ``ChatTurnError`` for bad input, ``ValueError`` where the template refuses it."""
+    ``ChatTurnError`` for bad input, ``ValueError`` where the template refuses it.
+
+    ``response_schema`` (a JSON schema: OpenAI's ``response_format``, the Responses API's
+    ``text.format``) constrains the text; with tools offered under ``auto`` the output is
+    then either calls or one JSON value of the schema, and under ``required`` or a named
+    function calls only. ``max_reasoning_tokens`` applies where the turn thinks (a server
+    reasoning parser, and the template's thinking switch on): a turn that does not think
+    has no thinking to end."""
+    if not getattr(engine.tokenizer, "chat_template", None):
+        raise ChatTurnError("this model's tokenizer has no chat template; start the server "
+                            "with --chat-template (or use the completions API)",
+                            param="messages")
     tools = list(tools)
     check_tools(tools, tool_choice)
     check_tool_messages(messages)
     template_kwargs = dict(template_kwargs or {})
     offered = tools if tool_choice.mode != "none" else []
     if offered:
-        template_kwargs["tools"] = [tool_definition(tool) for tool in offered]
+        template_kwargs["tools"] = [tool.openai_tool() for tool in offered]
     ids = await engine.async_chat_prompt_ids(messages, template_kwargs)
     args = engine.server_args
-    reasoning_parser = (get_reasoning_parser(args.reasoning_parser)
-                        if args.reasoning_parser and separate_reasoning else None)
-    thinking = (reasoning_parser.thinking_enabled(template_kwargs)
-                if reasoning_parser is not None else True)
+    family = get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
+    thinking = family is not None and family.thinking_enabled(template_kwargs)
     sampling: dict[str, Any] = {}
     tool_parser = None
+    tag = None
     if offered:
         tool_parser = server_tool_parser(engine)
         # Some families' call markers are special tokens ([TOOL_CALLS], <|python_tag|>):
         # the reader must see them.
         sampling["skip_special_tokens"] = False
-        tag = tool_grammar(tool_parser, offered, tool_choice, parallel_tool_calls)
-        if tag is not None:
-            if reasoning_parser is not None and thinking:
-                tag = allowing_reasoning_first(tag, reasoning_parser)
-            sampling["structural_tag"] = json.dumps(tag)
+        tag = tool_grammar(tool_parser, offered, tool_choice, parallel_tool_calls,
+                           response_schema)
+    elif response_schema is not None and thinking:
+        tag = {"type": "structural_tag",
+               "format": {"type": "json_schema", "json_schema": response_schema}}
+    elif response_schema is not None:
+        sampling["json_schema"] = json.dumps(response_schema)
+    if tag is not None:
+        if thinking:
+            tag = allowing_reasoning_first(tag, family)
+        sampling["structural_tag"] = json.dumps(tag)
     if max_reasoning_tokens is not None:
-        if args.reasoning_parser is None:
+        if family is None:
             raise ChatTurnError("max_reasoning_tokens needs a server started with "
                                 "--reasoning-parser", param="max_reasoning_tokens")
-        end_tag = get_reasoning_parser(args.reasoning_parser).end_tag
-        sampling["max_reasoning_tokens"] = max_reasoning_tokens
-        sampling["reasoning_end_token_ids"] = engine.tokenizer.encode(
-            end_tag, add_special_tokens=False)
-    return ChatTurn(ids, sampling, tool_parser, reasoning_parser, thinking)
+        if thinking:
+            sampling["max_reasoning_tokens"] = max_reasoning_tokens
+            sampling["reasoning_end_token_ids"] = engine.tokenizer.encode(
+                family.end_tag, add_special_tokens=False)
+    return ChatTurn(ids, sampling, tool_parser, family if separate_reasoning else None,
+                    thinking, frozenset(tool.name for tool in offered), parallel_tool_calls)
 
 
 def server_tool_parser(engine) -> ToolCallParser:
@@ -208,15 +237,22 @@ def server_tool_parser(engine) -> ToolCallParser:
 
 
 def tool_grammar(parser: ToolCallParser, tools: list[FunctionTool], choice: ToolChoice,
-                 parallel: bool) -> dict[str, Any] | None:
-    """The structural tag a choice needs: calls only (``required``, a named function), or
-    text with calls whose arguments keep their schemas (``auto`` with a ``strict``
-    function); None where the model is free."""
+                 parallel: bool, response_schema: dict[str, Any] | None = None,
+                 ) -> dict[str, Any] | None:
+    """The structural tag a choice needs: calls only (``required``, a named function);
+    under ``auto``, calls or a JSON value of ``response_schema`` where one is given, text
+    with calls whose arguments keep their schemas where a function is ``strict``; None
+    where the model is free."""
     if choice.mode == "function":
         named = [tool for tool in tools if tool.name == choice.name]
         return _structural_tag(parser, named, True, parallel, "tool_choice")
     if choice.mode == "required":
         return _structural_tag(parser, tools, True, parallel, "tool_choice")
+    if response_schema is not None:
+        calls = _structural_tag(parser, tools, True, parallel, "tools")
+        answer = {"type": "json_schema", "json_schema": response_schema}
+        return {"type": "structural_tag",
+                "format": {"type": "or", "elements": [calls["format"], answer]}}
     if any(tool.strict for tool in tools):
         return _structural_tag(parser, tools, False, parallel, "tools")
     return None
@@ -240,14 +276,6 @@ def allowing_reasoning_first(tag: dict[str, Any], parser: ReasoningParser) -> di
         thinking = {"type": "optional", "content": thinking}
     return {"type": "structural_tag",
             "format": {"type": "sequence", "elements": [thinking, tag["format"]]}}
-
-
-def tool_definition(tool: FunctionTool) -> dict[str, Any]:
-    """A function in the form chat templates take (OpenAI's ``tools`` item)."""
-    function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters}
-    if tool.description is not None:
-        function["description"] = tool.description
-    return {"type": "function", "function": function}
 
 
 def check_tools(tools: list[FunctionTool], choice: ToolChoice) -> None:

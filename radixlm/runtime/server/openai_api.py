@@ -143,20 +143,15 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
         check_neutral(_given(body), CHAT_FIELDS)
         if body.top_logprobs and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if not getattr(engine.tokenizer, "chat_template", None):
-            raise OpenAIError(400, "this model's tokenizer has no chat template; use "
-                              "/v1/completions (or start the server with --chat-template)",
-                              param="messages")
-        turn = await prepare_openai_chat_turn(engine, body)
+        turn = await prepare_openai_chat_turn(engine, body, _response_schema(body))
         params = _sampling_params(body, body.max_completion_tokens or body.max_tokens)
-        params.update(_response_format_params(body))
-        if "structural_tag" in turn.sampling_params and any(
-                kind in params for kind in CONSTRAINT_KINDS):
-            raise OpenAIError(400, "tool_choice required, a named function or a strict "
-                              "function is a grammar of its own: it cannot be combined with "
-                              "response_format, regex, ebnf or json_schema",
-                              param="tool_choice")
-        params = {**turn.sampling_params, **params}
+        extras = [kind for kind in CONSTRAINT_KINDS if kind in params]
+        if extras and any(kind in turn.sampling_params for kind in CONSTRAINT_KINDS):
+            raise OpenAIError(400, f"{extras[0]} cannot be combined with a tool grammar "
+                              "(tool_choice required or a named function, a strict function, "
+                              "or response_format with tools)", param=extras[0])
+        # The turn's own (its grammar, special tokens kept for the reader) win.
+        params = {**params, **turn.sampling_params}
         request = GenerateInput(
             input_ids=[turn.prompt_ids], sampling_params=params, return_logprob=body.logprobs,
             top_logprobs_num=body.top_logprobs if body.logprobs else None,
@@ -221,22 +216,28 @@ def _sampling_params(body: SamplingExtras, max_tokens: int | None) -> dict[str, 
 
 
 def _response_format_params(body: SamplingExtras) -> dict[str, Any]:
-    """``response_format`` as a constraint: ``json_object`` is any JSON object,
-    ``json_schema`` its schema. It cannot be combined with the regex / ebnf / json_schema
-    extras (one constraint per request)."""
+    """``response_format`` as a constraint (``_response_schema``)."""
+    schema = _response_schema(body)
+    return {} if schema is None else {"json_schema": json.dumps(schema)}
+
+
+def _response_schema(body: SamplingExtras) -> dict[str, Any] | None:
+    """``response_format``'s schema: ``json_object`` is any JSON object, ``json_schema``
+    its schema, ``text`` (or none) None. It cannot be combined with the regex / ebnf /
+    json_schema extras (one constraint per request)."""
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
-        return {}
+        return None
     extras = [name for name in ("regex", "ebnf", "json_schema") if getattr(body, name)]
     if extras:
         raise OpenAIError(400, f"response_format cannot be combined with {extras[0]} (give "
                           "one constraint)", param="response_format")
     if fmt.type == "json_object":
-        return {"json_schema": json.dumps({"type": "object"})}
+        return {"type": "object"}
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise OpenAIError(400, "response_format json_schema needs json_schema.schema",
                           param="response_format")
-    return {"json_schema": json.dumps(fmt.json_schema.schema_)}
+    return fmt.json_schema.schema_
 
 
 async def _completion_events(

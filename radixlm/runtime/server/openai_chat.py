@@ -57,22 +57,23 @@ from radixlm.runtime.server.openai_protocol import (
 )
 
 
-async def prepare_openai_chat_turn(engine, body: ChatCompletionRequest) -> ChatTurn:
-    """The body's chat turn; bad input is an ``OpenAIError`` 400 naming the field."""
+async def prepare_openai_chat_turn(engine, body: ChatCompletionRequest,
+                                   response_schema: dict[str, Any] | None) -> ChatTurn:
+    """The body's chat turn (``response_schema``: its ``response_format``'s); bad input is
+    an ``OpenAIError`` 400 naming the field."""
     try:
         messages = [template_message(index, m) for index, m in enumerate(body.messages)]
         tools = [FunctionTool(name=t.function.name, description=t.function.description,
-                              parameters=t.function.parameters
-                              if t.function.parameters is not None
-                              else {"type": "object", "properties": {}},
-                              strict=bool(t.function.strict))
+                              strict=bool(t.function.strict),
+                              **({} if t.function.parameters is None
+                                 else {"parameters": t.function.parameters}))
                  for t in body.tools or ()]
         return await prepare_chat_turn(
             engine, messages, tools=tools, tool_choice=tool_choice(body),
             parallel_tool_calls=body.parallel_tool_calls,
             template_kwargs=body.chat_template_kwargs,
             separate_reasoning=body.separate_reasoning,
-            max_reasoning_tokens=body.max_reasoning_tokens,
+            max_reasoning_tokens=body.max_reasoning_tokens, response_schema=response_schema,
         )
     except ChatTurnError as err:
         raise OpenAIError(400, str(err), param=err.param) from None

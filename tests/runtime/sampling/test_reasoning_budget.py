@@ -41,6 +41,8 @@ def contains(output: list[int], sequence: list[int]) -> bool:
     ({"max_reasoning_tokens": 5, "reasoning_end_token_ids": [3, -1]},
      "reasoning_end_token_ids"),
     ({"reasoning_end_token_ids": "</think>"}, "reasoning_end_token_ids"),
+    ({"max_reasoning_tokens": 5, "reasoning_end_token_ids": [1] * 33},
+     "reasoning_end_token_ids"),
 ])
 def test_a_malformed_budget_is_refused_naming_the_field(params, field):
     with pytest.raises(ValueError, match=field):

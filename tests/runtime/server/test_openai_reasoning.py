@@ -74,6 +74,17 @@ def test_stream_reasoning_false_sends_it_in_the_last_chunk(client):
     assert chunks[-1].choices[0].finish_reason is not None
 
 
+def test_a_budget_does_not_force_an_end_of_thinking_into_an_answer(client):
+    """With the template's thinking switched off there is no thinking to end: nothing is
+    forced (``</think>`` in the content would be)."""
+    out = client.chat.completions.create(
+        model="tiny", messages=ASK, temperature=0, max_tokens=12,
+        extra_body={"ignore_eos": True, "max_reasoning_tokens": 2,
+                    "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert "</think>" not in out.content
+    assert out.model_extra.get("reasoning_content") is None
+
+
 def test_a_thinking_budget_ends_the_thinking(engine_for, monkeypatch):
     """deepseek-r1's template opens the thinking in the prompt: a random model never closes
     it, unless the budget forces ``</think>`` after that many tokens."""

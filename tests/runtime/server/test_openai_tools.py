@@ -144,9 +144,8 @@ def test_parse_with_a_strict_pydantic_tool(client, model):
 def test_auto_reads_parallel_calls_the_model_writes(client, model):
     calls = ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
              '<tool_call>\n{"name": "get_time", "arguments": {"zone": "JST"}}\n</tool_call>')
-    regex = "Checking\\. " + "".join("\\" + c if c in "{}[]().*+?|\\^$" else c for c in calls)
     kwargs = {"model": model, "messages": ASK, "tools": TOOLS, "temperature": 0,
-              "max_tokens": 80, "extra_body": {"regex": regex}}
+              "max_tokens": 80, "extra_body": written("Checking. " + calls)}
     whole = client.chat.completions.create(**kwargs).choices[0]
     assert whole.message.content == "Checking. "
     assert [json.loads(c.function.arguments) for c in whole.message.tool_calls] == \
@@ -157,6 +156,49 @@ def test_auto_reads_parallel_calls_the_model_writes(client, model):
     assert [c.function.arguments for c in final.message.tool_calls] == \
         [c.function.arguments for c in whole.message.tool_calls]
     assert len({c.id for c in final.message.tool_calls}) == 2
+
+
+def written(calls: str) -> dict:
+    """``extra_body`` making the model write ``calls`` (under ``auto`` nothing is forced)."""
+    return {"regex": "".join("\\" + c if c in "{}[]().*+?|\\^$" else c for c in calls)}
+
+
+def test_auto_without_parallel_calls_gives_the_first_call_only(client, model):
+    calls = ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {"zone": "JST"}}\n</tool_call>')
+    out = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,
+                                         parallel_tool_calls=False, temperature=0,
+                                         max_tokens=80, extra_body=written(calls))
+    message = out.choices[0].message
+    assert [json.loads(c.function.arguments) for c in message.tool_calls] == [{"zone": "UTC"}]
+    assert message.content is None
+
+
+def test_a_call_to_a_function_not_offered_is_dropped(client, model):
+    calls = ('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {"zone": "JST"}}\n</tool_call>')
+    out = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,
+                                         temperature=0, max_tokens=80,
+                                         extra_body=written(calls))
+    assert [c.function.name for c in out.choices[0].message.tool_calls] == ["get_time"]
+
+
+def test_auto_with_a_response_format_gives_calls_or_an_answer_of_the_schema(client, model):
+    """What the Agents SDK sends for an Agent with tools and an ``output_type``: the output
+    is either calls that validate or one JSON value of the format's schema."""
+    answer = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}
+    for temperature in (0.0, 1.0):
+        out = client.chat.completions.create(
+            model=model, messages=ASK, tools=TOOLS, response_format=fmt, n=8,
+            temperature=temperature, max_tokens=200, parallel_tool_calls=False)
+        for choice in out.choices:
+            assert choice.finish_reason in ("tool_calls", "stop"), choice
+            if choice.message.tool_calls:
+                assert_valid_calls(choice.message.tool_calls)
+            else:
+                jsonschema.validate(json.loads(choice.message.content), answer)
 
 
 def test_a_conversation_with_tool_results(client, model):
@@ -177,7 +219,7 @@ def test_a_conversation_with_tool_results(client, model):
                                                   {"type": "array"}}}]}, "tools[0].parameters"),
     ({"messages": ASK + [{"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
      "messages[1].tool_call_id"),
-    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tool_choice": "required", "regex": "a+"}, "regex"),
     ({"messages": ASK + [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_time",
                                                      "arguments": "[1]"}}]}]},

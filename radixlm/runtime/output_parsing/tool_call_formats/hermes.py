@@ -60,13 +60,8 @@ def call_from_object(text: str, start: int, span: JsonSpan, keys: frozenset[str]
 
 
 def openai_tools(tools: list[FunctionTool]) -> list[dict[str, Any]]:
-    """``tools`` as OpenAI tool dicts for xgrammar's builtin structural tags. ``strict`` is
-    left out: xgrammar drops the schema of a tool whose ``strict`` is false, and the
-    structural tag's contract is that arguments follow the schema."""
-    return [{"type": "function", "function": {"name": tool.name, "parameters": tool.parameters,
-                                              **({"description": tool.description}
-                                                 if tool.description else {})}}
-            for tool in tools]
+    """``tools`` as xgrammar's builtin structural tags take them."""
+    return [tool.openai_tool() for tool in tools]
 
 
 class HermesToolCallParser(BlockToolCallParser):
