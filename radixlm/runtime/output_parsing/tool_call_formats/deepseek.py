@@ -34,6 +34,7 @@ from radixlm.runtime.output_parsing.block_parser import (
     Undecided,
     partial_suffix,
 )
+from radixlm.runtime.output_parsing.call_grammar import calls_only
 from radixlm.runtime.output_parsing.tool_call_formats.block_reading import (
     BlockCursor,
     read_block,
@@ -99,9 +100,8 @@ class DeepSeekToolCallParser(BlockToolCallParser):
             return xst.StructuralTag(format=xst.AnyTextFormat()).model_dump()
         block = xst.TagFormat(
             begin=CALLS_BEGIN,
-            content=xst.TagsWithSeparatorFormat(
-                tags=[self.call_tag(tool) for tool in tools], separator=self.separator,
-                at_least_one=True, stop_after_first=not parallel),
+            content=calls_only([self.call_tag(tool) for tool in tools], self.separator,
+                               parallel),
             end=CALLS_END,
         )
         if at_least_one:

@@ -27,6 +27,7 @@ from radixlm.runtime.output_parsing.block_parser import (
     Undecided,
     partial_suffix,
 )
+from radixlm.runtime.output_parsing.call_grammar import calls_only, json_call_tag
 from radixlm.runtime.output_parsing.tool_call_formats.json_prefix import (
     JsonScans,
     JsonSpan,
@@ -104,13 +105,6 @@ class HermesToolCallParser(BlockToolCallParser):
             return xgr.get_builtin_structural_tag(
                 "qwen_3", tools=openai_tools(tools), tool_choice="auto", reasoning=False,
                 parallel_tool_calls=parallel).model_dump()
-        # xgrammar's "required" still lets text follow the calls; ours is calls only.
-        if not tools:
-            raise ValueError("at least one tool call is required, but no tools are given")
-        tags = [st.TagFormat(begin=CALL_BEGIN + tool.name + ARGUMENTS_BEGIN,
-                             content=st.JSONSchemaFormat(json_schema=tool.parameters),
-                             end=CALL_END)
+        tags = [json_call_tag(CALL_BEGIN + tool.name + ARGUMENTS_BEGIN, tool, CALL_END)
                 for tool in tools]
-        calls = st.TagsWithSeparatorFormat(tags=tags, separator=CALL_SEPARATOR,
-                                           at_least_one=True, stop_after_first=not parallel)
-        return st.StructuralTag(format=calls).model_dump()
+        return st.StructuralTag(format=calls_only(tags, CALL_SEPARATOR, parallel)).model_dump()

@@ -26,6 +26,7 @@ from radixlm.runtime.output_parsing.block_parser import (
     Undecided,
     partial_suffix,
 )
+from radixlm.runtime.output_parsing.call_grammar import calls_only, json_call_tag
 from radixlm.runtime.output_parsing.tool_call_formats.hermes import call_from_object
 from radixlm.runtime.output_parsing.tool_call_formats.json_prefix import (
     JsonScans,
@@ -86,13 +87,10 @@ class MistralToolCallParser(BlockToolCallParser):
             if at_least_one:
                 raise ValueError("at least one tool call is required, but no tools are given")
             return st.StructuralTag(format=st.AnyTextFormat()).model_dump()
-        tags = [st.TagFormat(begin=CALL_BEGIN + tool.name + ARGUMENTS_BEGIN,
-                             content=st.JSONSchemaFormat(json_schema=tool.parameters),
-                             end=CALL_END)
+        tags = [json_call_tag(CALL_BEGIN + tool.name + ARGUMENTS_BEGIN, tool, CALL_END)
                 for tool in tools]
-        calls = st.TagsWithSeparatorFormat(tags=tags, separator=ELEMENT_SEPARATOR,
-                                           at_least_one=True, stop_after_first=not parallel)
-        block = st.TagFormat(begin=ARRAY_BEGIN, content=calls, end=ARRAY_END)
+        block = st.TagFormat(begin=ARRAY_BEGIN, content=calls_only(tags, ELEMENT_SEPARATOR,
+                                                                   parallel), end=ARRAY_END)
         if at_least_one:
             return st.StructuralTag(format=block).model_dump()
         # Free text until the marker; the one block of calls ends the output.

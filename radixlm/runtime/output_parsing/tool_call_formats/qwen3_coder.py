@@ -39,6 +39,7 @@ from radixlm.runtime.output_parsing.block_parser import (
     Undecided,
     partial_suffix,
 )
+from radixlm.runtime.output_parsing.call_grammar import calls_only
 from radixlm.runtime.output_parsing.tool_call_formats.block_reading import (
     BlockCursor,
     json_object_text,
@@ -84,10 +85,7 @@ class Qwen3CoderToolCallParser(BlockToolCallParser):
             for tool in tools
         ]
         if at_least_one:
-            if not tags:
-                raise ValueError("at least one tool call is required, but no tools are given")
-            calls: Any = xst.TagsWithSeparatorFormat(
-                tags=tags, separator="\n", at_least_one=True, stop_after_first=not parallel)
+            calls: Any = calls_only(tags, "\n", parallel)
         elif tags:
             calls = xst.TriggeredTagsFormat(
                 triggers=[f"{TOOL_CALL}\n{FUNCTION}"], tags=tags, stop_after_first=not parallel)

@@ -1,0 +1,30 @@
+"""The parts of tool-call grammars that the formats share: a call as a tag around its JSON
+arguments, and the calls-only form of ``required`` (xgrammar's structural-tag formats).
+
+``calls_only`` is one or more calls with a separator between, and nothing else: no text
+before or after (xgrammar's builtin ``required`` tags let text follow the calls), one call
+only where calls are not ``parallel``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xgrammar.structural_tag as st
+
+from radixlm.runtime.output_parsing.tool_call_types import FunctionTool
+
+
+def json_call_tag(begin: str, tool: FunctionTool, end: str) -> st.TagFormat:
+    """``begin``, the tool's arguments as JSON valid against its schema, ``end``."""
+    return st.TagFormat(begin=begin, content=st.JSONSchemaFormat(json_schema=tool.parameters),
+                        end=end)
+
+
+def calls_only(tags: list[Any], separator: str, parallel: bool) -> st.TagsWithSeparatorFormat:
+    """One or more of ``tags`` (one without ``parallel``), ``separator`` between; raises
+    ``ValueError`` where there is no tool to call."""
+    if not tags:
+        raise ValueError("at least one tool call is required, but no tools are given")
+    return st.TagsWithSeparatorFormat(tags=tags, separator=separator, at_least_one=True,
+                                      stop_after_first=not parallel)
