@@ -1,153 +1,53 @@
 """Anthropic's Messages API over an Engine: ``POST /v1/messages`` (streamed or not) and
-``POST /v1/messages/count_tokens``, bodies in ``anthropic_protocol.py``.
+``POST /v1/messages/count_tokens``, bodies in ``anthropic_protocol.py``, the output as a
+message and its stream in ``anthropic_stream.py``, errors in ``anthropic_errors.py``.
 
 A request becomes one chat turn (``chat_turn.py``): ``system`` the system message, a
 ``tool_use`` block an assistant's tool call, each ``tool_result`` block a ``tool`` message
 (``is_error`` results prefixed ``Error: ``), ``thinking`` blocks dropped from the prompt;
-``tool_choice`` ``any`` is ``required``, ``tool`` a named function; ``thinking`` sets the
-template's thinking switch (on, with ``budget_tokens`` the thinking budget where the server
-has a reasoning parser, or off).
+``tool_choice`` ``any`` is ``required``, ``tool`` a named function,
+``disable_parallel_tool_use`` no parallel calls; ``thinking`` sets the template's thinking
+switch (on, with ``budget_tokens`` the thinking budget where the server has a reasoning
+parser, or off). The turn's own sampling parameters (its grammar, its thinking budget) win
+over the body's.
 
-The answer's blocks come in the turn's order: thinking, then text and ``tool_use`` blocks as
-the model wrote them. Whitespace-only text next to a tool call is no block. ``stop_reason``
-is ``tool_use`` when there are calls, else ``max_tokens`` for a length finish,
-``stop_sequence`` when one of ``stop_sequences`` matched, else ``end_turn``.
-
-A stream sends ``message_start`` (once the first output arrived, so that its usage is the
-prompt's), then for each block ``content_block_start``, its deltas and
-``content_block_stop``, then ``message_delta`` (stop reason, final usage) and
-``message_stop``: ``event: <type>`` and ``data: <JSON>`` per event, the JSON ASCII-escaped
-so every event is one line to any line reader. Blocks never overlap: one is stopped before
-the next starts, and indexes count up from 0.
-
-Errors use Anthropic's body, ``{"type": "error", "error": {"type", "message"}}``, the message
-naming the field at fault: 400 ``invalid_request_error`` for bad input, 404
-``not_found_error`` for a model other than the served one (its name or its path), 503
-``overloaded_error`` / ``api_error`` when the queue is full or the runtime is down. An error
-after a stream began (or an aborted generation) is an ``error`` event, and ends the stream.
+Invariant: a whole message is built by the block writer a stream runs, so both have the
+same blocks in the same order (``anthropic_stream``'s invariant); a model other than the
+served one (its name or its path) is a 404 before any work is done.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
-from pydantic import BaseModel
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import StreamingResponse
 
 from radixlm.runtime.engine.engine import Engine
-from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
 from radixlm.runtime.engine.request_inputs import GenerateInput
-from radixlm.runtime.engine.request_state import OutputDelta
 from radixlm.runtime.output_parsing.reasoning_parser import get_reasoning_parser
-from radixlm.runtime.output_parsing.tool_call_types import FunctionTool, ToolCall
+from radixlm.runtime.output_parsing.tool_call_types import FunctionTool
+from radixlm.runtime.server.anthropic_errors import ERROR_RESPONSES, AnthropicError, AnthropicRoute
 from radixlm.runtime.server.anthropic_protocol import (
-    UNKNOWN_BLOCK,
-    ContentBlockDelta,
-    ContentBlockStart,
-    ContentBlockStop,
     CountTokensRequest,
-    ErrorResponse,
-    InputJsonDelta,
     Message,
-    MessageDelta,
-    MessageEnd,
     MessagesRequest,
-    MessageStart,
-    MessageStop,
-    OutputBlock,
-    StopReason,
     TextBlock,
-    TextDelta,
-    TextOut,
     ThinkingConfig,
-    ThinkingDelta,
-    ThinkingOut,
     TokenCount,
     ToolResultBlock,
     ToolUseBlock,
-    ToolUseOut,
-    Usage,
 )
-from radixlm.runtime.server.chat_turn import (
-    ChatTurn,
-    ContentDelta,
-    ReasoningDelta,
-    ToolChoice,
-    TurnEvent,
-    prepare_chat_turn,
+from radixlm.runtime.server.anthropic_stream import (
+    check_not_aborted,
+    message_content,
+    server_sent_events,
+    stop_reason,
+    stream_events,
+    usage,
 )
-
-logger = logging.getLogger(__name__)
-
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "api_error",
-                503: "overloaded_error"}
-_ERRORS = {status: {"model": ErrorResponse} for status in _ERROR_TYPES}
-
-
-class AnthropicError(Exception):
-    """An error to answer with Anthropic's error body."""
-
-    def __init__(self, status: int, message: str, kind: str | None = None):
-        super().__init__(message)
-        self.status, self.message = status, message
-        self.kind = kind or _ERROR_TYPES.get(status, "api_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": self.kind, "message": self.message}}
-
-
-def field_path(loc: tuple) -> str:
-    """A validation error's location as a field path (``messages.0.content.1``): the union
-    tags, CamelCase by ``anthropic_protocol``'s rule, left out."""
-    parts = [str(part) for part in loc
-             if part != "body" and not (isinstance(part, str) and part[:1].isupper())]
-    return ".".join(parts) or "body"
-
-
-def as_anthropic_error(err: Exception) -> AnthropicError:
-    if isinstance(err, AnthropicError):
-        return err
-    if isinstance(err, RequestValidationError):
-        first = err.errors()[0]
-        path, message = field_path(first.get("loc", ())), first.get("msg", "invalid value")
-        if first.get("type") == "json_invalid":  # its location is a character offset
-            path = "body"
-        if first.get("type") == UNKNOWN_BLOCK:
-            given = first.get("input")
-            kind = given.get("type") if isinstance(given, dict) else None
-            path, message = f"{path}.type", f"{message} (got {kind!r})"
-        return AnthropicError(400, f"{path}: {message.removeprefix('Value error, ')}")
-    if isinstance(err, QueueFull):
-        return AnthropicError(503, str(err))
-    if isinstance(err, RuntimeUnavailable):
-        return AnthropicError(503, str(err), kind="api_error")
-    return AnthropicError(400, str(err))
-
-
-_ANSWERED = (AnthropicError, RequestValidationError, ValueError, RuntimeUnavailable, QueueFull)
-
-
-class AnthropicRoute(APIRoute):
-    """A route answering its own validation, input and runtime errors in Anthropic's shape."""
-
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-
-        async def guarded(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except _ANSWERED as err:
-                error = as_anthropic_error(err)
-                return JSONResponse(error.body(), status_code=error.status)
-
-        return guarded
+from radixlm.runtime.server.chat_turn import ChatTurn, ToolChoice, prepare_chat_turn
 
 
 def add_anthropic_routes(app: FastAPI, engine: Engine, served_model_name: str) -> None:
@@ -161,32 +61,30 @@ def add_anthropic_routes(app: FastAPI, engine: Engine, served_model_name: str) -
             raise AnthropicError(404, f"model: `{name}` does not exist; this server serves "
                                  f"`{served_model_name}`")
 
-    @router.post("/messages", response_model=Message, responses=_ERRORS)
+    @router.post("/messages", response_model=Message, responses=ERROR_RESPONSES)
     async def messages(body: MessagesRequest):
         check_model(body.model)
         turn = await _prepare(engine, body)
         request = GenerateInput(input_ids=[turn.prompt_ids],
                                 sampling_params={**_sampling_params(body), **turn.sampling_params})
         head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "model": body.model}
+        stop_sequences = body.stop_sequences or []
         if body.stream:
             deltas = await engine.stream_deltas(request)
-            events = _stream_events(deltas, turn, head, body.stop_sequences or [])
-            return StreamingResponse(_sse(events, deltas), media_type="text/event-stream")
+            events = stream_events(deltas, turn, head, stop_sequences)
+            return StreamingResponse(server_sent_events(events, deltas),
+                                     media_type="text/event-stream")
         out = (await engine.generate_request(request))[0]
         meta = out["meta_info"]
-        _check_not_aborted(meta.get("finish_reason"))
-        read = turn.read(out["text"])
-        blocks: list[OutputBlock] = [ThinkingOut(thinking=read.reasoning)] if read.reasoning else []
-        if read.content and (read.content.strip() or not read.tool_calls):
-            blocks.append(TextOut(text=read.content))
-        blocks += [_tool_use(call) for call in read.tool_calls]
-        reason, sequence = _stop_reason(meta.get("finish_reason"), bool(read.tool_calls),
-                                        body.stop_sequences or [])
-        usage = _usage(meta["prompt_tokens"], meta["cached_tokens"], meta["completion_tokens"])
+        check_not_aborted(meta.get("finish_reason"))
+        blocks, called = message_content(turn, out["text"])
+        reason, sequence = stop_reason(meta.get("finish_reason"), called, stop_sequences)
         return Message(**head, content=blocks, stop_reason=reason, stop_sequence=sequence,
-                       usage=usage)
+                       usage=usage(meta["prompt_tokens"], meta["cached_tokens"],
+                                   meta["completion_tokens"]))
 
-    @router.post("/messages/count_tokens", response_model=TokenCount, responses=_ERRORS)
+    @router.post("/messages/count_tokens", response_model=TokenCount,
+                 responses=ERROR_RESPONSES)
     async def count_tokens(body: CountTokensRequest) -> TokenCount:
         check_model(body.model)
         turn = await _prepare(engine, body)
@@ -200,9 +98,6 @@ def add_anthropic_routes(app: FastAPI, engine: Engine, served_model_name: str) -
 
 async def _prepare(engine: Engine, body: CountTokensRequest) -> ChatTurn:
     """The body's chat turn: its prompt and the constraints its tools and thinking add."""
-    if not getattr(engine.tokenizer, "chat_template", None):
-        raise AnthropicError(400, "messages: this model's tokenizer has no chat template; "
-                             "start the server with --chat-template")
     tools = [FunctionTool(name=tool.name, parameters=tool.input_schema,
                           description=tool.description) for tool in body.tools or []]
     choice = body.tool_choice
@@ -282,6 +177,7 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
 
 
 def _assistant_message(blocks: list, index: int) -> dict[str, Any]:
+    """An assistant message: its text blocks joined, its ``tool_use`` blocks its calls."""
     texts, calls = [], []
     for j, block in enumerate(blocks):
         if isinstance(block, TextBlock):
@@ -299,6 +195,7 @@ def _assistant_message(blocks: list, index: int) -> dict[str, Any]:
 
 
 def _text(content: str | list[TextBlock]) -> str:
+    """A string, or text blocks joined by newlines."""
     return content if isinstance(content, str) else "\n".join(b.text for b in content)
 
 
@@ -307,142 +204,3 @@ def _sampling_params(body: MessagesRequest) -> dict[str, Any]:
     params = {"max_new_tokens": body.max_tokens, "stop": body.stop_sequences,
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
     return {key: value for key, value in params.items() if value is not None}
-
-
-# Outputs -> a message ------------------------------------------------------------------------
-
-
-def _check_not_aborted(finish: dict[str, Any] | None) -> None:
-    if finish is not None and finish["type"] == "abort":
-        raise AnthropicError(500, f"the generation was aborted: {finish.get('message', '')}")
-
-
-def _stop_reason(finish: dict[str, Any] | None, called: bool,
-                 stop_sequences: list[str]) -> tuple[StopReason, str | None]:
-    """Anthropic's stop reason and matched stop sequence for a native finish reason."""
-    if called:
-        return "tool_use", None
-    if finish is not None and finish["type"] == "length":
-        return "max_tokens", None
-    matched = finish.get("matched") if finish is not None else None
-    if isinstance(matched, str) and matched in stop_sequences:
-        return "stop_sequence", matched
-    return "end_turn", None
-
-
-def _usage(prompt: int, cached: int, output: int) -> Usage:
-    return Usage(input_tokens=prompt - cached, output_tokens=output,
-                 cache_read_input_tokens=cached)
-
-
-def _tool_use(call: ToolCall) -> ToolUseOut:
-    return ToolUseOut(id=f"toolu_{uuid.uuid4().hex[:24]}", name=call.name,
-                      input=json.loads(call.arguments))
-
-
-class BlockWriter:
-    """Turns a turn's events into content block events: a block starts when the kind of
-    output changes, and stops before the next one starts. Whitespace-only text is held until
-    text that is not whitespace follows (it then opens a text block) or the output ends
-    without a tool call (it then is one)."""
-
-    def __init__(self) -> None:
-        self.index = -1
-        self.open: str | None = None  # "thinking" or "text": the block taking deltas
-        self.held = ""
-        self.called = False
-
-    def take(self, event: TurnEvent) -> list[BaseModel]:
-        if isinstance(event, ReasoningDelta):
-            return self._into("thinking") + [
-                ContentBlockDelta(index=self.index, delta=ThinkingDelta(thinking=event.text))]
-        if isinstance(event, ContentDelta):
-            if self.open != "text" and not event.text.strip():
-                self.held += event.text
-                return []
-            text, self.held = self.held + event.text, ""
-            return self._into("text") + [
-                ContentBlockDelta(index=self.index, delta=TextDelta(text=text))]
-        self.held, self.called = "", True
-        events = self._close()
-        self.index += 1
-        use = _tool_use(event)
-        return events + [
-            ContentBlockStart(index=self.index, content_block=use.model_copy(update={"input": {}})),
-            ContentBlockDelta(index=self.index, delta=InputJsonDelta(partial_json=event.arguments)),
-            ContentBlockStop(index=self.index),
-        ]
-
-    def finish(self) -> list[BaseModel]:
-        events: list[BaseModel] = []
-        if self.held and not self.called:
-            text, self.held = self.held, ""
-            events = self._into("text") + [
-                ContentBlockDelta(index=self.index, delta=TextDelta(text=text))]
-        return events + self._close()
-
-    def _into(self, kind: str) -> list[BaseModel]:
-        if self.open == kind:
-            return []
-        events = self._close()
-        self.index += 1
-        self.open = kind
-        block = ThinkingOut(thinking="") if kind == "thinking" else TextOut(text="")
-        return events + [ContentBlockStart(index=self.index, content_block=block)]
-
-    def _close(self) -> list[BaseModel]:
-        if self.open is None:
-            return []
-        self.open = None
-        return [ContentBlockStop(index=self.index)]
-
-
-async def _stream_events(deltas: AsyncIterator[tuple[int, OutputDelta]], turn: ChatTurn,
-                         head: dict[str, Any], stop_sequences: list[str]
-                         ) -> AsyncIterator[BaseModel]:
-    writer, reader = BlockWriter(), turn.stream()
-    prompt = cached = output = 0
-    finish, started = None, False
-    async for _, delta in deltas:
-        if not started:
-            started = True
-            prompt, cached = delta.prompt_tokens, delta.cached_tokens
-            yield MessageStart(message=Message(**head, content=[],
-                                               usage=_usage(prompt, cached, 0)))
-        output += len(delta.new_ids)
-        finish = delta.finish_reason or finish
-        for event in reader.feed(delta.text):
-            for block_event in writer.take(event):
-                yield block_event
-    _check_not_aborted(finish)
-    for event in reader.finish():
-        for block_event in writer.take(event):
-            yield block_event
-    for block_event in writer.finish():
-        yield block_event
-    reason, sequence = _stop_reason(finish, writer.called, stop_sequences)
-    yield MessageDelta(delta=MessageEnd(stop_reason=reason, stop_sequence=sequence),
-                       usage=_usage(prompt, cached, output))
-    yield MessageStop()
-
-
-def _event(kind: str, data: dict[str, Any]) -> bytes:
-    # json.dumps escapes every non-ASCII character, U+2028 and U+2029 among them.
-    return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
-
-
-async def _sse(events: AsyncIterator[BaseModel], source: AsyncIterator) -> AsyncIterator[bytes]:
-    """The events as server-sent events; an error as an ``error`` event, which ends them.
-    ``source`` (the Engine stream) is closed as soon as this ends, which aborts what is
-    unfinished when a client goes away."""
-    try:
-        async for event in events:
-            yield _event(event.type, event.model_dump(mode="json"))
-    except _ANSWERED as err:
-        yield _event("error", as_anthropic_error(err).body())
-    except Exception as err:  # a fault of ours: the client still sees the stream end
-        logger.exception("a stream failed")
-        failure = AnthropicError(500, f"the server failed ({type(err).__name__}); see its log")
-        yield _event("error", failure.body())
-    finally:
-        await source.aclose()

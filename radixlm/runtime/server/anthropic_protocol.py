@@ -6,7 +6,7 @@ Requests refuse unknown fields, as the OpenAI bodies do (``openai_protocol.py``)
 every shared prefix without being asked). A content block is one of the input block types
 by its ``type``; the unions carry CamelCase tags (``TextBlock``, ``Blocks``), which never
 collide with a field's snake_case name, so an error's field path can leave them out
-(``anthropic_api.field_path``).
+(``anthropic_errors.field_path``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class _Request(BaseModel):
 
 
 class TextBlock(_Request):
+    """A text block of a message, a tool result or the system prompt."""
+
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None
@@ -59,6 +61,8 @@ class ThinkingBlock(_Request):
 
 
 class RedactedThinkingBlock(_Request):
+    """Reasoning a provider returned encrypted, in the history (left out of the prompt)."""
+
     type: Literal["redacted_thinking"]
     data: str
 
@@ -113,6 +117,8 @@ SystemPrompt = Annotated[
 
 
 class InputMessage(_Request):
+    """A message of the conversation: a string (one text block) or blocks."""
+
     role: Literal["user", "assistant"]
     content: Content
 
@@ -167,6 +173,8 @@ class ThinkingConfig(_Request):
 
 
 class Metadata(_Request):
+    """The caller's metadata (taken and ignored)."""
+
     user_id: str | None = None
 
 
@@ -183,6 +191,9 @@ class CountTokensRequest(_Request):
 
 
 class MessagesRequest(CountTokensRequest):
+    """A ``/v1/messages`` body: the prompt and how to sample its answer. A thinking
+    budget is below ``max_tokens`` (Anthropic's rule)."""
+
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -205,6 +216,8 @@ class MessagesRequest(CountTokensRequest):
 
 
 class TextOut(BaseModel):
+    """Text the model wrote."""
+
     type: Literal["text"] = "text"
     text: str
 
@@ -217,6 +230,8 @@ class ThinkingOut(BaseModel):
 
 
 class ToolUseOut(BaseModel):
+    """A call the model made; ``input`` is its arguments."""
+
     type: Literal["tool_use"] = "tool_use"
     id: str
     name: str
@@ -239,6 +254,9 @@ class Usage(BaseModel):
 
 
 class Message(BaseModel):
+    """The answer: its blocks in the order the model wrote them, why it stopped, its
+    usage."""
+
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
@@ -250,15 +268,21 @@ class Message(BaseModel):
 
 
 class TokenCount(BaseModel):
+    """The prompt's length in tokens: ``/v1/messages/count_tokens``'s answer."""
+
     input_tokens: int
 
 
 class ErrorDetail(BaseModel):
+    """An error's type (``invalid_request_error``, ...) and message."""
+
     type: str
     message: str
 
 
 class ErrorResponse(BaseModel):
+    """Anthropic's error body."""
+
     type: Literal["error"] = "error"
     error: ErrorDetail
 
@@ -267,43 +291,59 @@ class ErrorResponse(BaseModel):
 
 
 class MessageStart(BaseModel):
+    """A stream's first event: the message without content, its usage the prompt's."""
+
     type: Literal["message_start"] = "message_start"
     message: Message
 
 
 class ContentBlockStart(BaseModel):
+    """A block's start: the block, empty, at ``index``."""
+
     type: Literal["content_block_start"] = "content_block_start"
     index: int
     content_block: OutputBlock
 
 
 class TextDelta(BaseModel):
+    """Text to append to a text block."""
+
     type: Literal["text_delta"] = "text_delta"
     text: str
 
 
 class ThinkingDelta(BaseModel):
+    """Reasoning to append to a thinking block."""
+
     type: Literal["thinking_delta"] = "thinking_delta"
     thinking: str
 
 
 class InputJsonDelta(BaseModel):
+    """JSON text to append to a ``tool_use`` block's input (the deltas join to it)."""
+
     type: Literal["input_json_delta"] = "input_json_delta"
     partial_json: str
 
 
 class ContentBlockDelta(BaseModel):
+    """A delta of the block at ``index``, the block started last."""
+
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
     delta: TextDelta | ThinkingDelta | InputJsonDelta
 
 
 class ContentBlockStop(BaseModel):
+    """The end of the block at ``index``."""
+
     type: Literal["content_block_stop"] = "content_block_stop"
     index: int
 
 
 class MessageEnd(BaseModel):
+    """Why the message stopped, and the stop sequence that matched."""
+
     stop_reason: StopReason | None
     stop_sequence: str | None = None
 
@@ -317,8 +357,11 @@ class MessageDelta(BaseModel):
 
 
 class MessageStop(BaseModel):
+    """A stream's last event."""
+
     type: Literal["message_stop"] = "message_stop"
 
 
 StreamEvent = (MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop
                | MessageDelta | MessageStop)
+"""The events a stream sends, in ``anthropic_stream``'s order (an ``error`` event aside)."""

@@ -303,6 +303,7 @@ TOOL_USE = {"role": "assistant", "content": [
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
     ({"tools": [{**WEATHER, "input_schema": {"type": "string"}}]}, "tools.0.input_schema"),
     ({"tools": [{**WEATHER, "input_schema": ["city"]}]}, "tools.0.input_schema"),
+    ({"tools": [WEATHER, WEATHER]}, "tools.1.name"),
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": ASK + [TOOL_USE]}, "messages.1.role"),
     ({"thinking": {"type": "enabled"}}, "thinking"),
