@@ -281,3 +281,25 @@ def test_openapi_describes_the_routes(server):
     schema = httpx.get(server + "/openapi.json", timeout=30).json()
     assert {"/v1/responses", "/v1/responses/{response_id}"} <= set(schema["paths"])
     assert {"ResponsesRequest", "ResponseObject"} <= set(schema["components"]["schemas"])
+
+
+def test_a_forced_call_keeps_its_schema_and_its_stream_assembles_into_the_whole(client):
+    request = dict(model=MODEL, input="Weather?", tools=[WEATHER, TIME], temperature=0.0,
+                   tool_choice={"type": "function", "name": "get_weather"},
+                   parallel_tool_calls=False, max_output_tokens=256)  # tiny vocabulary
+    whole = client.responses.create(**request)
+    assert whole.status == "completed", whole.output
+    with client.responses.stream(**request) as stream:
+        types = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert whole.tool_choice.name == "get_weather"
+    [call] = whole.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    assert [item.model_dump(exclude={"id", "call_id", "parsed_arguments"})
+            for item in streamed.output] == [
+        item.model_dump(exclude={"id", "call_id"}) for item in whole.output]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == "response.completed"
+    assert types.count("response.function_call_arguments.done") == 1
