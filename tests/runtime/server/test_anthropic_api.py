@@ -384,7 +384,8 @@ def test_the_default_model_answers_and_uses_a_tool(default_client):
                                 "required": ["city"]}}
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     with client.messages.stream(model=DEFAULT_MODEL, max_tokens=64, messages=ask, **GREEDY,
-                                tools=[weather], tool_choice={"type": "any"}) as stream:
+                                tools=[weather], tool_choice={
+                                    "type": "any", "disable_parallel_tool_use": True}) as stream:
         reply = stream.get_final_message()
     call = next(block for block in reply.content if block.type == "tool_use")
     assert call.name == "get_weather" and reply.stop_reason == "tool_use"
