@@ -14,6 +14,14 @@ from radixlm.runtime.output_parsing.tool_call_types import (
     ToolCallParser,
 )
 
+Corpus = list[tuple[str, str, list[ToolCall]]]
+"""Outputs of a format, each with the content and calls it parses to."""
+
+
+def content_only(text: str) -> tuple[str, str, list[ToolCall]]:
+    """A corpus entry for an output with no call: all of it is content, byte for byte."""
+    return text, text, []
+
 
 def streamed(parser: ToolCallParser, pieces: list[str]) -> ParsedToolCalls:
     """What a stream gives for ``pieces`` fed in order, then finished, as one result."""
@@ -42,8 +50,16 @@ def assert_stream_agrees(parser: ToolCallParser, text: str) -> ParsedToolCalls:
     return whole
 
 
-def assert_any_split_agrees(parser: ToolCallParser, texts: list[str], examples: int = 200):
-    """A property test: any cutting of any of ``texts`` streams to ``parse``'s result."""
+def assert_parses_to(parser: ToolCallParser, text: str, content: str,
+                     calls: list[ToolCall]) -> None:
+    """``text`` parses to ``content`` and ``calls``, and streams so over every split."""
+    parsed = assert_stream_agrees(parser, text)
+    assert (parsed.content, parsed.calls) == (content, calls), text
+
+
+def assert_any_split_agrees(parser: ToolCallParser, corpus: Corpus, examples: int = 200):
+    """A property test: any cutting of any text of ``corpus`` streams to ``parse``'s result."""
+    texts = [text for text, _, _ in corpus]
 
     @settings(max_examples=examples, deadline=None)
     @given(st.sampled_from(texts), st.lists(st.integers(0, 10_000), max_size=12))

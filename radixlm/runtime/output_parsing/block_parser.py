@@ -54,6 +54,14 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+def find_marker(text: str, start: int, marker: str) -> tuple[int | None, int]:
+    """``find_block`` for a format whose every block opens with ``marker``."""
+    found = text.find(marker, start)
+    if found >= 0:
+        return found, 0
+    return None, partial_suffix(text, marker)
+
+
 class BlockToolCallParser(ToolCallParser):
     """A parser over a block format (subclasses give ``find_block`` and ``match_block``)."""
 

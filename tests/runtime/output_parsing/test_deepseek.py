@@ -9,18 +9,21 @@ import json
 import pytest
 import xgrammar as xgr
 from structural_tag_checks import (
-    TIME,
     TOOLS,
     WEATHER,
     accepts,
     accepts_prefix,
+    assert_calls_alone,
+    assert_default_model_opens_only_calls,
+    assert_named_tag_takes_that_function_only,
+    assert_one_call_without_parallel,
+    assert_required_tag_needs_a_tool,
     assert_round_trip,
-    assert_tokens_open,
-    first_tokens,
 )
-from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
+from tool_call_checks import Corpus, assert_any_split_agrees, assert_parses_to
 
 from radixlm.runtime.output_parsing.block_parser import INCOMPLETE, INVALID
+from radixlm.runtime.output_parsing.call_grammar import openai_tools
 from radixlm.runtime.output_parsing.tool_call_formats.deepseek import (
     CALL_BEGIN,
     CALL_END,
@@ -52,7 +55,7 @@ def block(version: str, *calls: tuple[str, str]) -> str:
     return CALLS_BEGIN + separator.join(write(n, a) for n, a in calls) + CALLS_END
 
 
-def corpus(version: str) -> list[tuple[str, str, list[ToolCall]]]:
+def corpus(version: str) -> Corpus:
     """Outputs of ``version``: (text, content, calls)."""
     _, write, _ = WRITERS[version]
     tokyo = ("get_weather", '{"city": "Tokyo"}')
@@ -104,15 +107,13 @@ def corpus(version: str) -> list[tuple[str, str, list[ToolCall]]]:
 
 @pytest.mark.parametrize("version", WRITERS)
 def test_corpus_parses_and_streams_over_every_split(version):
-    parser = WRITERS[version][0]
     for text, content, calls in corpus(version):
-        parsed = assert_stream_agrees(parser, text)
-        assert (parsed.content, parsed.calls) == (content, calls), text
+        assert_parses_to(WRITERS[version][0], text, content, calls)
 
 
 @pytest.mark.parametrize("version", WRITERS)
 def test_any_cutting_of_the_corpus_streams_to_the_parse(version):
-    assert_any_split_agrees(WRITERS[version][0], [text for text, _, _ in corpus(version)])
+    assert_any_split_agrees(WRITERS[version][0], corpus(version))
 
 
 def test_a_name_stops_at_a_special_token():
@@ -120,11 +121,6 @@ def test_a_name_stops_at_a_special_token():
     assert V31.match_block(CALLS_BEGIN + CALL_BEGIN + "f<｜tool▁call", 0) is INVALID
     assert V31.match_block(CALLS_BEGIN + CALL_BEGIN + "f" + CALL_END, 0) is INVALID
     assert V3.match_block(CALLS_BEGIN + CALL_BEGIN + "function" + SEP + "f" + SEP, 0) is INVALID
-
-
-def openai_tools(tools) -> list[dict]:
-    return [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}}
-            for t in tools]
 
 
 @pytest.mark.parametrize(("version", "model"),
@@ -162,10 +158,8 @@ def test_required_tag_allows_one_block_alone(version):
     now, now_call = written(version, "get_time", {})
     assert_round_trip(parser, tag, CALLS_BEGIN + weather + separator + now + CALLS_END,
                       [weather_call, now_call])
-    assert not accepts(tag, "")
-    assert not accepts_prefix(tag, "Sure")
     assert not accepts(tag, CALLS_BEGIN + CALLS_END)
-    assert not accepts(tag, CALLS_BEGIN + weather + CALLS_END + " Done.")
+    assert_calls_alone(tag, CALLS_BEGIN + weather + CALLS_END, after=" Done.")
 
 
 @pytest.mark.parametrize("version", WRITERS)
@@ -173,10 +167,9 @@ def test_not_parallel_allows_one_call(version):
     parser, _, separator = WRITERS[version]
     weather, _ = written(version, "get_weather", {"city": "Oslo"})
     now, _ = written(version, "get_time", {})
-    for at_least_one in (False, True):
-        tag = parser.structural_tag(TOOLS, at_least_one=at_least_one, parallel=False)
-        assert accepts(tag, CALLS_BEGIN + now + CALLS_END)
-        assert not accepts(tag, CALLS_BEGIN + weather + separator + now + CALLS_END)
+    assert_one_call_without_parallel(parser, CALLS_BEGIN + now + CALLS_END,
+                                     CALLS_BEGIN + weather + separator + now + CALLS_END,
+                                     CALLS_BEGIN + now + CALLS_END)
     tag = parser.structural_tag(TOOLS, at_least_one=False, parallel=False)
     assert not accepts(tag, CALLS_BEGIN + now + CALLS_END + " and " + CALLS_BEGIN + now
                        + CALLS_END)
@@ -195,21 +188,16 @@ def test_tag_rejects_schema_violations(version):
 
 
 def test_named_function_tag_allows_that_function_only():
-    tag = V31.structural_tag([TIME], at_least_one=True, parallel=False)
-    assert accepts(tag, CALLS_BEGIN + v31_call("get_time", "{}") + CALLS_END)
-    assert not accepts_prefix(tag, CALLS_BEGIN + CALL_BEGIN + "get_weather")
+    assert_named_tag_takes_that_function_only(
+        V31, CALLS_BEGIN + v31_call("get_time", "{}") + CALLS_END, ToolCall("get_time", "{}"),
+        CALLS_BEGIN + CALL_BEGIN + "get_weather")
 
 
 def test_required_tag_needs_a_tool():
-    with pytest.raises(ValueError, match="no tools"):
-        V3.structural_tag([], at_least_one=True, parallel=True)
-    assert accepts(V3.structural_tag([], at_least_one=False, parallel=True), "any text")
+    assert_required_tag_needs_a_tool(V3)
 
 
 @pytest.mark.default_model
 @pytest.mark.parametrize("version", WRITERS)
 def test_default_model_may_only_open_a_block_under_the_required_tag(version):
-    parser = WRITERS[version][0]
-    assert_tokens_open(parser.structural_tag(TOOLS, at_least_one=True, parallel=True),
-                       CALLS_BEGIN)
-    assert len(first_tokens(parser.structural_tag(TOOLS, False, True))) > 1000
+    assert_default_model_opens_only_calls(WRITERS[version][0], CALLS_BEGIN)

@@ -5,15 +5,20 @@ a real xgrammar matcher."""
 from __future__ import annotations
 
 import pytest
-import xgrammar as xgr
-from structural_tag_checks import TIME, TOOLS, WEATHER, accepts, accepts_prefix, assert_round_trip
-from token_checks import accepts_tokens
-from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
-
-from radixlm.runtime.output_parsing.tool_call_formats.hermes import (
-    HermesToolCallParser,
-    openai_tools,
+from structural_tag_checks import (
+    TOOLS,
+    assert_builtin_required_tag_lets_text_follow,
+    assert_calls_alone,
+    assert_named_tag_takes_that_function_only,
+    assert_one_call_without_parallel,
+    assert_required_tag_needs_a_tool,
+    assert_round_trip,
+    assert_tags_reject_schema_violations,
 )
+from token_checks import assert_tokens_take_calls_alone
+from tool_call_checks import Corpus, assert_any_split_agrees, assert_parses_to, content_only
+
+from radixlm.runtime.output_parsing.tool_call_formats.hermes import HermesToolCallParser
 from radixlm.runtime.output_parsing.tool_call_types import ToolCall
 
 PARSER = HermesToolCallParser()
@@ -35,12 +40,7 @@ ESCAPED = '{"q": "say \\"hi\\"\\n</tool_call> {\\"x\\": 1}\\\\"}'
 UNCLOSED = '<tool_call>\n{"name": "get_time", "arguments": {}}\n'
 
 
-def same(text: str) -> tuple[str, str, list[ToolCall]]:
-    """A malformed output: all of it is content."""
-    return text, text, []
-
-
-CORPUS: list[tuple[str, str, list[ToolCall]]] = [
+CORPUS: Corpus = [
     ("", "", []),
     ("The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
     (PARIS, "", [PARIS_CALL]),
@@ -61,20 +61,20 @@ CORPUS: list[tuple[str, str, list[ToolCall]]] = [
     ('<tool_call>\n{"arguments": {"a": 1}, "name": "f"}\n</tool_call>', "",
      [ToolCall("f", '{"a": 1}')]),
     # Malformed: content, byte for byte.
-    same('<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>'),
-    same('<tool_call>\n{"name": "f", "arguments": {"x": NaN}}\n</tool_call>'),
-    same(UNCLOSED),
-    same('<tool_call>\n{"name": "get_weather", "argu'),
-    same('<tool_call>\n{"function": "f", "arguments": {}}\n</tool_call>'),
-    same('<tool_call>\n{"name": "f", "arguments": {}, "id": "1"}\n</tool_call>'),
-    same('<tool_call>\n{"name": "f"}\n</tool_call>'),
-    same('<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>'),
-    same('<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>'),
-    same('<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>'),
-    same('<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>'),
-    same('<tool_call>\n[{"name": "f", "arguments": {}}]\n</tool_call>'),
-    same('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_cal>'),
-    same("ends with a partial <tool_ca"),
+    content_only('<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>'),
+    content_only('<tool_call>\n{"name": "f", "arguments": {"x": NaN}}\n</tool_call>'),
+    content_only(UNCLOSED),
+    content_only('<tool_call>\n{"name": "get_weather", "argu'),
+    content_only('<tool_call>\n{"function": "f", "arguments": {}}\n</tool_call>'),
+    content_only('<tool_call>\n{"name": "f", "arguments": {}, "id": "1"}\n</tool_call>'),
+    content_only('<tool_call>\n{"name": "f"}\n</tool_call>'),
+    content_only('<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>'),
+    content_only('<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>'),
+    content_only('<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>'),
+    content_only('<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>'),
+    content_only('<tool_call>\n[{"name": "f", "arguments": {}}]\n</tool_call>'),
+    content_only('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_cal>'),
+    content_only("ends with a partial <tool_ca"),
     # A marker in prose, then a real call; a broken block, then a real one.
     ("Wrap calls in <tool_call> tags. " + PARIS, "Wrap calls in <tool_call> tags. ",
      [PARIS_CALL]),
@@ -84,13 +84,11 @@ CORPUS: list[tuple[str, str, list[ToolCall]]] = [
 
 @pytest.mark.parametrize(("text", "content", "calls"), CORPUS)
 def test_corpus_parses_and_streams_over_every_split(text, content, calls):
-    parsed = assert_stream_agrees(PARSER, text)
-    assert parsed.content == content
-    assert parsed.calls == calls
+    assert_parses_to(PARSER, text, content, calls)
 
 
 def test_any_cutting_of_the_corpus_streams_to_the_parse():
-    assert_any_split_agrees(PARSER, [text for text, _, _ in CORPUS])
+    assert_any_split_agrees(PARSER, CORPUS)
 
 
 def test_a_call_is_given_when_its_block_closes():
@@ -115,52 +113,32 @@ def test_required_tag_allows_calls_only():
     tag = PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True)
     assert_round_trip(PARSER, tag, WEATHER_BLOCK + "\n" + TIME_BLOCK, [PARIS_CALL, TIME_CALL],
                       "\n")
-    assert not accepts(tag, "")
-    assert not accepts_prefix(tag, "Sure")
-    assert not accepts(tag, "Sure. " + WEATHER_BLOCK)
-    assert not accepts(tag, WEATHER_BLOCK + "\nDone.")
+    assert_calls_alone(tag, WEATHER_BLOCK)
 
 
 def test_xgrammars_own_required_tag_lets_text_follow_the_calls():
     """Why ``required`` is built here: xgrammar's builtin Qwen 3 tag takes text after."""
-    builtin = xgr.get_builtin_structural_tag("qwen_3", tools=openai_tools(TOOLS),
-                                             tool_choice="required", reasoning=False)
-    assert accepts(builtin.model_dump(), WEATHER_BLOCK + "\nDone.")
-    assert not accepts(builtin.model_dump(), "Sure. " + WEATHER_BLOCK)
+    assert_builtin_required_tag_lets_text_follow("qwen_3", WEATHER_BLOCK, "\nDone.")
 
 
 def test_not_parallel_allows_one_call():
-    for at_least_one in (False, True):
-        tag = PARSER.structural_tag(TOOLS, at_least_one=at_least_one, parallel=False)
-        assert accepts(tag, WEATHER_BLOCK)
-        assert not accepts(tag, WEATHER_BLOCK + "\n" + TIME_BLOCK)
-    assert accepts(PARSER.structural_tag(TOOLS, False, False), "Text first. " + TIME_BLOCK)
+    assert_one_call_without_parallel(PARSER, WEATHER_BLOCK, WEATHER_BLOCK + "\n" + TIME_BLOCK,
+                                     TIME_BLOCK)
 
 
 def test_named_function_tag_allows_that_function_only():
-    tag = PARSER.structural_tag([TIME], at_least_one=True, parallel=False)
-    assert_round_trip(PARSER, tag, TIME_BLOCK, [TIME_CALL])
-    assert not accepts_prefix(tag, '<tool_call>\n{"name": "get_weather"')
+    assert_named_tag_takes_that_function_only(PARSER, TIME_BLOCK, TIME_CALL,
+                                              '<tool_call>\n{"name": "get_weather"')
 
 
 def test_tag_rejects_schema_violations():
-    for at_least_one in (False, True):
-        tag = PARSER.structural_tag([WEATHER], at_least_one=at_least_one, parallel=True)
-        assert not accepts(tag, block("get_weather", '{"days": 3}'))  # city is required
-        assert not accepts_prefix(tag, block("get_weather", '{"city": "P", "days": "three"}'))
-        assert not accepts_prefix(tag, block("get_weather", '{"city": "P", "unit": "kelvin"}'))
-        assert_round_trip(PARSER, tag, block("get_weather", '{"city": "Oslo", "unit": "celsius"}'),
-                          [ToolCall("get_weather", '{"city": "Oslo", "unit": "celsius"}')])
+    assert_tags_reject_schema_violations(PARSER, lambda arguments: block("get_weather", arguments))
 
 
 def test_required_tag_needs_a_tool():
-    with pytest.raises(ValueError, match="no tools"):
-        PARSER.structural_tag([], at_least_one=True, parallel=True)
-    assert accepts(PARSER.structural_tag([], at_least_one=False, parallel=True), "any text")
+    assert_required_tag_needs_a_tool(PARSER)
 
 
 @pytest.mark.default_model
 def test_tag_takes_the_calls_as_the_default_models_tokens():
-    tag = PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True)
-    assert accepts_tokens(tag, WEATHER_BLOCK + "\n" + TIME_BLOCK)
-    assert not accepts_tokens(tag, "Sure. " + WEATHER_BLOCK)
+    assert_tokens_take_calls_alone(PARSER, WEATHER_BLOCK + "\n" + TIME_BLOCK, WEATHER_BLOCK)

@@ -5,13 +5,20 @@ real xgrammar matcher. Ordinary JSON and semicolons in text stay content."""
 from __future__ import annotations
 
 import pytest
-import xgrammar as xgr
-from structural_tag_checks import TIME as TIME_TOOL
-from structural_tag_checks import TOOLS, WEATHER, accepts, accepts_prefix, assert_round_trip
-from token_checks import accepts_tokens
-from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
+from structural_tag_checks import (
+    TOOLS,
+    accepts_prefix,
+    assert_builtin_required_tag_lets_text_follow,
+    assert_calls_alone,
+    assert_named_tag_takes_that_function_only,
+    assert_one_call_without_parallel,
+    assert_required_tag_needs_a_tool,
+    assert_round_trip,
+    assert_tags_reject_schema_violations,
+)
+from token_checks import assert_tokens_take_calls_alone
+from tool_call_checks import Corpus, assert_any_split_agrees, assert_parses_to, content_only
 
-from radixlm.runtime.output_parsing.tool_call_formats.hermes import openai_tools
 from radixlm.runtime.output_parsing.tool_call_formats.llama3 import Llama3ToolCallParser
 from radixlm.runtime.output_parsing.tool_call_types import ToolCall
 
@@ -33,14 +40,9 @@ UNICODE = '{"city": "Zürich 東京 🌧", "note": "\\u00e9"}'
 ESCAPED = '{"code": "if (a) { b(); }; c; \\"q\\"\\\\"}'
 
 
-def same(text: str) -> tuple[str, str, list[ToolCall]]:
-    """An output with no call: all of it is content."""
-    return text, text, []
-
-
-CORPUS: list[tuple[str, str, list[ToolCall]]] = [
-    same(""),
-    same("The weather in Paris is sunny."),
+CORPUS: Corpus = [
+    content_only(""),
+    content_only("The weather in Paris is sunny."),
     (PARIS, "", [PARIS_CALL]),
     (obj("get_weather", PARIS_ARGS, "arguments"), "", [PARIS_CALL]),
     ("<|python_tag|>" + PARIS, "", [PARIS_CALL]),
@@ -56,24 +58,24 @@ CORPUS: list[tuple[str, str, list[ToolCall]]] = [
     ('{ "name" : "f" ,"parameters":{"b":1,  "a" : [ 1,2 ]} }', "",
      [ToolCall("f", '{"b":1,  "a" : [ 1,2 ]}')]),
     # Ordinary JSON and braces in text are content.
-    same('The config is {"name": "server", "port": 8080}.'),
-    same('{"a": 1} and {"b": [2]}'),
-    same('{"parameters": {}, "name": "f"}'),
-    same("function f() { return 1; }; g();"),
-    same("first; second;third"),
+    content_only('The config is {"name": "server", "port": 8080}.'),
+    content_only('{"a": 1} and {"b": [2]}'),
+    content_only('{"parameters": {}, "name": "f"}'),
+    content_only("function f() { return 1; }; g();"),
+    content_only("first; second;third"),
     # Malformed calls are content.
-    same('{"name": "f", "parameters": {"a": }}'),
-    same('{"name": "f", "parameters": {"a": 1}'),
-    same('{"name": "f", "parameters": "{\\"a\\": 1}"}'),
-    same('{"name": "f", "parameters": {}, "arguments": {}}'),
-    same('{"name": "f", "parameters": {}, "id": 1}'),
-    same('{"name": "", "parameters": {}}'),
-    same('{"name": "app", "version": "1.0", "parameters": {}}'),
-    same('{"name": "a\\"b", "name": "f", "parameters": {}}'),
-    same("{'name': 'f', 'parameters': {}}"),
-    same('<|python_tag|>brave_search.call(query="weather")'),
-    same('x; {"name": "f"}'),
-    same("a partial tag <|python"),
+    content_only('{"name": "f", "parameters": {"a": }}'),
+    content_only('{"name": "f", "parameters": {"a": 1}'),
+    content_only('{"name": "f", "parameters": "{\\"a\\": 1}"}'),
+    content_only('{"name": "f", "parameters": {}, "arguments": {}}'),
+    content_only('{"name": "f", "parameters": {}, "id": 1}'),
+    content_only('{"name": "", "parameters": {}}'),
+    content_only('{"name": "app", "version": "1.0", "parameters": {}}'),
+    content_only('{"name": "a\\"b", "name": "f", "parameters": {}}'),
+    content_only("{'name': 'f', 'parameters': {}}"),
+    content_only('<|python_tag|>brave_search.call(query="weather")'),
+    content_only('x; {"name": "f"}'),
+    content_only("a partial tag <|python"),
     # A marker in prose, then a call; a call-shaped object inside other JSON is a call.
     ("Llama writes <|python_tag|> first. " + TIME, "Llama writes <|python_tag|> first. ",
      [TIME_CALL]),
@@ -83,13 +85,11 @@ CORPUS: list[tuple[str, str, list[ToolCall]]] = [
 
 @pytest.mark.parametrize(("text", "content", "calls"), CORPUS)
 def test_corpus_parses_and_streams_over_every_split(text, content, calls):
-    parsed = assert_stream_agrees(PARSER, text)
-    assert parsed.content == content
-    assert parsed.calls == calls
+    assert_parses_to(PARSER, text, content, calls)
 
 
 def test_any_cutting_of_the_corpus_streams_to_the_parse():
-    assert_any_split_agrees(PARSER, [text for text, _, _ in CORPUS])
+    assert_any_split_agrees(PARSER, CORPUS)
 
 
 def test_braces_that_open_no_call_are_given_as_soon_as_their_first_key_says_so():
@@ -113,52 +113,30 @@ def test_auto_tag_allows_text_and_calls():
 def test_required_tag_allows_calls_only():
     tag = PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True)
     assert_round_trip(PARSER, tag, PARIS + ";" + TIME, [PARIS_CALL, TIME_CALL])
-    assert not accepts(tag, "")
-    assert not accepts_prefix(tag, "Sure")
-    assert not accepts(tag, "Sure. " + PARIS)
-    assert not accepts(tag, PARIS + " Done.")
+    assert_calls_alone(tag, PARIS, after=" Done.")
 
 
 def test_xgrammars_own_required_tag_lets_text_follow_the_calls():
     """Why ``required`` is built here: xgrammar's builtin Llama tag takes text after."""
-    builtin = xgr.get_builtin_structural_tag("llama", tools=openai_tools(TOOLS),
-                                             tool_choice="required", reasoning=False)
-    assert accepts(builtin.model_dump(), PARIS + " Done.")
-    assert not accepts(builtin.model_dump(), "Sure. " + PARIS)
+    assert_builtin_required_tag_lets_text_follow("llama", PARIS, " Done.")
 
 
 def test_not_parallel_allows_one_call():
-    for at_least_one in (False, True):
-        tag = PARSER.structural_tag(TOOLS, at_least_one=at_least_one, parallel=False)
-        assert accepts(tag, PARIS)
-        assert not accepts(tag, PARIS + ";" + TIME)
-    assert accepts(PARSER.structural_tag(TOOLS, False, False), "Text first. " + TIME)
+    assert_one_call_without_parallel(PARSER, PARIS, PARIS + ";" + TIME, TIME)
 
 
 def test_named_function_tag_allows_that_function_only():
-    tag = PARSER.structural_tag([TIME_TOOL], at_least_one=True, parallel=False)
-    assert_round_trip(PARSER, tag, TIME, [TIME_CALL])
-    assert not accepts_prefix(tag, '{"name": "get_weather"')
+    assert_named_tag_takes_that_function_only(PARSER, TIME, TIME_CALL, '{"name": "get_weather"')
 
 
 def test_tag_rejects_schema_violations():
-    for at_least_one in (False, True):
-        tag = PARSER.structural_tag([WEATHER], at_least_one=at_least_one, parallel=True)
-        assert not accepts(tag, obj("get_weather", '{"days": 3}'))  # city is required
-        assert not accepts_prefix(tag, obj("get_weather", '{"city": "P", "days": "three"}'))
-        assert not accepts_prefix(tag, obj("get_weather", '{"city": "P", "unit": "kelvin"}'))
-        oslo = '{"city": "Oslo", "unit": "celsius"}'
-        assert_round_trip(PARSER, tag, obj("get_weather", oslo), [ToolCall("get_weather", oslo)])
+    assert_tags_reject_schema_violations(PARSER, lambda arguments: obj("get_weather", arguments))
 
 
 def test_required_tag_needs_a_tool():
-    with pytest.raises(ValueError, match="no tools"):
-        PARSER.structural_tag([], at_least_one=True, parallel=True)
-    assert accepts(PARSER.structural_tag([], at_least_one=False, parallel=True), "any text")
+    assert_required_tag_needs_a_tool(PARSER)
 
 
 @pytest.mark.default_model
 def test_tag_takes_the_calls_as_the_default_models_tokens():
-    tag = PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True)
-    assert accepts_tokens(tag, PARIS + ";" + TIME)
-    assert not accepts_tokens(tag, "Sure. " + PARIS)
+    assert_tokens_take_calls_alone(PARSER, PARIS + ";" + TIME, PARIS)

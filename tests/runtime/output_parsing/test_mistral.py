@@ -5,10 +5,18 @@ structural tag (the array form) checked with a real xgrammar matcher."""
 from __future__ import annotations
 
 import pytest
-from structural_tag_checks import TIME as TIME_TOOL
-from structural_tag_checks import TOOLS, WEATHER, accepts, accepts_prefix, assert_round_trip
-from token_checks import accepts_tokens
-from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
+from structural_tag_checks import (
+    TOOLS,
+    accepts,
+    assert_calls_alone,
+    assert_named_tag_takes_that_function_only,
+    assert_one_call_without_parallel,
+    assert_required_tag_needs_a_tool,
+    assert_round_trip,
+    assert_tags_reject_schema_violations,
+)
+from token_checks import assert_tokens_take_calls_alone
+from tool_call_checks import Corpus, assert_any_split_agrees, assert_parses_to, content_only
 
 from radixlm.runtime.output_parsing.tool_call_formats.mistral import MistralToolCallParser
 from radixlm.runtime.output_parsing.tool_call_types import ToolCall
@@ -35,14 +43,9 @@ UNICODE = '{"city": "Zürich 東京 🌧", "note": "\\u00e9"}'
 ESCAPED = '{"q": "a ] b [TOOL_CALLS] c \\"q\\" [ARGS]\\\\"}'
 
 
-def same(text: str) -> tuple[str, str, list[ToolCall]]:
-    """An output with no call: all of it is content."""
-    return text, text, []
-
-
-CORPUS: list[tuple[str, str, list[ToolCall]]] = [
-    same(""),
-    same("The weather in Paris is sunny."),
+CORPUS: Corpus = [
+    content_only(""),
+    content_only("The weather in Paris is sunny."),
     (array(PARIS), "", [PARIS_CALL]),
     ("[TOOL_CALLS][" + PARIS + "," + TIME + "]", "", [PARIS_CALL, TIME_CALL]),
     ('[TOOL_CALLS]  [{"name": "get_time", "arguments": {}, "id": "abc123def"}]', "",
@@ -61,21 +64,21 @@ CORPUS: list[tuple[str, str, list[ToolCall]]] = [
      [ToolCall("my.tool-2_x", '{"b":1,  "a" : [ 1,2 ]}')]),
     (array(TIME) + "[TOOL_CALLS]get_weather[ARGS]" + PARIS_ARGS, "", [TIME_CALL, PARIS_CALL]),
     # Malformed: content, byte for byte.
-    same('[TOOL_CALLS] [{"name": "f", "arguments": {"a": }}]'),
-    same("[TOOL_CALLS] [" + PARIS),
-    same('[TOOL_CALLS] [{"name": "f", "parameters": {}}]'),
-    same('[TOOL_CALLS] [{"name": "f", "arguments": {}, "extra": 1}]'),
-    same('[TOOL_CALLS] [{"name": "f", "arguments": "{}"}]'),
-    same("[TOOL_CALLS] [" + PARIS + ", 1]"),
-    same("[TOOL_CALLS] []"),
-    same('[TOOL_CALLS] {"name": "f", "arguments": {}}'),
-    same('[TOOL_CALLS]get_weather {"city": "Paris"}'),
-    same("[TOOL_CALLS]f[ARGS][1]"),
-    same('[TOOL_CALLS]f[ARGS]{"a": NaN}'),
-    same("[TOOL_CALLS]f[CALL_ID][ARGS]{}"),
-    same("[TOOL_CALLS][ARGS]{}"),
-    same("[TOOL_CALLS]get_weather[ARG"),
-    same("ends with a partial [TOOL_CA"),
+    content_only('[TOOL_CALLS] [{"name": "f", "arguments": {"a": }}]'),
+    content_only("[TOOL_CALLS] [" + PARIS),
+    content_only('[TOOL_CALLS] [{"name": "f", "parameters": {}}]'),
+    content_only('[TOOL_CALLS] [{"name": "f", "arguments": {}, "extra": 1}]'),
+    content_only('[TOOL_CALLS] [{"name": "f", "arguments": "{}"}]'),
+    content_only("[TOOL_CALLS] [" + PARIS + ", 1]"),
+    content_only("[TOOL_CALLS] []"),
+    content_only('[TOOL_CALLS] {"name": "f", "arguments": {}}'),
+    content_only('[TOOL_CALLS]get_weather {"city": "Paris"}'),
+    content_only("[TOOL_CALLS]f[ARGS][1]"),
+    content_only('[TOOL_CALLS]f[ARGS]{"a": NaN}'),
+    content_only("[TOOL_CALLS]f[CALL_ID][ARGS]{}"),
+    content_only("[TOOL_CALLS][ARGS]{}"),
+    content_only("[TOOL_CALLS]get_weather[ARG"),
+    content_only("ends with a partial [TOOL_CA"),
     # A marker in prose, then a real call.
     ("The [TOOL_CALLS] token starts calls. " + array(TIME),
      "The [TOOL_CALLS] token starts calls. ", [TIME_CALL]),
@@ -84,13 +87,11 @@ CORPUS: list[tuple[str, str, list[ToolCall]]] = [
 
 @pytest.mark.parametrize(("text", "content", "calls"), CORPUS)
 def test_corpus_parses_and_streams_over_every_split(text, content, calls):
-    parsed = assert_stream_agrees(PARSER, text)
-    assert parsed.content == content
-    assert parsed.calls == calls
+    assert_parses_to(PARSER, text, content, calls)
 
 
 def test_any_cutting_of_the_corpus_streams_to_the_parse():
-    assert_any_split_agrees(PARSER, [text for text, _, _ in CORPUS])
+    assert_any_split_agrees(PARSER, CORPUS)
 
 
 def test_compact_calls_are_given_when_their_arguments_close():
@@ -113,46 +114,28 @@ def test_auto_tag_allows_text_then_one_block_of_calls():
 def test_required_tag_allows_calls_only():
     tag = PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True)
     assert_round_trip(PARSER, tag, array(PARIS, TIME), [PARIS_CALL, TIME_CALL])
-    assert not accepts(tag, "")
     assert not accepts(tag, "[TOOL_CALLS] []")
-    assert not accepts_prefix(tag, "Sure")
-    assert not accepts(tag, "Sure. " + array(PARIS))
-    assert not accepts(tag, array(PARIS) + "\nDone.")
+    assert_calls_alone(tag, array(PARIS))
 
 
 def test_not_parallel_allows_one_call():
-    for at_least_one in (False, True):
-        tag = PARSER.structural_tag(TOOLS, at_least_one=at_least_one, parallel=False)
-        assert accepts(tag, array(PARIS))
-        assert not accepts(tag, array(PARIS, TIME))
-    assert accepts(PARSER.structural_tag(TOOLS, False, False), "Text first. " + array(TIME))
+    assert_one_call_without_parallel(PARSER, array(PARIS), array(PARIS, TIME), array(TIME))
 
 
 def test_named_function_tag_allows_that_function_only():
-    tag = PARSER.structural_tag([TIME_TOOL], at_least_one=True, parallel=False)
-    assert_round_trip(PARSER, tag, array(TIME), [TIME_CALL])
-    assert not accepts_prefix(tag, '[TOOL_CALLS] [{"name": "get_weather"')
+    assert_named_tag_takes_that_function_only(PARSER, array(TIME), TIME_CALL,
+                                              '[TOOL_CALLS] [{"name": "get_weather"')
 
 
 def test_tag_rejects_schema_violations():
-    for at_least_one in (False, True):
-        tag = PARSER.structural_tag([WEATHER], at_least_one=at_least_one, parallel=True)
-        assert not accepts(tag, array(element("get_weather", '{"days": 3}')))
-        assert not accepts_prefix(tag, array(element("get_weather", '{"city": "P", "days": "3"}')))
-        assert not accepts_prefix(tag, array(element("get_weather", '{"unit": "kelvin"}')))
-        oslo = '{"city": "Oslo", "unit": "celsius"}'
-        assert_round_trip(PARSER, tag, array(element("get_weather", oslo)),
-                          [ToolCall("get_weather", oslo)])
+    assert_tags_reject_schema_violations(
+        PARSER, lambda arguments: array(element("get_weather", arguments)))
 
 
 def test_required_tag_needs_a_tool():
-    with pytest.raises(ValueError, match="no tools"):
-        PARSER.structural_tag([], at_least_one=True, parallel=True)
-    assert accepts(PARSER.structural_tag([], at_least_one=False, parallel=True), "any text")
+    assert_required_tag_needs_a_tool(PARSER)
 
 
 @pytest.mark.default_model
 def test_tag_takes_the_calls_as_the_default_models_tokens():
-    tag = PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True)
-    assert accepts_tokens(tag, array(PARIS, TIME))
-    assert not accepts_tokens(tag, "Sure. " + array(PARIS))
+    assert_tokens_take_calls_alone(PARSER, array(PARIS, TIME), array(PARIS))

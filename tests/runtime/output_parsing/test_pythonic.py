@@ -10,16 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from structural_tag_checks import (
-    TIME,
     TOOLS,
     WEATHER,
     accepts,
     accepts_prefix,
+    assert_calls_alone,
+    assert_default_model_opens_only_calls,
+    assert_named_tag_takes_that_function_only,
     assert_round_trip,
-    assert_tokens_open,
-    first_tokens,
 )
-from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
+from tool_call_checks import Corpus, assert_any_split_agrees, assert_parses_to
 
 from radixlm.runtime.output_parsing.block_parser import INCOMPLETE, INVALID
 from radixlm.runtime.output_parsing.tool_call_formats.pythonic import PythonicToolCallParser
@@ -35,7 +35,7 @@ def tc(name: str, **arguments) -> ToolCall:
 PARIS = '[get_weather(city="Paris", days=3)]'
 PARIS_CALL = tc("get_weather", city="Paris", days=3)
 
-CORPUS: list[tuple[str, str, list[ToolCall]]] = [
+CORPUS: Corpus = [
     ("", "", []),
     ("It is sunny in Paris.", "It is sunny in Paris.", []),
     (PARIS, "", [PARIS_CALL]),
@@ -74,13 +74,11 @@ CORPUS: list[tuple[str, str, list[ToolCall]]] = [
 
 @pytest.mark.parametrize(("text", "content", "calls"), CORPUS)
 def test_corpus_parses_and_streams_over_every_split(text, content, calls):
-    parsed = assert_stream_agrees(PARSER, text)
-    assert parsed.content == content
-    assert parsed.calls == calls
+    assert_parses_to(PARSER, text, content, calls)
 
 
 def test_any_cutting_of_the_corpus_streams_to_the_parse():
-    assert_any_split_agrees(PARSER, [text for text, _, _ in CORPUS])
+    assert_any_split_agrees(PARSER, CORPUS)
 
 
 def test_a_list_is_decided_as_soon_as_a_prefix_can():
@@ -125,11 +123,8 @@ def test_required_tag_allows_one_list_alone():
     tag = PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True)
     assert_round_trip(PARSER, tag, "[get_time(), get_weather(city='Oslo', unit=\"celsius\")]",
                       [tc("get_time"), tc("get_weather", city="Oslo", unit="celsius")])
-    assert not accepts(tag, "")
     assert not accepts(tag, "[]")
-    assert not accepts_prefix(tag, "Sure")
-    assert not accepts(tag, "Sure [get_time()]")
-    assert not accepts(tag, "[get_time()] done")
+    assert_calls_alone(tag, "[get_time()]", before="Sure ", after=" done")
 
 
 def test_not_parallel_allows_one_call():
@@ -142,9 +137,8 @@ def test_not_parallel_allows_one_call():
 
 
 def test_named_function_tag_allows_that_function_only():
-    tag = PARSER.structural_tag([TIME], at_least_one=True, parallel=False)
-    assert_round_trip(PARSER, tag, "[get_time()]", [tc("get_time")])
-    assert not accepts_prefix(tag, "[get_weather(")
+    assert_named_tag_takes_that_function_only(PARSER, "[get_time()]", tc("get_time"),
+                                              "[get_weather(")
 
 
 def test_tag_rejects_schema_violations():
@@ -213,5 +207,4 @@ def test_names_that_are_not_identifiers_raise():
 
 @pytest.mark.default_model
 def test_default_model_may_only_open_a_call_under_the_required_tag():
-    assert_tokens_open(PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True), "[get_")
-    assert len(first_tokens(PARSER.structural_tag(TOOLS, False, True))) > 1000
+    assert_default_model_opens_only_calls(PARSER, "[get_")

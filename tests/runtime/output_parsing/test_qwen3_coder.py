@@ -10,17 +10,20 @@ import xgrammar as xgr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from structural_tag_checks import (
-    TIME,
     TOOLS,
     WEATHER,
     accepts,
     accepts_prefix,
+    assert_calls_alone,
+    assert_default_model_opens_only_calls,
+    assert_named_tag_takes_that_function_only,
+    assert_one_call_without_parallel,
+    assert_required_tag_needs_a_tool,
     assert_round_trip,
-    assert_tokens_open,
-    first_tokens,
 )
-from tool_call_checks import assert_any_split_agrees, assert_stream_agrees
+from tool_call_checks import Corpus, assert_any_split_agrees, assert_parses_to
 
+from radixlm.runtime.output_parsing.call_grammar import openai_tools
 from radixlm.runtime.output_parsing.tool_call_formats.qwen3_coder import (
     Qwen3CoderToolCallParser,
     parameter_value,
@@ -44,7 +47,7 @@ PARIS = call("get_weather", ("city", "Paris"), ("days", "3"))
 PARIS_CALL = tc("get_weather", city="Paris", days=3)
 UNCLOSED = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
 
-CORPUS: list[tuple[str, str, list[ToolCall]]] = [
+CORPUS: Corpus = [
     ("", "", []),
     ("The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
     (PARIS, "", [PARIS_CALL]),
@@ -91,13 +94,11 @@ CORPUS: list[tuple[str, str, list[ToolCall]]] = [
 
 @pytest.mark.parametrize(("text", "content", "calls"), CORPUS)
 def test_corpus_parses_and_streams_over_every_split(text, content, calls):
-    parsed = assert_stream_agrees(PARSER, text)
-    assert parsed.content == content
-    assert parsed.calls == calls
+    assert_parses_to(PARSER, text, content, calls)
 
 
 def test_any_cutting_of_the_corpus_streams_to_the_parse():
-    assert_any_split_agrees(PARSER, [text for text, _, _ in CORPUS])
+    assert_any_split_agrees(PARSER, CORPUS)
 
 
 def test_parameter_values_fall_back_to_their_text():
@@ -124,34 +125,25 @@ def test_required_tag_allows_calls_only():
     tag = PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True)
     assert_round_trip(PARSER, tag, WEATHER_CALL + "\n" + TIME_CALL,
                       [tc("get_weather", city="Paris", days=3), tc("get_time")], "\n")
-    assert not accepts(tag, "")
-    assert not accepts_prefix(tag, "Sure")
-    assert not accepts(tag, "Sure. " + WEATHER_CALL)
-    assert not accepts(tag, WEATHER_CALL + "\nDone.")
+    assert_calls_alone(tag, WEATHER_CALL)
 
 
 def test_xgrammars_own_required_tag_lets_text_follow_which_ours_does_not():
-    tools = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}}
-             for t in TOOLS]
-    theirs = xgr.get_builtin_structural_tag("qwen_3_coder", tools=tools, tool_choice="required",
-                                            reasoning=False).model_dump()
+    theirs = xgr.get_builtin_structural_tag("qwen_3_coder", tools=openai_tools(TOOLS),
+                                            tool_choice="required", reasoning=False).model_dump()
     assert accepts(theirs, WEATHER_CALL + "\nDone.")
     assert not accepts(PARSER.structural_tag(TOOLS, True, True), WEATHER_CALL + "\nDone.")
     assert not accepts(theirs, TIME_CALL)  # it wants a blank line where no parameters are
 
 
 def test_not_parallel_allows_one_call():
-    for at_least_one in (False, True):
-        tag = PARSER.structural_tag(TOOLS, at_least_one=at_least_one, parallel=False)
-        assert accepts(tag, WEATHER_CALL)
-        assert not accepts(tag, WEATHER_CALL + "\n" + TIME_CALL)
-    assert accepts(PARSER.structural_tag(TOOLS, False, False), "Text first. " + TIME_CALL)
+    assert_one_call_without_parallel(PARSER, WEATHER_CALL, WEATHER_CALL + "\n" + TIME_CALL,
+                                     TIME_CALL)
 
 
 def test_named_function_tag_allows_that_function_only():
-    tag = PARSER.structural_tag([TIME], at_least_one=True, parallel=False)
-    assert_round_trip(PARSER, tag, TIME_CALL, [tc("get_time")])
-    assert not accepts_prefix(tag, "<tool_call>\n<function=get_weather")
+    assert_named_tag_takes_that_function_only(PARSER, TIME_CALL, tc("get_time"),
+                                              "<tool_call>\n<function=get_weather")
 
 
 def test_tag_rejects_schema_violations():
@@ -165,16 +157,12 @@ def test_tag_rejects_schema_violations():
 
 
 def test_required_tag_needs_a_tool():
-    with pytest.raises(ValueError, match="no tools"):
-        PARSER.structural_tag([], at_least_one=True, parallel=True)
-    assert accepts(PARSER.structural_tag([], at_least_one=False, parallel=True), "any text")
+    assert_required_tag_needs_a_tool(PARSER)
 
 
 @pytest.mark.default_model
 def test_default_model_may_only_open_a_call_under_the_required_tag():
-    assert_tokens_open(PARSER.structural_tag(TOOLS, at_least_one=True, parallel=True),
-                       "<tool_call>\n<function=")
-    assert len(first_tokens(PARSER.structural_tag(TOOLS, False, True))) > 1000
+    assert_default_model_opens_only_calls(PARSER, "<tool_call>\n<function=")
 
 
 NOTE = FunctionTool("note", {

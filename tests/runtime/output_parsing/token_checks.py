@@ -8,6 +8,9 @@ import json
 from typing import Any
 
 import xgrammar as xgr
+from structural_tag_checks import TOOLS
+
+from radixlm.runtime.output_parsing.tool_call_types import ToolCallParser
 
 
 @functools.cache
@@ -28,3 +31,11 @@ def accepts_tokens(tag: dict[str, Any], text: str) -> bool:
     matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(json.dumps(tag)))
     tokens = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
     return all(matcher.accept_token(token) for token in tokens) and matcher.is_terminated()
+
+
+def assert_tokens_take_calls_alone(parser: ToolCallParser, calls: str, call: str) -> None:
+    """The ``required`` tag takes the default model's tokens of ``calls``, and not of text
+    before ``call``."""
+    tag = parser.structural_tag(TOOLS, at_least_one=True, parallel=True)
+    assert accepts_tokens(tag, calls)
+    assert not accepts_tokens(tag, "Sure. " + call)

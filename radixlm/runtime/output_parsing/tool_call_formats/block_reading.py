@@ -46,6 +46,21 @@ def read_block(text: str, start: int,
         return stop.answer
 
 
+def literal_end(text: str, pos: int, literal: str) -> int | Undecided:
+    """The index past ``literal`` at ``pos``; INCOMPLETE where the text ends inside it,
+    INVALID where it holds something else."""
+    if text.startswith(literal, pos):
+        return pos + len(literal)
+    return INCOMPLETE if literal.startswith(text[pos:pos + len(literal)]) else INVALID
+
+
+def skip_space(text: str, pos: int) -> int:
+    """The first index at or after ``pos`` that is not whitespace (``str.isspace``)."""
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
 class BlockCursor:
     """A position in ``text`` that moves only forward, by reads that succeed."""
 
@@ -55,7 +70,10 @@ class BlockCursor:
 
     def literal(self, expected: str) -> None:
         """Reads ``expected`` exactly."""
-        self.one_of(expected)
+        end = literal_end(self.text, self.pos, expected)
+        if isinstance(end, Undecided):
+            raise StopReading(end)
+        self.pos = end
 
     def one_of(self, *choices: str) -> tuple[int, str]:
         """Reads whichever of ``choices`` (none a prefix of another) comes next: its index and
@@ -71,8 +89,7 @@ class BlockCursor:
 
     def skip_space(self) -> None:
         """Reads any whitespace."""
-        while self.pos < len(self.text) and self.text[self.pos].isspace():
-            self.pos += 1
+        self.pos = skip_space(self.text, self.pos)
 
     def until(self, terminator: str, forbidden: tuple[str, ...] = ()) -> str:
         """Reads a field up to the first ``terminator`` and the terminator; returns the

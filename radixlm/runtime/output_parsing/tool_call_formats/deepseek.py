@@ -32,9 +32,9 @@ from radixlm.runtime.output_parsing.block_parser import (
     Block,
     BlockToolCallParser,
     Undecided,
-    partial_suffix,
+    find_marker,
 )
-from radixlm.runtime.output_parsing.call_grammar import calls_only
+from radixlm.runtime.output_parsing.call_grammar import calls_only, json_call_tag
 from radixlm.runtime.output_parsing.tool_call_formats.block_reading import (
     BlockCursor,
     read_block,
@@ -60,10 +60,7 @@ class DeepSeekToolCallParser(BlockToolCallParser):
     """What the chat template writes between two calls."""
 
     def find_block(self, text: str, start: int) -> tuple[int | None, int]:
-        found = text.find(CALLS_BEGIN, start)
-        if found >= 0:
-            return found, 0
-        return None, partial_suffix(text, CALLS_BEGIN)
+        return find_marker(text, start, CALLS_BEGIN)
 
     def match_block(self, text: str, start: int) -> Block | Undecided:
         return read_block(text, start, self._read_calls)
@@ -124,9 +121,8 @@ class DeepSeekV3ToolCallParser(DeepSeekToolCallParser):
         return ToolCall(name, _arguments(cursor, cursor.until(f"```{CALL_END}", MARKERS)))
 
     def call_tag(self, tool: FunctionTool) -> xst.TagFormat:
-        return xst.TagFormat(begin=f"{CALL_BEGIN}function{SEP}{tool.name}\n```json\n",
-                             content=xst.JSONSchemaFormat(json_schema=tool.parameters),
-                             end=f"\n```{CALL_END}")
+        return json_call_tag(f"{CALL_BEGIN}function{SEP}{tool.name}\n```json\n", tool,
+                             f"\n```{CALL_END}")
 
 
 class DeepSeekV31ToolCallParser(DeepSeekToolCallParser):
@@ -140,9 +136,7 @@ class DeepSeekV31ToolCallParser(DeepSeekToolCallParser):
         return ToolCall(name, _arguments(cursor, cursor.until(CALL_END, MARKERS)))
 
     def call_tag(self, tool: FunctionTool) -> xst.TagFormat:
-        return xst.TagFormat(begin=f"{CALL_BEGIN}{tool.name}{SEP}",
-                             content=xst.JSONSchemaFormat(json_schema=tool.parameters),
-                             end=CALL_END)
+        return json_call_tag(f"{CALL_BEGIN}{tool.name}{SEP}", tool, CALL_END)
 
 
 def _name(cursor: BlockCursor, name: str) -> str:

@@ -13,10 +13,8 @@ it ``hermes``.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import xgrammar as xgr
 from xgrammar import structural_tag as st
 
 from radixlm.runtime.output_parsing.block_parser import (
@@ -25,15 +23,20 @@ from radixlm.runtime.output_parsing.block_parser import (
     Block,
     BlockToolCallParser,
     Undecided,
-    partial_suffix,
+    find_marker,
 )
-from radixlm.runtime.output_parsing.call_grammar import calls_only, json_call_tag
+from radixlm.runtime.output_parsing.call_grammar import (
+    builtin_auto_tag,
+    calls_only,
+    json_call_tags,
+)
+from radixlm.runtime.output_parsing.tool_call_formats.json_call import call_from_object
 from radixlm.runtime.output_parsing.tool_call_formats.json_prefix import (
     JsonScans,
     JsonSpan,
     skip_whitespace,
 )
-from radixlm.runtime.output_parsing.tool_call_types import FunctionTool, ToolCall
+from radixlm.runtime.output_parsing.tool_call_types import FunctionTool
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -46,25 +49,6 @@ CALL_END = "}\n" + CLOSE
 CALL_SEPARATOR = "\n"
 
 
-def call_from_object(text: str, start: int, span: JsonSpan, keys: frozenset[str],
-                     arguments_key: str = "arguments") -> ToolCall | None:
-    """The call that the JSON object ``text[start:span.end]`` writes, or None if it is not
-    one: its keys are a subset of ``keys`` holding ``name`` (a string) and ``arguments_key``
-    (an object, kept as the model's own text)."""
-    value = json.loads(text[start:span.end])
-    if not isinstance(value, dict) or not set(value) <= keys:
-        return None
-    name, arguments = value.get("name"), span.member_text(text, arguments_key)
-    if not isinstance(name, str) or not name or not isinstance(value.get(arguments_key), dict):
-        return None
-    return ToolCall(name, arguments)
-
-
-def openai_tools(tools: list[FunctionTool]) -> list[dict[str, Any]]:
-    """``tools`` as xgrammar's builtin structural tags take them."""
-    return [tool.openai_tool() for tool in tools]
-
-
 class HermesToolCallParser(BlockToolCallParser):
     """``<tool_call>`` JSON ``</tool_call>`` blocks (see module docstring)."""
 
@@ -74,18 +58,11 @@ class HermesToolCallParser(BlockToolCallParser):
         self._scans = JsonScans()  # a stream's growing block is read once
 
     def find_block(self, text: str, start: int) -> tuple[int | None, int]:
-        found = text.find(OPEN, start)
-        if found >= 0:
-            return found, 0
-        return None, partial_suffix(text, OPEN)
+        return find_marker(text, start, OPEN)
 
     def match_block(self, text: str, start: int) -> Block | Undecided:
         body = skip_whitespace(text, start + len(OPEN))
-        if body >= len(text):
-            return INCOMPLETE
-        if text[body] != "{":
-            return INVALID
-        span = self._scans.scan(text, body)
+        span = self._scans.scan_object(text, body)
         if not isinstance(span, JsonSpan):
             return span
         call = call_from_object(text, body, span, CALL_KEYS)
@@ -102,9 +79,6 @@ class HermesToolCallParser(BlockToolCallParser):
                        parallel: bool) -> dict[str, Any]:
         if not at_least_one:
             # xgrammar's Qwen 3 tag writes the same blocks, text around them free.
-            return xgr.get_builtin_structural_tag(
-                "qwen_3", tools=openai_tools(tools), tool_choice="auto", reasoning=False,
-                parallel_tool_calls=parallel).model_dump()
-        tags = [json_call_tag(CALL_BEGIN + tool.name + ARGUMENTS_BEGIN, tool, CALL_END)
-                for tool in tools]
+            return builtin_auto_tag("qwen_3", tools, parallel)
+        tags = json_call_tags(tools, CALL_BEGIN, ARGUMENTS_BEGIN, CALL_END)
         return st.StructuralTag(format=calls_only(tags, CALL_SEPARATOR, parallel)).model_dump()

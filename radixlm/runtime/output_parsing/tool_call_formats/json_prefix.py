@@ -187,6 +187,12 @@ class JsonScans:
         self._size = size
         self._scans: list[tuple[str, JsonScan]] = []  # (the text read, the scan)
 
+    def scan_object(self, text: str, pos: int) -> JsonSpan | Undecided:
+        """As ``scan``, for an object only: INVALID where ``text[pos]`` opens an array."""
+        if pos < len(text) and text[pos] != "{":
+            return INVALID
+        return self.scan(text, pos)
+
     def scan(self, text: str, pos: int) -> JsonSpan | Undecided:
         """As ``scan_json(text, pos)``."""
         for read, kept in self._scans:

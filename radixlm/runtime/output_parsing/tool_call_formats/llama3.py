@@ -20,7 +20,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import xgrammar as xgr
 from xgrammar import structural_tag as st
 
 from radixlm.runtime.output_parsing.block_parser import (
@@ -31,11 +30,12 @@ from radixlm.runtime.output_parsing.block_parser import (
     Undecided,
     partial_suffix,
 )
-from radixlm.runtime.output_parsing.call_grammar import calls_only, json_call_tag
-from radixlm.runtime.output_parsing.tool_call_formats.hermes import (
-    call_from_object,
-    openai_tools,
+from radixlm.runtime.output_parsing.call_grammar import (
+    builtin_auto_tag,
+    calls_only,
+    json_call_tags,
 )
+from radixlm.runtime.output_parsing.tool_call_formats.json_call import call_from_object
 from radixlm.runtime.output_parsing.tool_call_formats.json_prefix import (
     JsonScans,
     JsonSpan,
@@ -109,9 +109,6 @@ class Llama3ToolCallParser(BlockToolCallParser):
                        parallel: bool) -> dict[str, Any]:
         if not at_least_one:
             # xgrammar's Llama tag: free text, a call wherever '{"name": ' begins.
-            return xgr.get_builtin_structural_tag(
-                "llama", tools=openai_tools(tools), tool_choice="auto", reasoning=False,
-                parallel_tool_calls=parallel).model_dump()
-        tags = [json_call_tag(CALL_BEGIN + tool.name + PARAMETERS_BEGIN, tool, CALL_END)
-                for tool in tools]
+            return builtin_auto_tag("llama", tools, parallel)
+        tags = json_call_tags(tools, CALL_BEGIN, PARAMETERS_BEGIN, CALL_END)
         return st.StructuralTag(format=calls_only(tags, SEPARATOR, parallel)).model_dump()

@@ -24,10 +24,11 @@ from radixlm.runtime.output_parsing.block_parser import (
     Block,
     BlockToolCallParser,
     Undecided,
-    partial_suffix,
+    find_marker,
 )
-from radixlm.runtime.output_parsing.call_grammar import calls_only, json_call_tag
-from radixlm.runtime.output_parsing.tool_call_formats.hermes import call_from_object
+from radixlm.runtime.output_parsing.call_grammar import calls_only, json_call_tags
+from radixlm.runtime.output_parsing.tool_call_formats.block_reading import literal_end
+from radixlm.runtime.output_parsing.tool_call_formats.json_call import call_from_object
 from radixlm.runtime.output_parsing.tool_call_formats.json_prefix import (
     JsonScans,
     JsonSpan,
@@ -52,13 +53,6 @@ CALL_END = "}"
 ELEMENT_SEPARATOR = ", "
 
 
-def expect_literal(text: str, pos: int, literal: str) -> int | Undecided:
-    """The index past ``literal`` at ``pos``; INCOMPLETE if the text ends inside it."""
-    if text.startswith(literal, pos):
-        return pos + len(literal)
-    return INCOMPLETE if literal.startswith(text[pos:]) else INVALID
-
-
 class MistralToolCallParser(BlockToolCallParser):
     """``[TOOL_CALLS]`` blocks in the array or the compact form (see module docstring)."""
 
@@ -68,10 +62,7 @@ class MistralToolCallParser(BlockToolCallParser):
         self._scans = JsonScans()  # a stream's growing block is read once
 
     def find_block(self, text: str, start: int) -> tuple[int | None, int]:
-        found = text.find(MARKER, start)
-        if found >= 0:
-            return found, 0
-        return None, partial_suffix(text, MARKER)
+        return find_marker(text, start, MARKER)
 
     def match_block(self, text: str, start: int) -> Block | Undecided:
         body = skip_whitespace(text, start + len(MARKER))
@@ -87,8 +78,7 @@ class MistralToolCallParser(BlockToolCallParser):
             if at_least_one:
                 raise ValueError("at least one tool call is required, but no tools are given")
             return st.StructuralTag(format=st.AnyTextFormat()).model_dump()
-        tags = [json_call_tag(CALL_BEGIN + tool.name + ARGUMENTS_BEGIN, tool, CALL_END)
-                for tool in tools]
+        tags = json_call_tags(tools, CALL_BEGIN, ARGUMENTS_BEGIN, CALL_END)
         block = st.TagFormat(begin=ARRAY_BEGIN, content=calls_only(tags, ELEMENT_SEPARATOR,
                                                                    parallel), end=ARRAY_END)
         if at_least_one:
@@ -123,7 +113,7 @@ def _compact_block(text: str, pos: int, scans: JsonScans) -> Block | Undecided:
     if name_end == pos:
         return INVALID
     name = text[pos:name_end]
-    after = expect_literal(text, name_end, CALL_ID)
+    after = literal_end(text, name_end, CALL_ID)
     if after is INCOMPLETE:
         return INCOMPLETE
     if isinstance(after, int):
@@ -133,15 +123,11 @@ def _compact_block(text: str, pos: int, scans: JsonScans) -> Block | Undecided:
         if id_end == after:
             return INVALID
         name_end = id_end
-    args = expect_literal(text, name_end, ARGS)
+    args = literal_end(text, name_end, ARGS)
     if isinstance(args, Undecided):
         return args
     body = skip_whitespace(text, args)
-    if body >= len(text):
-        return INCOMPLETE
-    if text[body] != "{":
-        return INVALID
-    span = scans.scan(text, body)
+    span = scans.scan_object(text, body)
     if not isinstance(span, JsonSpan):
         return span
     return Block([ToolCall(name, text[body:span.end])], span.end)

@@ -31,7 +31,10 @@ from radixlm.runtime.output_parsing.block_parser import (
     BlockToolCallParser,
     Undecided,
 )
-from radixlm.runtime.output_parsing.tool_call_formats.block_reading import json_object_text
+from radixlm.runtime.output_parsing.tool_call_formats.block_reading import (
+    json_object_text,
+    skip_space,
+)
 from radixlm.runtime.output_parsing.tool_call_formats.pythonic_grammar import (
     pythonic_structural_tag,
 )
@@ -69,7 +72,7 @@ def _list_end(text: str, start: int) -> int | Undecided:
     left to right so that a definite answer holds for every longer text."""
     pos = start + 1
     while True:
-        pos = _skip_space(text, pos)
+        pos = skip_space(text, pos)
         name = NAME.match(text, pos)
         if name is None:
             return INCOMPLETE if pos == len(text) else INVALID
@@ -81,22 +84,16 @@ def _list_end(text: str, start: int) -> int | Undecided:
         end = _group_end(text, pos)
         if isinstance(end, Undecided):
             return end
-        pos = _skip_space(text, end)
+        pos = skip_space(text, end)
         if pos == len(text):
             return INCOMPLETE
         if text[pos] == "]":
             return pos + 1
         if text[pos] != ",":
             return INVALID
-        pos = _skip_space(text, pos + 1)
+        pos = skip_space(text, pos + 1)
         if text.startswith("]", pos):  # a trailing comma, as Python allows
             return pos + 1
-
-
-def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
 
 
 def _group_end(text: str, pos: int) -> int | Undecided:

@@ -37,7 +37,7 @@ from radixlm.runtime.output_parsing.block_parser import (
     Block,
     BlockToolCallParser,
     Undecided,
-    partial_suffix,
+    find_marker,
 )
 from radixlm.runtime.output_parsing.call_grammar import calls_only
 from radixlm.runtime.output_parsing.tool_call_formats.block_reading import (
@@ -62,10 +62,7 @@ class Qwen3CoderToolCallParser(BlockToolCallParser):
     name: ClassVar[str] = "qwen3_coder"
 
     def find_block(self, text: str, start: int) -> tuple[int | None, int]:
-        found = text.find(TOOL_CALL, start)
-        if found >= 0:
-            return found, 0
-        return None, partial_suffix(text, TOOL_CALL)
+        return find_marker(text, start, TOOL_CALL)
 
     def match_block(self, text: str, start: int) -> Block | Undecided:
         return read_block(text, start, _read_call)
