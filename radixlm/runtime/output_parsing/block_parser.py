@@ -1,8 +1,9 @@
 """Tool-call parsing for formats whose calls come in blocks that open with a marker: one
 scanner serves streaming and whole outputs alike, so the two agree by construction.
 
-A format says where a block may start (``block_starts``: the marker's positions, and how long
-a tail of the text could still grow into a marker) and what a block at a start holds
+A format says where a block may start (``find_block``: the marker's positions, and how long
+a tail of the text could still grow into a marker; ``MarkerBlockParser`` gives it for a
+format whose blocks all open with one fixed marker) and what a block at a start holds
 (``match_block``): its calls and where it ends, ``INVALID`` (the marker is not followed by a
 call after all), or ``INCOMPLETE`` (more text could still go either way). The scanner keeps
 the text it has not decided; content goes out as soon as no marker can begin in it, a block
@@ -19,6 +20,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from dataclasses import dataclass
 from enum import Enum
+from typing import ClassVar
 
 from radixlm.runtime.output_parsing.tool_call_types import (
     ParsedToolCalls,
@@ -54,14 +56,6 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def find_marker(text: str, start: int, marker: str) -> tuple[int | None, int]:
-    """``find_block`` for a format whose every block opens with ``marker``."""
-    found = text.find(marker, start)
-    if found >= 0:
-        return found, 0
-    return None, partial_suffix(text, marker)
-
-
 class BlockToolCallParser(ToolCallParser):
     """A parser over a block format (subclasses give ``find_block`` and ``match_block``)."""
 
@@ -83,6 +77,19 @@ class BlockToolCallParser(ToolCallParser):
 
     def stream(self) -> ToolCallStream:
         return BlockStream(self)
+
+
+class MarkerBlockParser(BlockToolCallParser):
+    """A block format whose every block opens with one fixed ``marker`` (subclasses give
+    ``marker`` and ``match_block``)."""
+
+    marker: ClassVar[str]
+
+    def find_block(self, text: str, start: int) -> tuple[int | None, int]:
+        found = text.find(self.marker, start)
+        if found >= 0:
+            return found, 0
+        return None, partial_suffix(text, self.marker)
 
 
 class BlockStream(ToolCallStream):

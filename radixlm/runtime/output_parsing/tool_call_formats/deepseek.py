@@ -30,9 +30,8 @@ from xgrammar import structural_tag as xst
 
 from radixlm.runtime.output_parsing.block_parser import (
     Block,
-    BlockToolCallParser,
+    MarkerBlockParser,
     Undecided,
-    find_marker,
 )
 from radixlm.runtime.output_parsing.call_grammar import calls_only, json_call_tag
 from radixlm.runtime.output_parsing.tool_call_formats.block_reading import (
@@ -52,15 +51,13 @@ MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN)
 """Markers that never belong in a call's arguments."""
 
 
-class DeepSeekToolCallParser(BlockToolCallParser):
+class DeepSeekToolCallParser(MarkerBlockParser):
     """The block both versions share (see module docstring); a version reads and writes one
     call (``read_call``, ``call_tag``)."""
 
+    marker: ClassVar[str] = CALLS_BEGIN
     separator: ClassVar[str]
     """What the chat template writes between two calls."""
-
-    def find_block(self, text: str, start: int) -> tuple[int | None, int]:
-        return find_marker(text, start, CALLS_BEGIN)
 
     def match_block(self, text: str, start: int) -> Block | Undecided:
         return read_block(text, start, self._read_calls)

@@ -21,9 +21,8 @@ from radixlm.runtime.output_parsing.block_parser import (
     INCOMPLETE,
     INVALID,
     Block,
-    BlockToolCallParser,
+    MarkerBlockParser,
     Undecided,
-    find_marker,
 )
 from radixlm.runtime.output_parsing.call_grammar import (
     builtin_auto_tag,
@@ -49,16 +48,14 @@ CALL_END = "}\n" + CLOSE
 CALL_SEPARATOR = "\n"
 
 
-class HermesToolCallParser(BlockToolCallParser):
+class HermesToolCallParser(MarkerBlockParser):
     """``<tool_call>`` JSON ``</tool_call>`` blocks (see module docstring)."""
 
     name = "qwen25"
+    marker = OPEN
 
     def __init__(self) -> None:
         self._scans = JsonScans()  # a stream's growing block is read once
-
-    def find_block(self, text: str, start: int) -> tuple[int | None, int]:
-        return find_marker(text, start, OPEN)
 
     def match_block(self, text: str, start: int) -> Block | Undecided:
         body = skip_whitespace(text, start + len(OPEN))

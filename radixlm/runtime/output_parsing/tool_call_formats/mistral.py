@@ -22,9 +22,8 @@ from radixlm.runtime.output_parsing.block_parser import (
     INCOMPLETE,
     INVALID,
     Block,
-    BlockToolCallParser,
+    MarkerBlockParser,
     Undecided,
-    find_marker,
 )
 from radixlm.runtime.output_parsing.call_grammar import calls_only, json_call_tags
 from radixlm.runtime.output_parsing.tool_call_formats.block_reading import literal_end
@@ -53,16 +52,14 @@ CALL_END = "}"
 ELEMENT_SEPARATOR = ", "
 
 
-class MistralToolCallParser(BlockToolCallParser):
+class MistralToolCallParser(MarkerBlockParser):
     """``[TOOL_CALLS]`` blocks in the array or the compact form (see module docstring)."""
 
     name = "mistral"
+    marker = MARKER
 
     def __init__(self) -> None:
         self._scans = JsonScans()  # a stream's growing block is read once
-
-    def find_block(self, text: str, start: int) -> tuple[int | None, int]:
-        return find_marker(text, start, MARKER)
 
     def match_block(self, text: str, start: int) -> Block | Undecided:
         body = skip_whitespace(text, start + len(MARKER))

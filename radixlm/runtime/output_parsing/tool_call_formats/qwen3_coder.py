@@ -35,9 +35,8 @@ from xgrammar import structural_tag as xst
 
 from radixlm.runtime.output_parsing.block_parser import (
     Block,
-    BlockToolCallParser,
+    MarkerBlockParser,
     Undecided,
-    find_marker,
 )
 from radixlm.runtime.output_parsing.call_grammar import calls_only
 from radixlm.runtime.output_parsing.tool_call_formats.block_reading import (
@@ -55,14 +54,12 @@ PARAMETER = "<parameter="
 PARAMETER_END = "</parameter>"
 
 
-class Qwen3CoderToolCallParser(BlockToolCallParser):
+class Qwen3CoderToolCallParser(MarkerBlockParser):
     """Blocks ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function>
     </tool_call>`` (see module docstring)."""
 
     name: ClassVar[str] = "qwen3_coder"
-
-    def find_block(self, text: str, start: int) -> tuple[int | None, int]:
-        return find_marker(text, start, TOOL_CALL)
+    marker: ClassVar[str] = TOOL_CALL
 
     def match_block(self, text: str, start: int) -> Block | Undecided:
         return read_block(text, start, _read_call)
