@@ -77,9 +77,9 @@ class TurnStream:
     """Reads one output as it arrives: reasoning first, then content and calls. The events
     of any split of an output, joined, equal ``ChatTurn.read`` of the whole.
 
-    - Content that is only whitespace is held until text follows it; an output with calls
-      drops what is still held at its end (the newlines between and after calls), one
-      without gives it back.
+    - Trailing whitespace of the content is held until text follows it; an output with
+      calls drops what is still held at its end (the newlines between and after calls),
+      one without gives it back.
     - A call is given only if it names an offered function (others are dropped, as SGLang
       drops them: a client cannot run them), and, without ``parallel`` calls, only the
       first.
@@ -124,11 +124,14 @@ class TurnStream:
                 if piece.name in self._offered and (self._parallel or not self._calls):
                     self._calls += 1
                     events.append(piece)
-            elif piece.strip():
-                events.append(ContentDelta(self._blank + piece))
-                self._blank = ""
             else:
-                self._blank += piece
+                # Trailing whitespace is held whatever the pieces' cut, so that any split
+                # of an output gives the same events.
+                kept = piece.rstrip()
+                if kept:
+                    events.append(ContentDelta(self._blank + kept))
+                    self._blank = ""
+                self._blank += piece[len(kept):]
         if final and self._blank and not self._calls:
             events.append(ContentDelta(self._blank))
         return events
