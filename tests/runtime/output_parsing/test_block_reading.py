@@ -12,7 +12,9 @@ from radixlm.runtime.output_parsing.block_parser import INCOMPLETE, INVALID, Blo
 from radixlm.runtime.output_parsing.tool_call_formats.block_reading import (
     BlockCursor,
     json_object_text,
+    literal_end,
     read_block,
+    skip_space,
 )
 from radixlm.runtime.output_parsing.tool_call_types import ToolCall
 
@@ -61,3 +63,16 @@ def test_json_object_text_refuses_what_json_cannot_hold():
     assert json_object_text({"a": float("inf")}) is None
     assert json_object_text({"a": "\ud800"}) is None
     assert json_object_text({"a": b"x"}) is None
+
+
+def test_literal_end_is_undecided_only_inside_the_literal():
+    assert literal_end("x[ARGS]{", 1, "[ARGS]") == 7
+    assert literal_end("x[AR", 1, "[ARGS]") is INCOMPLETE
+    assert literal_end("x", 1, "[ARGS]") is INCOMPLETE
+    assert literal_end("x[ARX", 1, "[ARGS]") is INVALID
+    assert literal_end("x[ARGX]", 1, "[ARGS]") is INVALID
+
+
+def test_skip_space_stops_at_the_first_other_character():
+    assert skip_space("a \t\n\u3000b", 1) == 5
+    assert skip_space("  ", 0) == 2

@@ -126,3 +126,11 @@ def test_scans_of_different_texts_do_not_mix():
     assert scans.scan('[1, 2]', 0) == JsonSpan(6, [(None, 1, 2), (None, 4, 5)])
     assert scans.scan('{"a": "x\x01"}', 0) is INVALID  # the same start, then a control char
     assert scans.scan('[1, 2x', 0) is INVALID
+
+
+def test_an_object_scan_refuses_an_array_at_once():
+    scans = JsonScans()
+    assert scans.scan_object("[1]", 0) is INVALID
+    assert scans.scan_object("x", 0) is INVALID
+    assert scans.scan_object("a", 1) is INCOMPLETE
+    assert scans.scan_object('{"a": [1]}', 0) == scan_json('{"a": [1]}', 0)
