@@ -3,10 +3,11 @@
 /v1/responses/{id}``).
 
 What is kept: for each response stored (a request with ``store`` true, the default), the
-response object as it was answered and its conversation: every input item that led to it
-(those of the response it continued, that response's output, then its own input) as the
-request's JSON, so a continuation needs no other entry. Nothing is written to disk; a
-restart forgets everything.
+response object as it was answered (its output among it), the request's own input items
+(as the request's JSON) and the id of the response it continued. A continuation's
+conversation is rebuilt by walking that chain back (``conversation``), so each entry holds
+and counts only its own turn: a chain of n turns costs characters linear in n. Nothing is
+written to disk; a restart forgets everything.
 
 How long: an entry is dropped when
 
@@ -15,11 +16,15 @@ How long: an entry is dropped when
   (of the entries' JSON, all together): the least recently used go first, or
 - it is deleted.
 
+Rebuilding a conversation uses every link of its chain, so a chain in use ages as one; a
+chain whose link was dropped cannot be continued past it (``conversation`` is None).
+
 Invariants: ``chars`` is the sum of the stored entries' sizes and never exceeds
 ``max_chars``; there are at most ``max_responses`` entries; the queue's order is the order
 of last use, so the entries that expire first are at its front. An entry larger than
-``max_chars`` alone is not stored (``put`` returns False). The store is used from the
-server's event loop only; it takes no locks.
+``max_chars`` alone is not stored (``put`` returns False, and the caller answers the
+response as not stored). The store is used from the server's event loop only; it takes
+no locks.
 """
 
 from __future__ import annotations
@@ -34,15 +39,17 @@ from typing import Any
 
 @dataclass(frozen=True)
 class StoredResponse:
-    """A response as answered (its JSON object) and the conversation that led to it."""
+    """A response as answered (its JSON object), the input items of its own request
+    (request JSON, in order) and the id of the response it continued (None for a first
+    turn)."""
 
     response: dict[str, Any]
-    conversation: list[dict[str, Any]]
-    """Input items (request JSON), in order, ending with the response's own input."""
+    input: list[dict[str, Any]]
+    previous_id: str | None = None
 
     @property
     def chars(self) -> int:
-        return len(json.dumps(self.response)) + len(json.dumps(self.conversation))
+        return len(json.dumps(self.response)) + len(json.dumps(self.input))
 
 
 @dataclass
@@ -102,6 +109,23 @@ class ResponseStore:
         entry.last_used = self._clock()
         self._entries.move_to_end(response_id)
         return entry.stored
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+        """Every item that led to ``response_id`` and its output, oldest first: each link's
+        input then its response's output, walking back through ``previous_id``. None where
+        the response or any link before it is unknown or gone."""
+        turns: list[StoredResponse] = []
+        seen: set[str] = set()
+        link: str | None = response_id
+        while link is not None:
+            stored = self.get(link) if link not in seen else None
+            if stored is None:
+                return None
+            seen.add(link)
+            turns.append(stored)
+            link = stored.previous_id
+        return [item for stored in reversed(turns)
+                for item in (*stored.input, *stored.response["output"])]
 
     def delete(self, response_id: str) -> bool:
         """Drops the entry; False where there was none (or it had expired)."""

@@ -6,20 +6,27 @@ the input items are messages (``developer`` as ``system``), ``function_call`` it
 the assistant message before them as its tool calls, ``function_call_output`` items are
 ``tool`` messages, reasoning items are left out of the prompt. ``previous_response_id``
 puts the stored response's conversation and output before the input (its
-``instructions`` are not carried over, as OpenAI does). ``text.format`` constrains the
-output as ``response_format`` does on the chat route; it cannot be combined with a tool
-grammar (``tool_choice`` ``required`` or a named function, or a ``strict`` function).
+``instructions`` are not carried over, as OpenAI does). ``text.format`` is the turn's
+``response_schema`` (``json_object``: any JSON object): without tools the text is JSON of
+the schema; with tools under ``auto``, calls or one JSON value of the schema (what the
+OpenAI Agents SDK asks for an agent with tools and an ``output_type``); under ``required``
+or a named function, calls only.
 
-A response is ``completed``, or ``incomplete`` where the output hit ``max_output_tokens``
-(``incomplete_details.reason``) or was aborted (no details). With ``store`` (the default)
-a finished response is kept in the ``ResponseStore`` (``response_store.py``, its bounds).
+A response is ``completed``; ``incomplete`` where the output hit ``max_output_tokens``
+(``incomplete_details.reason``); ``failed`` where the generation was aborted (``error``
+with ``code`` ``server_error``). With ``store`` (the default) a finished response is kept
+in the ``ResponseStore`` (``response_store.py``, its bounds); one too large for the store is
+answered with ``store: false``.
 
 Streams are server-sent events framed as OpenAI frames them (``event: TYPE`` then
 ``data: JSON``), numbered by ``sequence_number`` from 0: ``response.created``,
 ``response.in_progress``, the items' events (``responses_output.py``), then
-``response.completed`` (or ``response.incomplete``). An error after the stream began is an
-``error`` event, and the stream ends. Errors before it are OpenAI's error body: 400 naming
-the field (``param``), 404 for another model or an unknown stored response.
+``response.completed`` (or ``response.incomplete``, ``response.failed``). An error after
+the stream began ends it with ``response.failed``: the response so far, ``status``
+``failed``, ``error`` ``{code, message}`` (``invalid_request_error`` for the request's
+fault, ``server_error`` otherwise), so a client's stream helper still gets a final
+response. Errors before it are OpenAI's error body: 400 naming the field (``param``), 404
+for another model or an unknown stored response.
 """
 
 from __future__ import annotations
@@ -37,7 +44,6 @@ from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
 from radixlm.runtime.engine.request_inputs import GenerateInput
 from radixlm.runtime.engine.request_state import OutputDelta
-from radixlm.runtime.grammar.constraints import CONSTRAINT_KINDS
 from radixlm.runtime.output_parsing.tool_call_types import FunctionTool
 from radixlm.runtime.server.chat_turn import ChatTurn, ChatTurnError, ToolChoice, prepare_chat_turn
 from radixlm.runtime.server.openai_errors import (
@@ -57,14 +63,13 @@ from radixlm.runtime.server.responses_protocol import (
 
 logger = logging.getLogger(__name__)
 
-_ERROR_CODES = {400: "invalid_request_error", 503: "server_error"}
-
 
 def add_responses_routes(app: FastAPI, engine: Engine, served_model_name: str,
                          store: ResponseStore | None = None) -> None:
     """Adds ``/v1/responses`` serving ``engine`` as ``served_model_name``; finished responses
     are kept in ``store`` (a default ``ResponseStore`` when None)."""
     store = ResponseStore() if store is None else store
+    too_large_logged = False
     router = APIRouter(prefix="/v1", route_class=OpenAIRoute, tags=["openai"])
     model_path = str(engine.model_config.path)
 
@@ -76,24 +81,33 @@ def add_responses_routes(app: FastAPI, engine: Engine, served_model_name: str,
                               code="model_not_found")
         earlier: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            previous = store.get(body.previous_response_id)
-            if previous is None:
+            found = store.conversation(body.previous_response_id)
+            if found is None:  # never stored, dropped, or a link of its chain dropped
                 raise OpenAIError(400, f"Previous response with id "
                                   f"'{body.previous_response_id}' not found.",
                                   param="previous_response_id",
                                   code="previous_response_not_found")
-            earlier = previous.conversation + previous.response["output"]
+            earlier = found
         own = input_items(body)
-        conversation = earlier + own
-        messages = chat_messages(conversation, len(earlier), body.instructions)
+        messages = chat_messages(earlier + own, len(earlier), body.instructions)
         turn = await _prepare(engine, body, messages)
         params = _sampling_params(body, turn)
         request = GenerateInput(input_ids=[turn.prompt_ids], sampling_params=params)
         head = _head(body, new_id("resp"), served_model_name)
 
         def finished(response: dict[str, Any]) -> None:
-            if body.store:
-                store.put(response["id"], StoredResponse(response, conversation))
+            """Stores ``response``, or answers it as not stored where it is too large."""
+            nonlocal too_large_logged
+            if not body.store or store.put(response["id"], StoredResponse(
+                    response, own, body.previous_response_id)):
+                return
+            response["store"] = False
+            if not too_large_logged:
+                too_large_logged = True
+                logger.warning("a response (%s) is larger than the response store's bound "
+                               "(%d characters) and was answered with store: false; raise "
+                               "max_chars to keep such responses", response["id"],
+                               store.max_chars)
 
         if body.stream:
             deltas = await engine.stream_deltas(request)
@@ -105,9 +119,9 @@ def add_responses_routes(app: FastAPI, engine: Engine, served_model_name: str,
         stream = turn.stream()
         for event in stream.feed(out["text"]) + stream.finish():
             items.add(event)
-        reason = (meta.get("finish_reason") or {}).get("type")
-        items.finish(reason == "stop")
-        response = _response(head, items, reason, engine, meta["prompt_tokens"],
+        finish = meta.get("finish_reason")
+        items.finish((finish or {}).get("type") == "stop")
+        response = _response(head, items, finish, engine, meta["prompt_tokens"],
                              meta["completion_tokens"], meta["cached_tokens"])
         finished(response)
         return JSONResponse(response)  # as built: response_model would add nested nulls
@@ -187,25 +201,25 @@ def chat_messages(items: list[dict[str, Any]], earlier: int,
 
 
 def _text(content: str | list[dict[str, Any]]) -> str:
-    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+    """A message's text; parts are joined by newlines, as the chat and Anthropic routes
+    join theirs."""
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
 
 async def _prepare(engine: Engine, body: ResponsesRequest,
                    messages: list[dict[str, Any]]) -> ChatTurn:
     tools = [FunctionTool(name=tool.name, description=tool.description,
-                          parameters=tool.parameters if tool.parameters is not None
-                          else {"type": "object", "properties": {}},
-                          strict=bool(tool.strict))
+                          strict=bool(tool.strict),
+                          **({} if tool.parameters is None else {"parameters": tool.parameters}))
              for tool in body.tools or []]
     choice = body.tool_choice
     tool_choice = (ToolChoice(choice) if isinstance(choice, str)
                    else ToolChoice("function", choice.name))
-    if not getattr(engine.tokenizer, "chat_template", None):
-        raise OpenAIError(400, "this model's tokenizer has no chat template; use "
-                          "/v1/completions", param="input")
+    schema = _response_schema(body.text)
     try:
         return await prepare_chat_turn(engine, messages, tools=tools, tool_choice=tool_choice,
-                                       parallel_tool_calls=body.parallel_tool_calls)
+                                       parallel_tool_calls=body.parallel_tool_calls,
+                                       response_schema=schema)
     except ChatTurnError as err:
         raise OpenAIError(400, str(err), param=err.param) from None
     except ValueError as err:  # the template refused the messages, or they are too long
@@ -216,25 +230,22 @@ def _sampling_params(body: ResponsesRequest, turn: ChatTurn) -> dict[str, Any]:
     params = {"max_new_tokens": body.max_output_tokens, "temperature": body.temperature,
               "top_p": body.top_p}
     params = {name: value for name, value in params.items() if value is not None}
-    constraint = _format_constraint(body.text)
-    if constraint and any(kind in turn.sampling_params for kind in CONSTRAINT_KINDS):
-        raise OpenAIError(400, "text.format cannot be combined with the tools' grammar "
-                          "(tool_choice required or a named function, or a strict function)",
-                          param="text.format")
-    return {**params, **constraint, **turn.sampling_params}
+    # The turn's own (its grammar, special tokens kept for the reader) win.
+    return {**params, **turn.sampling_params}
 
 
-def _format_constraint(text: TextParam | None) -> dict[str, Any]:
-    """``text.format`` as a constraint: any JSON object, or JSON valid against a schema."""
+def _response_schema(text: TextParam | None) -> dict[str, Any] | None:
+    """``text.format``'s schema: ``json_object`` is any JSON object, ``text`` (or none)
+    None."""
     fmt = None if text is None else text.format
     if fmt is None or fmt.type == "text":
-        return {}
+        return None
     if fmt.type == "json_object":
-        return {"json_schema": json.dumps({"type": "object"})}
+        return {"type": "object"}
     if fmt.schema_ is None:
         raise OpenAIError(400, "text.format json_schema needs a schema",
                           param="text.format.schema")
-    return {"json_schema": json.dumps(fmt.schema_)}
+    return fmt.schema_
 
 
 # Engine outputs -> responses ----------------------------------------------------------------
@@ -257,81 +268,91 @@ def _head(body: ResponsesRequest, response_id: str, model: str) -> dict[str, Any
             "completed_at": None}
 
 
-def _response(head: dict[str, Any], items: OutputItems, reason: str | None, engine: Engine,
-              prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """The finished response's JSON; ``reason`` is the native finish type."""
+def _response(head: dict[str, Any], items: OutputItems, finish: dict[str, Any] | None,
+              engine: Engine, prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int) -> dict[str, Any]:
+    """The finished response's JSON; ``finish`` is the native finish reason."""
+    reason = (finish or {}).get("type")
     reasoning = items.reasoning_text
     reasoning_tokens = (len(engine.tokenizer.encode(reasoning, add_special_tokens=False))
                         if reasoning else 0)
     response = {
         **head, "output": items.items, "completed_at": int(time.time()),
-        "status": "completed" if reason == "stop" else "incomplete",
+        "status": {"stop": "completed", "abort": "failed"}.get(reason, "incomplete"),
         "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
         "usage": {
             "input_tokens": prompt_tokens, "output_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "input_tokens_details": {"cached_tokens": cached_tokens,
-                                     "cache_write_tokens": prompt_tokens - cached_tokens},
+            "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens,
                                                               completion_tokens)},
         },
     }
+    if reason == "abort":
+        response["error"] = {"code": "server_error", "message": "the generation was aborted: "
+                             + (finish or {}).get("message", "")}
     ResponseObject.model_validate(response)  # the shape promised in /openapi.json
     return response
+
+
+def _failed(head: dict[str, Any], items: OutputItems, err: Exception) -> dict[str, Any]:
+    """The response a stream ends with when ``err`` stopped it: the items finished so far,
+    ``status`` failed, and the error (its code OpenAI's, never a Python class name)."""
+    if isinstance(err, (ValueError, RuntimeUnavailable, QueueFull)):
+        error = as_openai_error(err)
+        code = "invalid_request_error" if error.status == 400 else "server_error"
+        message = error.message
+    else:  # a fault of ours: the client still gets a final response
+        logger.exception("a responses stream failed")
+        code, message = "server_error", f"the server failed ({type(err).__name__}); see its log"
+    output = [item for item in items.items if item["status"] != "in_progress"]
+    return {**head, "output": output, "status": "failed",
+            "error": {"code": code, "message": message}}
 
 
 async def _stream_events(deltas: AsyncIterator[tuple[int, OutputDelta]], turn: ChatTurn,
                          head: dict[str, Any], engine: Engine,
                          finished) -> AsyncIterator[dict[str, Any]]:
-    """The stream's events, unnumbered; ``finished`` gets the final response."""
+    """The stream's events, unnumbered; ``finished`` gets the final response (not one that
+    an error ended: ``response.failed`` with ``_failed``'s response)."""
     yield {"type": "response.created", "response": head}
     yield {"type": "response.in_progress", "response": head}
     items, stream = OutputItems(), turn.stream()
     prompt_tokens = cached_tokens = completion_tokens = 0
-    reason = None
-    async for _, delta in deltas:
-        prompt_tokens, cached_tokens = delta.prompt_tokens, delta.cached_tokens
-        completion_tokens += len(delta.new_ids)
-        for event in stream.feed(delta.text) if delta.text else []:
+    finish = None
+    try:
+        async for _, delta in deltas:
+            prompt_tokens, cached_tokens = delta.prompt_tokens, delta.cached_tokens
+            completion_tokens += len(delta.new_ids)
+            for event in stream.feed(delta.text) if delta.text else []:
+                for item_event in items.add(event):
+                    yield item_event
+            if delta.finish_reason is not None:
+                finish = delta.finish_reason
+        for event in stream.finish():
             for item_event in items.add(event):
                 yield item_event
-        if delta.finish_reason is not None:
-            reason = delta.finish_reason["type"]
-    for event in stream.finish():
-        for item_event in items.add(event):
+        for item_event in items.finish((finish or {}).get("type") == "stop"):
             yield item_event
-    for item_event in items.finish(reason == "stop"):
-        yield item_event
-    response = _response(head, items, reason, engine, prompt_tokens, completion_tokens,
-                         cached_tokens)
+        response = _response(head, items, finish, engine, prompt_tokens, completion_tokens,
+                             cached_tokens)
+    except Exception as err:
+        yield {"type": "response.failed", "response": _failed(head, items, err)}
+        return
     finished(response)
-    final = "response.completed" if response["status"] == "completed" else "response.incomplete"
-    yield {"type": final, "response": response}
+    yield {"type": f"response.{response['status']}", "response": response}
 
 
 async def _framed(events: AsyncIterator[dict[str, Any]],
                   source: AsyncIterator) -> AsyncIterator[bytes]:
-    """``event: TYPE`` / ``data: JSON`` per event, numbered; an error as an ``error`` event.
-    ``source`` (the Engine stream) is closed when this ends, aborting what is unfinished."""
+    """``event: TYPE`` / ``data: JSON`` per event, numbered. ``source`` (the Engine stream)
+    is closed when this ends, aborting what is unfinished."""
     number = 0
-
-    def frame(event: dict[str, Any]) -> bytes:
-        nonlocal number
-        event = {**event, "sequence_number": number}
-        number += 1
-        # ensure_ascii: no raw U+2028 or U+0085 for a line reader to split an event at
-        return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
-
     try:
         async for event in events:
-            yield frame(event)
-    except (ValueError, RuntimeUnavailable, QueueFull) as err:
-        error = as_openai_error(err)  # the code a whole request's error body would carry
-        yield frame({"type": "error", "code": error.code or _ERROR_CODES.get(error.status),
-                     "message": error.message, "param": error.param})
-    except Exception as err:  # a fault of ours: the client still sees the stream end
-        logger.exception("a responses stream failed")
-        yield frame({"type": "error", "code": "server_error", "param": None,
-                     "message": f"the server failed ({type(err).__name__}); see its log"})
+            event = {**event, "sequence_number": number}
+            number += 1
+            # ensure_ascii: no raw U+2028 or U+0085 for a line reader to split an event at
+            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
     finally:
         await source.aclose()

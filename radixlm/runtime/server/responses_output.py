@@ -4,10 +4,11 @@ and returns, for each, the stream events it causes.
 
 Items are made in the order the turn's events come: a run of reasoning is one ``reasoning``
 item, a run of content one ``message`` item (with one ``output_text`` part), each tool call
-one ``function_call`` item (ids ``rs_``, ``msg_``, ``fc_``; call ids ``call_``). Content
-that is only whitespace and comes where no message is open (the line between two calls,
-after the reasoning) opens none: it is held, and joins the message only if text follows.
-A turn that wrote neither content nor a call still answers one message, with the text held.
+one ``function_call`` item (ids ``rs_``, ``msg_``, ``fc_``; call ids ``call_``). Whitespace
+is the turn's concern: ``TurnStream`` holds content that is only whitespace until text
+follows and drops what it still holds at the end of an output with calls, so every content
+event here is part of the message. A turn that wrote neither content nor a call still
+answers one (empty) message.
 
 Invariants: the items a streamed turn builds (the ``output_item.done`` events, in order)
 are the items of the whole turn fed at once, so the streamed and the whole response agree;
@@ -38,7 +39,6 @@ class OutputItems:
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the reasoning or message item text joins
         self._text: list[str] = []  # the open item's text pieces
-        self._blank = ""  # whitespace content held while no message is open
 
     @property
     def reasoning_text(self) -> str:
@@ -52,11 +52,6 @@ class OutputItems:
         kind = "reasoning" if isinstance(event, ReasoningDelta) else "message"
         assert isinstance(event, (ReasoningDelta, ContentDelta))
         text = event.text
-        if kind == "message" and (self._open is None or self._open["type"] != kind):
-            if not (self._blank + text).strip():
-                self._blank += text
-                return []
-            text, self._blank = self._blank + text, ""
         events = []
         if self._open is None or self._open["type"] != kind:
             events = self._close("completed") + self._start(kind)
@@ -74,13 +69,7 @@ class OutputItems:
         status = "completed" if complete else "incomplete"
         events = self._close(status)
         if not any(item["type"] in ("message", "function_call") for item in self.items):
-            events += self._start("message")
-            if self._blank:
-                events.append({"type": "response.output_text.delta", **self._where(),
-                               "content_index": 0, "delta": self._blank, "logprobs": []})
-                self._text.append(self._blank)
-            events += self._close(status)
-        self._blank = ""
+            events += self._start("message") + self._close(status)
         return events
 
     def _where(self) -> dict[str, Any]:

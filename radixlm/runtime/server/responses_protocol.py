@@ -206,8 +206,7 @@ OutputItem = ReasoningItem | OutputMessage | FunctionCall
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int
-    cache_write_tokens: int
-    """Prompt tokens not found in the radix cache, which the prefill then cached."""
+    """Prompt tokens read from the radix cache."""
 
 
 class OutputTokensDetails(BaseModel):
@@ -222,6 +221,15 @@ class ResponseUsage(BaseModel):
     total_tokens: int
 
 
+class ResponseError(BaseModel):
+    """Why a response failed: ``server_error`` (an aborted generation, a fault of the
+    server's) or ``invalid_request_error`` (the request's fault, found after the stream
+    began)."""
+
+    code: Literal["server_error", "invalid_request_error"]
+    message: str
+
+
 class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
@@ -233,8 +241,8 @@ class ResponseObject(BaseModel):
     object: Literal["response"] = "response"
     created_at: int
     completed_at: int | None = None
-    status: Literal["in_progress", "completed", "incomplete"]
-    error: None = None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     model: str
     output: list[OutputItem]

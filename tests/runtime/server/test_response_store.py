@@ -1,5 +1,6 @@
 """The store of finished responses: its bounds (count, characters, idle time), LRU order and
-deletion, against a reference model of what it must hold."""
+deletion, against a reference model of what it must hold; conversations rebuilt from
+chains of responses that each hold only their own turn."""
 
 from __future__ import annotations
 
@@ -22,8 +23,45 @@ class FakeClock:
         return self.now
 
 
-def stored(text: str) -> StoredResponse:
-    return StoredResponse({"id": "r", "output": [text]}, [{"role": "user", "content": text}])
+def stored(text: str, previous: str | None = None) -> StoredResponse:
+    return StoredResponse({"id": "r", "output": [{"role": "assistant", "content": text}]},
+                          [{"role": "user", "content": text}], previous)
+
+
+def test_a_chain_rebuilds_its_conversation_and_costs_linear_characters():
+    store = ResponseStore()
+    previous = None
+    for turn in range(30):
+        store.put(f"r{turn}", stored(f"turn {turn:02}", previous))
+        previous = f"r{turn}"
+    # Each turn holds only its own input and output: 30 entries of one size (a store
+    # holding whole conversations would hold 1 + 2 + ... + 30 turns' worth).
+    assert store.chars == 30 * stored("turn 00", "r0").chars
+    conversation = store.conversation("r29")
+    assert conversation == [item for turn in range(30) for item in (
+        {"role": "user", "content": f"turn {turn:02}"},
+        {"role": "assistant", "content": f"turn {turn:02}"})]
+    assert store.conversation("r0") == conversation[:2]
+
+
+def test_a_chain_with_a_dropped_link_cannot_be_continued():
+    store = ResponseStore()
+    store.put("a", stored("1"))
+    store.put("b", stored("2", "a"))
+    store.put("c", stored("3", "b"))
+    store.delete("b")
+    assert store.conversation("c") is None and store.conversation("a") is not None
+    assert store.conversation("unknown") is None
+
+
+def test_rebuilding_a_conversation_uses_every_link_so_the_chain_ages_as_one():
+    store = ResponseStore(max_responses=3)
+    store.put("a", stored("1"))
+    store.put("b", stored("2", "a"))
+    store.put("other", stored("x"))
+    assert store.conversation("b") is not None  # a and b are now more recent than other
+    store.put("c", stored("3", "b"))
+    assert "other" not in store and store.conversation("c") is not None
 
 
 def test_the_least_recently_used_response_goes_first_when_the_count_is_reached():

@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``/v1/responses``) on a live server over a tiny model, driven by
 the official ``openai`` client: text in and out (the chat route's prompt and output),
 streams the client's helper assembles into the whole response, forced function calls whose
-arguments keep their schema, continuations by ``previous_response_id``, the store's bound,
+arguments keep their schema, continuations by ``previous_response_id`` (long chains of
+them at linear cost), the store's bounds, a stream an abort ends with ``response.failed``,
 and errors in OpenAI's shape naming the field."""
 
 from __future__ import annotations
@@ -115,6 +116,20 @@ def test_instructions_and_message_items_are_the_chat_messages(client):
     assert response.instructions == "Be brief."
 
 
+def test_text_parts_are_joined_by_newlines_as_on_the_chat_route(client):
+    parts = [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "there"}]
+    response = client.responses.create(model=MODEL, **GREEDY,
+                                       input=[{"role": "user", "content": parts}])
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0.0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                               {"type": "text", "text": "there"}]}])
+    joined = client.responses.create(model=MODEL, **GREEDY, input="Hello\nthere")
+    assert response.usage.input_tokens == chat.usage.prompt_tokens \
+        == joined.usage.input_tokens
+    assert response.output_text == chat.choices[0].message.content == joined.output_text
+
+
 def test_a_text_stream_sends_each_event_in_order_and_its_deltas_make_the_text(server):
     body = {"model": MODEL, "input": "Tell me a story.", "stream": True, **GREEDY}
     events = sse_events(server, body)
@@ -199,6 +214,77 @@ def test_the_store_keeps_its_bound_and_forgets_the_least_recent(engine):
         server.close()
 
 
+def store_server(engine, store: ResponseStore) -> LiveServer:
+    app = FastAPI()
+    add_responses_routes(app, engine, MODEL, store=store)
+    return LiveServer(app)
+
+
+def test_a_chain_of_thirty_turns_costs_linear_characters_and_continues_whole(engine):
+    store = ResponseStore()
+    server = store_server(engine, store)
+    try:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+            previous, sizes, earlier = None, [], []
+            for turn in range(30):
+                asked = [{"role": "user", "content": f"Say {turn}"}]
+                response = client.responses.create(
+                    model=MODEL, input=asked, previous_response_id=previous,
+                    temperature=0.0, max_output_tokens=2)
+                whole = [*earlier, *asked]  # what the last turn continued, explicitly
+                earlier = [*whole, *[item.model_dump(exclude_none=True)
+                                     for item in response.output]]
+                previous = response.id
+                sizes.append(store.chars)
+            explicit = client.responses.create(model=MODEL, input=whole, store=False,
+                                               temperature=0.0, max_output_tokens=2)
+    finally:
+        server.close()
+    costs = [later - earlier for earlier, later in zip(sizes, sizes[1:])]
+    # A turn costs its own items: the 29th link no more than the first (whole conversations
+    # stored per turn would make it cost about 29 turns' items more).
+    assert max(costs) < 1.2 * min(costs), costs
+    assert response.previous_response_id is not None and response.store
+    assert response.usage.input_tokens == explicit.usage.input_tokens
+    assert response.output_text == explicit.output_text
+
+
+def test_a_response_too_large_for_the_store_is_answered_as_not_stored(engine):
+    server = store_server(engine, ResponseStore(max_chars=300))
+    try:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+            response = client.responses.create(model=MODEL, input="hi", **GREEDY)
+            with client.responses.stream(model=MODEL, input="hi", **GREEDY) as stream:
+                *_, last = stream  # response.completed or (cut short) response.incomplete
+            streamed = last.response
+            assert response.store is False and streamed.store is False
+            for unstored in (response, streamed):
+                with pytest.raises(openai.NotFoundError):
+                    client.responses.retrieve(unstored.id)
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.responses.create(model=MODEL, input="Go on",
+                                        previous_response_id=response.id, **GREEDY)
+            assert refused.value.param == "previous_response_id"
+    finally:
+        server.close()
+
+
+def test_an_aborted_stream_ends_with_a_failed_response(client, server):
+    request = dict(model=MODEL, input="Tell me a story.", temperature=0.0,
+                   max_output_tokens=1500)
+    with client.responses.stream(**request) as stream:
+        events = iter(stream)
+        assert next(events).type == "response.created"  # the generation is under way
+        httpx.post(f"{server}/abort_request", json={"abort_all": True}, timeout=60)
+        *_, last = events
+    assert last.type == "response.failed"
+    failed = last.response
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert "aborted" in failed.error.message
+    assert failed.usage.output_tokens < 1500
+    assert client.responses.retrieve(failed.id).status == "failed"
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"bogus": 1}, "bogus"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
@@ -275,6 +361,25 @@ def test_reasoning_is_an_item_of_its_own_whole_and_streamed(reasoning_server):
         "response.output_item.added", "response.content_part.added",
         "response.output_text.done", "response.content_part.done",
         "response.output_item.done", "response.incomplete"]
+
+
+def test_a_response_format_with_tools_under_auto_is_calls_or_a_value_of_the_schema(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+              "properties": {"ok": {"type": "boolean"}}}
+    response = client.responses.create(
+        model=MODEL, input="Weather?", tools=[WEATHER, TIME], temperature=0.0,
+        max_output_tokens=256, parallel_tool_calls=False,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema,
+                         "strict": True}})
+    assert response.status == "completed", response.output
+    calls = [item for item in response.output if item.type == "function_call"]
+    if calls:
+        assert [item.type for item in response.output] == ["function_call"]
+        [call] = calls
+        if call.name == "get_weather":
+            jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    else:
+        jsonschema.validate(json.loads(response.output_text), schema)
 
 
 def test_openapi_describes_the_routes(server):

@@ -1,14 +1,17 @@
-"""A turn's events as Responses output items: which items a sequence of events makes, and
-that the stream events describe exactly those items (every item opened is closed, deltas
-build its text, the closed items in order are the items)."""
+"""A turn's events as Responses output items: which items a sequence of events makes (an
+output read by the chat turn's own ``TurnStream``, which settles whitespace, for the
+whitespace cases), and that the stream events describe exactly those items (every item
+opened is closed, deltas build its text, the closed items in order are the items)."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
+from radixlm.runtime.output_parsing.reasoning_parser import get_reasoning_parser
+from radixlm.runtime.output_parsing.tool_call_registry import get_tool_call_parser
 from radixlm.runtime.output_parsing.tool_call_types import ToolCall
-from radixlm.runtime.server.chat_turn import ContentDelta, ReasoningDelta
+from radixlm.runtime.server.chat_turn import ContentDelta, ReasoningDelta, TurnStream
 from radixlm.runtime.server.responses_output import OutputItems
 
 
@@ -27,23 +30,41 @@ def shapes(items):
 CALL_A, CALL_B = ToolCall("a", '{"x": 1}'), ToolCall("b", "{}")
 
 
-def test_whitespace_between_calls_makes_no_message():
-    items, _ = build([CALL_A, ContentDelta("\n"), CALL_B, ContentDelta(" \n")])
+def read(pieces, reasoning=False, complete=True):
+    """The items of an output arriving in ``pieces``, read as a chat turn reads it (Qwen 2.5's
+    calls; DeepSeek-R1's reasoning, which the output begins inside, where asked)."""
+    stream = TurnStream(get_tool_call_parser("qwen25"),
+                        get_reasoning_parser("deepseek-r1") if reasoning else None,
+                        thinking=reasoning, offered=frozenset("ab"))
+    events = [event for piece in pieces for event in stream.feed(piece)] + stream.finish()
+    return build(events, complete)[0]
+
+
+def call(name, arguments):
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def test_whitespace_between_and_after_calls_makes_no_message():
+    items = read([call("a", '{"x": 1}'), "\n", call("b", "{}"), " \n"])
     assert shapes(items) == [("function_call", 'a{"x": 1}'), ("function_call", "b{}")]
 
 
-def test_reasoning_and_content_runs_are_one_item_each_and_held_space_joins_text():
-    items, _ = build([ReasoningDelta("let "), ReasoningDelta("me"), ContentDelta("\n"),
-                      ContentDelta("Hi"), ContentDelta(" there")])
-    assert shapes(items) == [("reasoning", "let me"), ("message", "\nHi there")]
+def test_reasoning_and_content_runs_are_one_item_each():
+    items = read(["let ", "me</think>", "\n", "Hi", " there"], reasoning=True)
+    assert shapes(items) == [("reasoning", "let me"), ("message", "Hi there")]
     assert [item["status"] for item in items] == ["completed", "completed"]
+
+
+def test_text_after_a_call_keeps_the_space_before_it():
+    items = read([call("a", "{}"), "\n", "\nDone."])
+    assert shapes(items) == [("function_call", "a{}"), ("message", "\n\nDone.")]
 
 
 def test_a_turn_with_nothing_to_show_answers_an_empty_message():
     items, _ = build([ReasoningDelta("hmm")], complete=False)
     assert shapes(items) == [("reasoning", "hmm"), ("message", "")]
     assert items[0]["status"] == "incomplete" and items[1]["status"] == "incomplete"
-    assert shapes(build([ContentDelta("  ")])[0]) == [("message", "  ")]
+    assert shapes(read(["  "])) == [("message", "  ")]
 
 
 def test_calls_have_their_own_ids():
