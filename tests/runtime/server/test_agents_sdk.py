@@ -1,8 +1,10 @@
 """The default model (SmolLM2-135M-Instruct, served with the ``chatml-tools`` template) as
 the OpenAI Agents SDK sees it: an ``Agent`` with two function tools run to its final answer
-through ``Runner.run``, over the Responses API and over Chat Completions; and the function
-calls the SDK relies on, checked through the ``openai`` client (arguments valid for their
-schema, a stream that assembles into the whole response).
+through ``Runner.run``, over the Responses API and over Chat Completions, and one whose
+answer is an ``output_type`` (strict tools and a JSON schema in one request: calls or a
+value of the schema); and the function calls the SDK relies on, checked through the
+``openai`` client (arguments valid for their schema, a stream that assembles into the whole
+response).
 
 What must succeed is forced: the first turn's ``tool_choice`` is ``required`` (the SDK then
 resets it to ``auto``), and the input opens with one worked exchange (both tools called,
@@ -27,6 +29,7 @@ from agents import (
     set_tracing_disabled,
 )
 from live_server import LiveServer
+from pydantic import BaseModel
 
 import radixlm
 from radixlm.runtime.server.http_server import create_app
@@ -52,6 +55,18 @@ EXAMPLE = [
     {"role": "assistant", "content": "In London it is raining and it is 9 am."},
 ]
 QUESTION = {"role": "user", "content": "What are the weather and the time in Paris?"}
+
+
+class Report(BaseModel):
+    """An agent's ``output_type``: what the tools said."""
+
+    weather: str
+    time: str
+
+
+REPORT_EXAMPLE = [*EXAMPLE[:-1], {
+    "role": "assistant",
+    "content": '{"weather": "It is raining in London.", "time": "It is 9 am in London."}'}]
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +112,8 @@ def test_a_stream_of_calls_assembles_into_the_whole_response(client):
     assert types[-1] == "response.completed"
 
 
-@pytest.mark.parametrize("model_class", [OpenAIResponsesModel, OpenAIChatCompletionsModel])
-def test_an_agent_calls_both_tools_and_answers(server, model_class):
-    set_tracing_disabled(True)
-    ran: list[tuple[str, str]] = []
+def city_tools(ran: list[tuple[str, str]]) -> list:
+    """get_weather and get_time as the SDK's strict function tools, noting each call."""
 
     @function_tool
     def get_weather(city: str) -> str:
@@ -114,11 +127,19 @@ def test_an_agent_calls_both_tools_and_answers(server, model_class):
         ran.append(("get_time", city))
         return f"It is noon in {city}."
 
+    return [get_weather, get_time]
+
+
+@pytest.mark.parametrize("model_class", [OpenAIResponsesModel, OpenAIChatCompletionsModel])
+def test_an_agent_calls_both_tools_and_answers(server, model_class):
+    set_tracing_disabled(True)
+    ran: list[tuple[str, str]] = []
+
     async def run():
         async with openai.AsyncOpenAI(base_url=server + "/v1", api_key="x",
                                       max_retries=0) as client:
             agent = Agent(name="assistant", instructions=INSTRUCTIONS,
-                          tools=[get_weather, get_time], model=model_class(MODEL, client),
+                          tools=city_tools(ran), model=model_class(MODEL, client),
                           model_settings=ModelSettings(tool_choice="required",
                                                        temperature=0.0, max_tokens=96))
             return await Runner.run(agent, [*EXAMPLE, QUESTION], max_turns=4)
@@ -126,3 +147,21 @@ def test_an_agent_calls_both_tools_and_answers(server, model_class):
     result = asyncio.run(run())
     assert sorted(name for name, _ in ran) == ["get_time", "get_weather"]
     assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+def test_an_agent_with_strict_tools_and_an_output_type_answers_with_that_type(server):
+    set_tracing_disabled(True)
+    ran: list[tuple[str, str]] = []
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server + "/v1", api_key="x",
+                                      max_retries=0) as client:
+            agent = Agent(name="assistant", instructions=INSTRUCTIONS, output_type=Report,
+                          tools=city_tools(ran), model=OpenAIResponsesModel(MODEL, client),
+                          model_settings=ModelSettings(tool_choice="required",
+                                                       temperature=0.0, max_tokens=96))
+            return await Runner.run(agent, [*REPORT_EXAMPLE, QUESTION], max_turns=4)
+
+    result = asyncio.run(run())
+    assert sorted(name for name, _ in ran) == ["get_time", "get_weather"]
+    assert isinstance(result.final_output, Report), result.final_output
