@@ -17,9 +17,13 @@ from fastapi import FastAPI
 from live_server import LiveServer
 
 import radixlm
+from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
+from radixlm.runtime.server.chat_turn import ContentDelta, ReasoningDelta
 from radixlm.runtime.server.http_server import create_app
 from radixlm.runtime.server.response_store import ResponseStore
-from radixlm.runtime.server.responses_api import add_responses_routes
+from radixlm.runtime.server.responses_api import _failed, _head, add_responses_routes
+from radixlm.runtime.server.responses_output import OutputItems
+from radixlm.runtime.server.responses_protocol import ResponseObject, ResponsesRequest
 
 MODEL = "tiny"
 WEATHER = {
@@ -283,6 +287,23 @@ def test_an_aborted_stream_ends_with_a_failed_response(client, server):
     assert "aborted" in failed.error.message
     assert failed.usage.output_tokens < 1500
     assert client.responses.retrieve(failed.id).status == "failed"
+
+
+@pytest.mark.parametrize("error, code", [
+    (ValueError("the prompt is too long"), "invalid_request_error"),
+    (RuntimeUnavailable("the scheduler died"), "server_error"),
+    (QueueFull("too many requests"), "server_error"),
+    (KeyError("a fault of ours"), "server_error"),
+])
+def test_a_stream_an_error_ends_is_a_failed_response_with_openais_code(error, code):
+    items = OutputItems()
+    items.add(ReasoningDelta("thinking"))
+    items.add(ContentDelta("half an ans"))  # closes the reasoning, opens the message
+    head = _head(ResponsesRequest(model=MODEL, input="hi"), "resp_1", MODEL)
+    failed = _failed(head, items, error)
+    ResponseObject.model_validate(failed)
+    assert failed["status"] == "failed" and failed["error"]["code"] == code
+    assert [item["type"] for item in failed["output"]] == ["reasoning"]  # the finished ones
 
 
 @pytest.mark.parametrize("extra, param", [
