@@ -53,7 +53,8 @@ def plain_pool_reason(args: ServerArgs, config: ModelConfig, device: torch.devic
         return "tensor-parallel ranks do not mirror the sliding layers' slot map"
     if args.disaggregation_mode != "null":
         return "disaggregation moves KV rows by request slot (kv_rows.py)"
-    backend = resolve_backend_name(BackendRequest(args.attention_backend, device, False))
+    backend = resolve_backend_name(BackendRequest(
+        args.attention_backend, device, args.resolved_dtype(), config.head_dim))
     if backend not in SLOT_MAP_BACKENDS:
         return f"the {backend} attention backend does not read through a slot map"
     return None

@@ -331,9 +331,10 @@ class ModelRunner:
         """The backend ``attention_backend`` names (``auto`` resolved for the device); one
         that cannot run here raises ValueError saying why (see ``backend_selection``)."""
         uses_mla = bool(getattr(self.model_config, "uses_mla", False))
-        request = BackendRequest(self.args.attention_backend, self.device, uses_mla)
-        self.attention_backend_name = resolve_backend_name(request)
         layer = self.attention_layer
+        request = BackendRequest(self.args.attention_backend, self.device, self.dtype,
+                                 layer.head_dim, uses_mla)
+        self.attention_backend_name = resolve_backend_name(request)
         return create_backend(
             self.attention_backend_name, self.device, num_heads=layer.num_heads,
             num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
