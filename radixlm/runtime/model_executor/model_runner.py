@@ -40,6 +40,7 @@ from radixlm.runtime.model_executor.compiled_decode import (
 from radixlm.runtime.model_executor.cpu_decode_runner import CpuDecodeRunner
 from radixlm.runtime.model_executor.cpu_matmul_path import build_cpu_plan
 from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
+from radixlm.runtime.model_executor.device_setup import make_device_current
 from radixlm.runtime.model_executor.kv_pool_layout import build_hybrid_pools, windowed_layout
 from radixlm.runtime.model_executor.rank_processes import LocalRanks
 from radixlm.runtime.model_executor.tensor_parallel_ranks import (
@@ -63,6 +64,9 @@ class ModelRunner:
 
     Pools are allocated here, once: ``max_total_tokens`` KV slots (rounded down to whole
     pages) and ``max_running_requests`` request rows of ``context_length`` entries.
+
+    Its device is made the current CUDA device first (``device_setup``), so that graphs,
+    Triton launches, events and workspaces land on it, not on GPU 0.
 
     With ``tp_size`` > 1 this is one rank (``rank``) of the model: rank 0, in the
     scheduler's process, starts this node's other ranks (``tp_worker``) and broadcasts
@@ -88,6 +92,7 @@ class ModelRunner:
         self.step_sender: StepSender | None = None
         if args.tp_size > 1:
             self._join_ranks(model_config, rank)
+        make_device_current(self.device)  # before anything else touches CUDA (device_setup)
         self.weight_format = args.weight_format()
         self.fused_cpu_kernels = self._use_fused_cpu_kernels()
         self.cpu_plan = build_cpu_plan(
