@@ -5,10 +5,11 @@ Three measurements in one run (issue 9), each printed as a table, then one JSON 
 1. copy bandwidth: a large device-to-device copy, timed with CUDA events; reported as bytes
    read + written per second, the traffic a memory-bound kernel can hope for;
 2. decode attention, one layer, per backend (torch_native, triton, flashinfer where it
-   imports) and page size: a batch of requests of equal context scattered over a random
-   page table in a larger pool; time per ``forward_decode`` call, KV bytes read
-   (B x ctx x 2 x H_kv x D x element size) per second, and that as a fraction of the copy
-   bandwidth; outputs are compared with torch_native's and triton's (max abs difference);
+   imports and the dtype is 16-bit) and page size: a batch of requests of equal context
+   scattered over a random page table in a larger pool; time per ``forward_decode`` call,
+   KV bytes read (B x ctx x 2 x H_kv x D x element size) per second, and that as a fraction
+   of the copy bandwidth; outputs are compared with torch_native's and triton's (max abs
+   difference);
 3. decode throughput of a randomly initialised Llama of about 1.1B parameters written here
    (config, bf16 safetensors, a byte-level tokenizer): one Engine per backend with CUDA
    graphs and one without, all alive at once, runs interleaved; decode tokens/s is
@@ -22,16 +23,16 @@ Three measurements in one run (issue 9), each printed as a table, then one JSON 
 instead of CUDA events, float32, a 2-layer model); its figures mean nothing. Without CUDA
 and without ``--smoke`` the script exits with status 2.
 
-On the lent H200 (see .library/device): its image has torch, triton and transformers but
-not msgspec or pyzmq, and no flashinfer (its wheel is over the 64 MiB carry limit, so its
-rows read FAILED). Download the two wheels here once, keep them out of git, and carry them:
+To run on any machine with an NVIDIA GPU and its driver, from a checkout of radixlm:
 
-    pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 msgspec pyzmq -d .wheels
-    echo /.wheels/ >> .git/info/exclude
-    # run(carry=[".wheels"], timeout_s=540):
-    pip install -q --no-index --no-deps .wheels/*.whl && PYTHONPATH=$PWD \
-        python3 benchmarks/bench_gpu_decode.py 2>&1 | tee $OUT/bench_gpu_decode.log
+    pip install -e '.[gpu]'   # torch>=2.5 built for CUDA, triton>=3.0, flashinfer-python
+    python benchmarks/bench_gpu_decode.py 2>&1 | tee bench_gpu_decode.log
+
+The model is written by the script (random weights), nothing is downloaded. Without the
+flashinfer package its rows are left out; FlashInfer is measured by default only in
+float16 or bfloat16 (``--dtype``), the dtypes it has kernels for
+(``backend_selection.FLASHINFER_DTYPES``). Results go to ``benchmarks/RESULTS.md`` with the
+GPU, the versions of torch, triton and flashinfer, the flags and the date.
 """
 
 from __future__ import annotations
@@ -407,7 +408,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         choices=["copy", "attention", "model"])
     parser.add_argument("--backends", nargs="+", default=None,
                         help="kernel backends to measure (default: triton, and flashinfer "
-                             "where it imports)")
+                             "where it imports and the dtype is 16-bit)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--copy-mib", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=64)
@@ -444,8 +445,11 @@ def main(argv: list[str] | None = None) -> int:
               "on a CPU", file=sys.stderr)
         return 2
     if args.backends is None:
+        from radixlm.kernels.attention.backend_selection import FLASHINFER_DTYPES
+
         args.backends = ["triton"]
-        if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+        if (device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None
+                and getattr(torch, args.dtype) in FLASHINFER_DTYPES):
             args.backends.append("flashinfer")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)"
     print(f"device {name}; torch {torch.__version__}; backends {args.backends}", flush=True)
