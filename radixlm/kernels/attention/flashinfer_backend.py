@@ -6,11 +6,9 @@ done on the host once per batch) and a ``run`` per layer. This backend plans in
 the new K/V into the pool, so the paged kernels see each request's whole sequence.
 
 Page table: FlashInfer reads KV as pages of ``page_size`` consecutive slots (NHD layout,
-(pages, page_size, H_kv, D), a view of our (slots, H_kv, D) buffers). It relies on the
-allocator's invariant that token i of a request lives at offset ``i % page_size`` of its
-page: a request's page list is ``req_to_token[row, 0:n:page_size] // page_size`` and its last
-page holds ``(n - 1) % page_size + 1`` tokens. Extend is causal with the mask aligned to the
-end of the sequence (query i of an extend of length e over n keys sees keys < n - e + i + 1),
+(pages, page_size, H_kv, D), a view of our (slots, H_kv, D) buffers); how the table is
+built is ``flashinfer_page_table``'s. Extend is causal with the mask aligned to the end of
+the sequence (query i of an extend of length e over n keys sees keys < n - e + i + 1),
 which is exactly "prefix plus the new tokens up to itself".
 
 Sliding windows, logit soft-capping and slot maps are fixed at plan time in FlashInfer
@@ -19,32 +17,49 @@ Sliding windows, logit soft-capping and slot maps are fixed at plan time in Flas
 first layer of the kind runs (the plain kind in ``init_forward_metadata``). A windowed
 kind's page table starts at the page of the first key its first query sees (FlashInfer
 aligns the causal mask and the window to the end of the keys, so leading pages may go);
-a slot-mapped kind's pages are the layer's own (``slot_map[first slot of the page] //
-page_size``: a hybrid pool pairs pages offset for offset; a dropped page reads as page 0,
-outside every window).
+a slot-mapped kind's pages are the layer's own (a hybrid pool pairs pages offset for
+offset; a dropped page reads as page 0, outside every window).
 
-For CUDA graphs, ``DecodeGraphState`` owns a decode wrapper with fixed index buffers per
-captured batch size (made in ``prepare_decode_graphs``); ``plan`` is re-run on the one of
-the batch's size (outside the graph, ``init_decode_graph_metadata``) before each replay,
-with one more fixed-buffer wrapper per kind of layer this backend has met (a kind first met
-inside a capture cannot be planned there, and raises).
+Invariants, each guarded on the CPU by ``tests/kernels/attention/test_flashinfer_plan.py``
+against a stand-in FlashInfer that refuses what the real one refuses:
 
-FlashInfer is imported lazily: this module loads everywhere; constructing the backend
-without CUDA or the package raises (``backend_selection`` says why before that).
+- Planning reads nothing from the device. ``plan``'s host arrays (``qo_indptr``,
+  ``indptr``, ``last_page_len``) are built on the host from ``ForwardBatch``'s host
+  lengths, in pinned memory that the next batch's plans do not overwrite while
+  ``plan``'s copies out of it are in flight (``PlanStaging``: two halves, a batch each);
+  the page list stays on the device, built by device ops of host-known size.
+- FlashInfer's workspace is zeroed when allocated, as FlashInfer requires of it before
+  its first use.
+- CUDA graphs: ``DecodeGraphState`` owns the decode wrappers of one captured batch size;
+  every size's wrapper of one kind of layer shares that kind's fixed index buffers
+  (``GraphIndexBuffers``, sized for the largest batch at the longest context), since one
+  graph replays at a time and each replay is planned first (``init_decode_graph_metadata``,
+  outside the graph). A kind first met inside a capture cannot be planned there, and
+  raises.
+
+FlashInfer is a constructor argument (the package by default, imported then), so this
+module loads everywhere and tests hand the backend a stand-in; constructing it with the
+real package needs CUDA (``backend_selection`` says why before that).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from radixlm.kernels.attention.attention_backend import AttentionBackend, DecodeGraphSpec
+from radixlm.kernels.attention.flashinfer_page_table import (
+    PlanStaging,
+    device_page_indices,
+    host_page_table,
+)
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 128 * 2**20
-"""FlashInfer's scratch for split-KV partial results, shared by both wrappers."""
+"""FlashInfer's scratch for split-KV partial results, shared by all wrappers."""
 
 
 @dataclass
@@ -70,52 +85,49 @@ def kind_key(kind: Kind) -> tuple[int | None, float | None, int]:
 
 
 def paged_kv_table(
-    fb: ForwardBatch, page_size: int, seq_lens: torch.Tensor | None = None,
-    req_pool_indices: torch.Tensor | None = None, window: int | None = None,
+    fb: ForwardBatch, page_size: int, *, window: int | None = None,
     slot_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's CSR page table: (indptr (B+1,), page indices (total,), last page lens (B,)).
+    """FlashInfer's CSR page table: (indptr (B+1,), page indices (total,), last page lens (B,)),
+    int32; indptr and last page lens on the host, the indices on the batch's device."""
+    host = host_page_table(fb, page_size, window)
+    indices = device_page_indices(fb, page_size, host.total_pages, window, slot_map)
+    return host.indptr, indices, host.last_page_len
 
-    int32 tensors on the batch's device. ``seq_lens`` / ``req_pool_indices`` override the
-    batch's (CUDA-graph padding). ``window``: pages wholly before the first key the first
-    new token sees are left out; ``slot_map``: the pages are the layer's own.
-    """
-    seq_lens = fb.seq_lens if seq_lens is None else seq_lens
-    rows = fb.req_pool_indices if req_pool_indices is None else req_pool_indices
-    device = seq_lens.device
-    end_pages = (seq_lens + page_size - 1) // page_size  # (B,)
-    first_page = torch.zeros_like(end_pages)
-    if window is not None:
-        new = fb.extend_seq_lens if fb.mode is ForwardMode.EXTEND else 1
-        first_page = (seq_lens - new + 1 - window).clamp(min=0) // page_size
-    pages_per_req = end_pages - first_page
-    indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32, device=device)
-    indptr[1:] = torch.cumsum(pages_per_req, 0)
-    max_pages = int(pages_per_req.max()) if len(seq_lens) else 0
-    pages = first_page[:, None] + torch.arange(max_pages, device=device)[None, :]  # (B, P)
-    first_slots = (pages * page_size).clamp(max=fb.req_to_token.shape[1] - 1)
-    slots = fb.req_to_token[rows[:, None], first_slots]  # (B, P)
-    if slot_map is not None:
-        if slot_map.device != slots.device:
-            raise ValueError(f"the slot map is on {slot_map.device}, the batch on {device}")
-        slots = slot_map[slots]
-    valid = torch.arange(max_pages, device=device)[None, :] < pages_per_req[:, None]
-    indices = (slots // page_size)[valid].to(torch.int32)
-    last_page_len = ((seq_lens - 1) % page_size + 1).to(torch.int32)
-    return indptr, indices, last_page_len
+
+@dataclass
+class GraphIndexBuffers:
+    """One kind of layer's fixed decode index buffers, shared by every captured batch size
+    (a size's wrapper takes the leading ``size + 1`` / ``size`` rows of the small ones)."""
+
+    indptr: torch.Tensor  # (max_bs + 1,) int32
+    indices: torch.Tensor  # (max_bs * max_pages_per_req,) int32
+    last_page_len: torch.Tensor  # (max_bs,) int32
+
+    @classmethod
+    def allocate(cls, max_batch_size: int, max_pages: int,
+                 device: torch.device) -> GraphIndexBuffers:
+        def zeros(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=device)
+        return cls(zeros(max_batch_size + 1), zeros(max_pages),
+                   torch.ones(max_batch_size, dtype=torch.int32, device=device))
 
 
 class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
     uses_custom_kernels = True
 
-    def __init__(self, shape: AttentionShape, device: torch.device):
-        import flashinfer  # the `gpu` extra; selection checks it is importable
-
+    def __init__(self, shape: AttentionShape, device: torch.device,
+                 flashinfer: ModuleType | Any | None = None):
+        """``flashinfer``: the module whose wrapper classes this backend plans and runs
+        (the ``flashinfer`` package, the ``gpu`` extra, when None)."""
+        if flashinfer is None:
+            import flashinfer  # selection checks it is importable
         self._flashinfer = flashinfer
         self.shape = shape
         self.device = device
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._staging = PlanStaging(device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._decode = self._decode_wrapper()
         self._eager = {(ForwardMode.EXTEND, kind_key(PLAIN)): self._prefill,
@@ -125,8 +137,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._planned: dict[tuple, Any] = {}  # this batch's planned wrappers, by kind
         self._active: Any = None  # the plain kind's
         self._graph_state: DecodeGraphState | None = None  # this batch's, under graphs
-        self._graph_rows: tuple = (None, None)  # its padded (seq_lens, req_pool_indices)
         self._graph_states: dict[int, DecodeGraphState] = {}  # per captured batch size
+        self._graph_buffers: dict[tuple, GraphIndexBuffers] = {}  # per kind, all sizes
+        self._graph_spec: DecodeGraphSpec | None = None
 
     def _decode_wrapper(self, **graph_buffers):
         """A decode wrapper; with ``graph_buffers`` (its index buffers) one for CUDA graphs.
@@ -138,7 +151,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self._batch, self._graph_state, self._planned = forward_batch, None, {}
-        self._graph_rows = (None, None)
+        self._staging.start_batch()
         self._active = self._wrapper_for(PLAIN)
 
     def _wrapper_for(self, kind: Kind):
@@ -163,27 +176,30 @@ class FlashInferAttentionBackend(AttentionBackend):
                            else self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                                self.workspace, "NHD"))
                 self._eager[(self._batch.mode, key)] = wrapper
-        self._plan(wrapper, kind, *self._graph_rows)
+        self._plan(wrapper, kind)
         self._planned[key] = wrapper
         return wrapper
 
-    def _plan(self, wrapper, kind: Kind, seq_lens: torch.Tensor | None = None,
-              req_pool_indices: torch.Tensor | None = None) -> None:
+    def _plan(self, wrapper, kind: Kind) -> None:
+        """Plans ``wrapper`` for this batch's layers of ``kind``: host arrays from the
+        batch's host lengths, the page list on the device (a graph wrapper's ``plan``
+        copies it into its fixed buffer, device to device)."""
         fb, shape = self._batch, self.shape
         window, softcap, slot_map = kind
-        indptr, indices, last_page_len = paged_kv_table(
-            fb, shape.page_size, seq_lens, req_pool_indices, window, slot_map)
+        host = host_page_table(fb, shape.page_size, window, self._staging)
+        indices = device_page_indices(fb, shape.page_size, host.total_pages, window,
+                                      slot_map)
         options = dict(sm_scale=shape.scaling, q_data_type=shape.dtype,
                        kv_data_type=shape.dtype, logits_soft_cap=softcap,
-                       window_left=-1 if window is None else window - 1)
+                       window_left=-1 if window is None else window - 1, non_blocking=True)
         heads = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size)
         if fb.mode is ForwardMode.DECODE:
-            wrapper.plan(indptr, indices, last_page_len, *heads, pos_encoding_mode="NONE",
-                         **options)
-            return
-        qo_indptr = torch.zeros(fb.batch_size + 1, dtype=torch.int32, device=self.device)
-        qo_indptr[1:] = torch.cumsum(fb.extend_seq_lens, 0)
-        wrapper.plan(qo_indptr, indptr, indices, last_page_len, *heads, causal=True, **options)
+            wrapper.plan(host.indptr, indices, host.last_page_len, *heads,
+                         pos_encoding_mode="NONE", **options)
+        else:
+            wrapper.plan(host.qo_indptr, host.indptr, indices, host.last_page_len, *heads,
+                         causal=True, **options)
+        self._staging.plan_done()
 
     def forward_extend(self, q, k, v, layer, forward_batch):
         return self._run(q, k, v, layer, forward_batch)
@@ -213,46 +229,38 @@ class FlashInferAttentionBackend(AttentionBackend):
     # CUDA graphs --------------------------------------------------------------------------
 
     def prepare_decode_graphs(self, spec: DecodeGraphSpec) -> None:
-        """One graph decode wrapper per captured batch size, each with room for the pages of
-        the largest batch at the longest context."""
-        max_pages_per_req = -(-spec.max_context_len // self.shape.page_size)
-        max_pages = max_pages_per_req * spec.max_batch_size
-        self._graph_states = {
-            size: self.make_graph_state(size, max_pages) for size in spec.batch_sizes
-        }
+        """One graph decode wrapper per captured batch size; their index buffers, one set
+        per kind of layer, are shared by all sizes."""
+        self._graph_spec = spec
+        self._graph_states = {size: DecodeGraphState(None, size) for size in spec.batch_sizes}
+        for state in self._graph_states.values():
+            state.wrapper = state.wrapper_for(kind_key(PLAIN), self)
+
+    def graph_buffers_for(self, key: tuple) -> GraphIndexBuffers:
+        """The fixed index buffers of one kind of layer, made when the kind is first met."""
+        buffers = self._graph_buffers.get(key)
+        if buffers is None:
+            spec = self._graph_spec
+            pages_per_req = -(-spec.max_context_len // self.shape.page_size)
+            buffers = self._graph_buffers[key] = GraphIndexBuffers.allocate(
+                spec.max_batch_size, pages_per_req * spec.max_batch_size, self.device)
+        return buffers
 
     def init_decode_graph_metadata(self, forward_batch: ForwardBatch) -> None:
         """Plans the wrappers captured for this batch's size, one per kind of layer met so
         far (their buffers are rewritten in place), and makes them the ones the captured
-        ``run`` calls use."""
+        ``run`` calls use. The batch is padded: its host and device lengths agree."""
         state = self._graph_states.get(forward_batch.batch_size)
         if state is None:
             raise ValueError(
                 f"no decode graph state for batch size {forward_batch.batch_size}; "
                 f"prepared sizes: {sorted(self._graph_states)}"
             )
-        self.plan_graph_decode(
-            state, forward_batch, forward_batch.seq_lens, forward_batch.req_pool_indices
-        )
-
-    def make_graph_state(self, batch_size: int, max_pages: int) -> DecodeGraphState:
-        """Decode wrappers with fixed buffers for one captured batch size (the plain kind's
-        now, the others' when first planned)."""
-        state = DecodeGraphState(None, batch_size, max_pages)
-        state.wrapper = state.wrapper_for(kind_key(PLAIN), self)
-        return state
-
-    def plan_graph_decode(
-        self, state: DecodeGraphState, forward_batch: ForwardBatch,
-        seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
-    ) -> None:
-        """Plans the captured wrappers for this (padded) batch, one per kind met, and makes
-        them the active ones."""
         self._batch, self._graph_state, self._planned = forward_batch, state, {}
-        self._graph_rows = (seq_lens, req_pool_indices)
+        self._staging.start_batch()
         for key, kind in self._kinds.items():
             wrapper = state.wrapper_for(key, self)
-            self._plan(wrapper, kind, seq_lens, req_pool_indices)
+            self._plan(wrapper, kind)
             self._planned[key] = wrapper
         self._active = state.wrapper
 
@@ -260,23 +268,19 @@ class FlashInferAttentionBackend(AttentionBackend):
 @dataclass
 class DecodeGraphState:
     """The fixed-buffer decode wrappers of one captured batch size: ``wrapper`` the plain
-    kind's, ``by_kind`` every kind's (each with its own index buffers)."""
+    kind's, ``by_kind`` every kind's (each over its kind's shared index buffers)."""
 
     wrapper: Any
     batch_size: int
-    max_pages: int
     by_kind: dict = field(default_factory=dict)
 
     def wrapper_for(self, key: tuple, backend: FlashInferAttentionBackend):
         wrapper = self.by_kind.get(key)
         if wrapper is None:
-            device = backend.device
+            buffers, size = backend.graph_buffers_for(key), self.batch_size
             wrapper = backend._decode_wrapper(
-                paged_kv_indptr_buffer=torch.zeros(self.batch_size + 1, dtype=torch.int32,
-                                                   device=device),
-                paged_kv_indices_buffer=torch.zeros(self.max_pages, dtype=torch.int32,
-                                                    device=device),
-                paged_kv_last_page_len_buffer=torch.ones(self.batch_size, dtype=torch.int32,
-                                                         device=device))
+                paged_kv_indptr_buffer=buffers.indptr[: size + 1],
+                paged_kv_indices_buffer=buffers.indices,
+                paged_kv_last_page_len_buffer=buffers.last_page_len[:size])
             self.by_kind[key] = wrapper
         return wrapper
