@@ -14,6 +14,7 @@ import torch
 
 from radixlm.host_to_device import to_device
 from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.runtime.model_executor.device_setup import make_device_current
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.logprobs import Logprobs
 from radixlm.runtime.sampling.sampler import Sampler
@@ -56,7 +57,13 @@ class DecodeWorker:
         self.sampling_step = sampling_step
         self.sampler = sampler
         self.sampling_batch = sampling_batch
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="radixlm-decode")
+        # The current CUDA device belongs to a thread: the worker makes the model's its own
+        # (device_setup.py), or its graphs, launches and events would land on GPU 0.
+        device = getattr(runner, "device", None)
+        self._thread = ThreadPoolExecutor(
+            1, thread_name_prefix="radixlm-decode",
+            initializer=None if device is None else make_device_current,
+            initargs=() if device is None else (device,))
 
     def launch(self, reqs: list[Req], batch: ForwardBatch,
                previous: DecodeInFlight | None) -> DecodeInFlight:

@@ -26,3 +26,19 @@ def test_a_model_on_cuda_n_makes_device_n_current_and_nothing_else_sets_one(devi
 def test_devices_without_an_index_leave_cuda_untouched(device):
     """Runs without CUDA: a CPU or meta runner (or a bare ``cuda``) calls no CUDA API."""
     make_device_current(torch.device(device))
+
+
+def test_the_overlap_decode_worker_thread_makes_the_models_device_current():
+    """The current CUDA device is a thread's: the decode worker's thread runs its
+    initializer with the runner's device (on a CPU, the call sets nothing)."""
+    from radixlm.runtime.scheduler.decode_worker import DecodeWorker
+
+    class Runner:
+        device = torch.device("cpu")
+
+    worker = DecodeWorker(Runner(), None, None, None)
+    try:
+        assert worker._thread._initializer is make_device_current
+        assert worker._thread._initargs == (torch.device("cpu"),)
+    finally:
+        worker._thread.shutdown()
