@@ -22,6 +22,7 @@ from radixlm.kernels.attention.flashinfer_backend import (
     FlashInferAttentionBackend,
 )
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
+from radixlm.kv_cache.memory_pool import MHATokenToKVPool
 from radixlm.models.layers.attention import PagedAttention
 
 E, D = ForwardMode.EXTEND, ForwardMode.DECODE
@@ -76,6 +77,30 @@ def test_plans_build_their_host_arrays_without_reading_the_device(
     windowed = backend._wrapper_for((6, 2.0, None))  # a second kind, planned on first use
     check_host_plan(backend._active.plans[-1], batch, None)
     check_host_plan(windowed.plans[-1], batch, 6)
+
+
+@pytest.mark.parametrize("mode, prefix_lens, extend_lens", [
+    (D, [7, 30], [1, 1]),
+    (E, [0, 9], [6, 3]),
+], ids=["decode", "extend"])
+def test_a_whole_step_over_two_kinds_of_layer_reads_nothing_back(
+        mode, prefix_lens, extend_lens):
+    """Plan, store K/V and run, layer after layer, with the pool on ``meta`` too."""
+    backend = make_backend(META)
+    batch = batch_on(META, mode, prefix_lens, extend_lens)
+    slots = batch.req_to_token.shape[1]
+    batch.kv_pool = MHATokenToKVPool(slots, 2, KV_HEADS, HEAD_DIM, torch.bfloat16, "meta")
+    tokens = sum(extend_lens)
+    q = torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=META)
+    k = torch.empty(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=META)
+    backend.init_forward_metadata(batch)
+    for layer_id, window in ((0, None), (1, 5)):
+        layer = PagedAttention(layer_id, HEADS, KV_HEADS, HEAD_DIM, SCALE,
+                               sliding_window=window)
+        out = backend.forward(q, k, k, layer, batch)
+        assert out.shape == q.shape and out.device == META
+    assert len(backend._planned) == 2
+    assert all(len(w.runs) == 1 and len(w.plans) == 1 for w in backend._planned.values())
 
 
 def test_a_slot_mapped_kind_is_planned_without_reading_the_device():
