@@ -27,7 +27,9 @@ against a stand-in FlashInfer that refuses what the real one refuses:
   ``indptr``, ``last_page_len``) are built on the host from ``ForwardBatch``'s host
   lengths, in pinned memory that the next batch's plans do not overwrite while
   ``plan``'s copies out of it are in flight (``PlanStaging``: two halves, a batch each);
-  the page list stays on the device, built by device ops of host-known size.
+  the page list stays on the device, built by device ops of host-known size. Every kind
+  of layer met before is planned ahead of the batch's first kernel, so a batch's copies
+  run as soon as the batch before it ends.
 - FlashInfer's workspace is zeroed when allocated, as FlashInfer requires of it before
   its first use.
 - CUDA graphs: ``DecodeGraphState`` owns the decode wrappers of one captured batch size;
@@ -150,9 +152,13 @@ class FlashInferAttentionBackend(AttentionBackend):
             **graph_buffers)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Plans every kind of layer met so far, before the batch's first kernel (a kind
+        met first later in the batch is planned when it is met)."""
         self._batch, self._graph_state, self._planned = forward_batch, None, {}
         self._staging.start_batch()
-        self._active = self._wrapper_for(PLAIN)
+        for kind in list(self._kinds.values()):
+            self._wrapper_for(kind)
+        self._active = self._planned[kind_key(PLAIN)]
 
     def _wrapper_for(self, kind: Kind):
         """This batch's wrapper for layers of ``kind``, planned on first use."""

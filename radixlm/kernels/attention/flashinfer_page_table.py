@@ -14,9 +14,10 @@ back.
 
 The host arrays go into ``PlanStaging``: pinned memory in two halves, one per batch in
 turn, so that ``plan``'s asynchronous copies out of one batch's arrays are never
-overwritten by the next batch's. A half is reused two batches later, after an event
-recorded behind its copies; the overlap schedule keeps the device at most one batch
-behind, so that wait finds the copies done.
+overwritten by the next batch's. A half is refilled two batches later, after an event
+recorded behind its copies. The backend plans a batch before its first kernel, so those
+copies run when the batch before it ends; under overlap the host has waited for that
+batch's tokens before it builds the batch that refills the half, so the event is done.
 
 Page layout (the allocator's invariant): token i of a request lives at offset
 ``i % page_size`` of its page, so its pages are ``req_to_token[row, 0:n:page_size] //

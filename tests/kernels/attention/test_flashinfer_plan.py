@@ -133,6 +133,15 @@ def test_consecutive_batches_plan_from_different_host_memory():
     assert pointers[0] != pointers[1] and pointers[2] == pointers[0]
 
 
+def test_kinds_met_before_are_planned_before_the_batch_runs():
+    """So that a batch's copies of its host arrays are queued ahead of its kernels."""
+    backend = make_backend(META)
+    backend.init_forward_metadata(batch_on(META, D, [4, 11], [1, 1]))
+    windowed = backend._wrapper_for((5, None, None))
+    backend.init_forward_metadata(batch_on(META, D, [5, 12], [1, 1]))
+    assert len(windowed.plans) == 2 and len(backend._planned) == 2
+
+
 def test_captured_batch_sizes_share_one_page_index_buffer_per_kind():
     backend = make_backend(CPU)
     sizes, max_context = (1, 2, 4, 8, 16), 64
