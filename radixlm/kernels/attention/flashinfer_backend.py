@@ -13,8 +13,9 @@ which is exactly "prefix plus the new tokens up to itself".
 
 Sliding windows, logit soft-capping and slot maps are fixed at plan time in FlashInfer
 (``window_left = W - 1``, ``logits_soft_cap``), so each distinct kind of layer in a batch,
-(window, softcap, slot map), gets a wrapper of its own, planned once a batch when the
-first layer of the kind runs (the plain kind in ``init_forward_metadata``). A windowed
+(window, softcap, slot map), gets a wrapper of its own, planned once a batch: in
+``init_forward_metadata`` for the plain kind and every kind met before, else when the
+first layer of the kind runs. A windowed
 kind's page table starts at the page of the first key its first query sees (FlashInfer
 aligns the causal mask and the window to the end of the keys, so leading pages may go);
 a slot-mapped kind's pages are the layer's own (a hybrid pool pairs pages offset for
