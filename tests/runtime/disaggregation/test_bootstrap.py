@@ -85,6 +85,7 @@ def test_a_registration_is_checked(service, body, field):
     assert reply.status_code == 400 and field in reply.text, reply.text
 
 
+@pytest.mark.slow  # registers ranks up to the bound
 def test_the_registry_holds_a_bounded_number_of_ranks(service):
     for rank in range(MAX_RANKS):
         assert put(service, {**RANK, "attn_tp_rank": rank % MAX_RANK,

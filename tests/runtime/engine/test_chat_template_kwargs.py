@@ -137,6 +137,7 @@ def test_a_client_template_that_renders_too_long_fails_alone(servers, kind):
     assert_engine_idle(engine)
 
 
+@pytest.mark.slow  # renders until a memory cap: seconds a template
 @pytest.mark.parametrize("kind", sorted(PRINTING_TEMPLATES))
 def test_a_client_template_that_prints_without_end_fails_on_its_memory_cap(servers, kind):
     engine, url = servers[1]

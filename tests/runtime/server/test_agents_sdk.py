@@ -34,7 +34,9 @@ from pydantic import BaseModel
 import radixlm
 from radixlm.runtime.server.http_server import create_app
 
-pytestmark = pytest.mark.default_model
+# The default model serves an agent loop of several turns: CI's last stage (the chat and
+# Responses routes it drives are in the default run on a tiny model).
+pytestmark = [pytest.mark.default_model, pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
 INSTRUCTIONS = "Call both tools, then answer with their results."
