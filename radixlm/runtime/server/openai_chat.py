@@ -70,7 +70,7 @@ async def prepare_openai_chat_turn(engine, body: ChatCompletionRequest,
                  for t in body.tools or ()]
         return await prepare_chat_turn(
             engine, messages, tools=tools, tool_choice=tool_choice(body),
-            parallel_tool_calls=body.parallel_tool_calls,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
             template_kwargs=body.chat_template_kwargs,
             separate_reasoning=body.separate_reasoning,
             max_reasoning_tokens=body.max_reasoning_tokens, response_schema=response_schema,

@@ -160,7 +160,7 @@ class ChatCompletionRequest(fields_model("_ChatFields", CHAT_FIELDS, SamplingExt
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None (or absent): true, as OpenAI's default
     # SGLang's reasoning switches: split the thinking off (``reasoning_content``), and
     # stream it (else it comes in the last chunk); a thinking budget.
     separate_reasoning: bool = True
