@@ -40,9 +40,9 @@ from radixlm.runtime.server.anthropic_protocol import (
     ToolUseBlock,
 )
 from radixlm.runtime.server.anthropic_stream import (
+    anthropic_sse,
     check_not_aborted,
     message_content,
-    server_sent_events,
     stop_reason,
     stream_events,
     usage,
@@ -72,7 +72,7 @@ def add_anthropic_routes(app: FastAPI, engine: Engine, served_model_name: str) -
         if body.stream:
             deltas = await engine.stream_deltas(request)
             events = stream_events(deltas, turn, head, stop_sequences)
-            return StreamingResponse(server_sent_events(events, deltas),
+            return StreamingResponse(anthropic_sse(events, deltas),
                                      media_type="text/event-stream")
         out = (await engine.generate_request(request))[0]
         meta = out["meta_info"]

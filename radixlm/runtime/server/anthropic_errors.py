@@ -25,6 +25,7 @@ from fastapi.routing import APIRoute
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
 from radixlm.runtime.server.anthropic_protocol import UNKNOWN_BLOCK, ErrorResponse
 from radixlm.runtime.server.chat_turn import ChatTurnError
+from radixlm.runtime.server.server_sent_events import StreamFailed
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "api_error",
                 503: "overloaded_error"}
@@ -87,6 +88,8 @@ def as_anthropic_error(err: Exception) -> AnthropicError:
         return AnthropicError(503, str(err))
     if isinstance(err, RuntimeUnavailable):
         return AnthropicError(503, str(err), kind="api_error")
+    if isinstance(err, StreamFailed):  # a fault of the server's own, mid-stream
+        return AnthropicError(500, str(err))
     return AnthropicError(400, str(err))
 
 

@@ -22,7 +22,6 @@ aborted generation) is an ``error`` event, and ends the stream.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -51,8 +50,7 @@ from radixlm.runtime.server.anthropic_protocol import (
     Usage,
 )
 from radixlm.runtime.server.chat_turn import ChatTurn, ContentDelta, ReasoningDelta, TurnEvent
-
-logger = logging.getLogger(__name__)
+from radixlm.runtime.server.server_sent_events import server_sent_events
 
 
 class BlockWriter:
@@ -195,24 +193,11 @@ async def stream_events(deltas: AsyncIterator[tuple[int, OutputDelta]], turn: Ch
     yield MessageStop()
 
 
-def _event(kind: str, data: dict[str, Any]) -> bytes:
-    # json.dumps escapes every non-ASCII character, U+2028 and U+2029 among them.
-    return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
-
-
-async def server_sent_events(events: AsyncIterator[StreamEvent], source: AsyncIterator
-                             ) -> AsyncIterator[bytes]:
-    """The events as server-sent events; an error as an ``error`` event, which ends them.
-    ``source`` (the Engine stream) is closed as soon as this ends, which aborts what is
-    unfinished when a client goes away."""
-    try:
-        async for event in events:
-            yield _event(event.type, event.model_dump(mode="json"))
-    except ANSWERED as err:
-        yield _event("error", as_anthropic_error(err).body())
-    except Exception as err:  # a fault of ours: the client still sees the stream end
-        logger.exception("a stream failed")
-        failure = AnthropicError(500, f"the server failed ({type(err).__name__}); see its log")
-        yield _event("error", failure.body())
-    finally:
-        await source.aclose()
+def anthropic_sse(events: AsyncIterator[StreamEvent], source: AsyncIterator
+                  ) -> AsyncIterator[bytes]:
+    """The events as server-sent events named by their type; an error as an ``error``
+    event, which ends them (``server_sent_events``, where ``source`` is closed)."""
+    return server_sent_events(
+        events, source, lambda event: json.dumps(event.model_dump(mode="json")),
+        lambda err: as_anthropic_error(err).body(), event_name=lambda event: event.type,
+        done=False, answered=ANSWERED)

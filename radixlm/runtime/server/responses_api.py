@@ -31,6 +31,7 @@ for another model or an unknown stored response.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -51,6 +52,7 @@ from radixlm.runtime.server.openai_errors import (
     OpenAIError,
     OpenAIRoute,
     as_openai_error,
+    openai_error_body,
 )
 from radixlm.runtime.server.response_store import ResponseStore, StoredResponse
 from radixlm.runtime.server.responses_output import OutputItems, new_id
@@ -60,6 +62,7 @@ from radixlm.runtime.server.responses_protocol import (
     ResponsesRequest,
     TextParam,
 )
+from radixlm.runtime.server.server_sent_events import server_sent_events
 
 logger = logging.getLogger(__name__)
 
@@ -343,16 +346,14 @@ async def _stream_events(deltas: AsyncIterator[tuple[int, OutputDelta]], turn: C
     yield {"type": f"response.{response['status']}", "response": response}
 
 
-async def _framed(events: AsyncIterator[dict[str, Any]],
-                  source: AsyncIterator) -> AsyncIterator[bytes]:
-    """``event: TYPE`` / ``data: JSON`` per event, numbered. ``source`` (the Engine stream)
-    is closed when this ends, aborting what is unfinished."""
-    number = 0
-    try:
-        async for event in events:
-            event = {**event, "sequence_number": number}
-            number += 1
-            # ensure_ascii: no raw U+2028 or U+0085 for a line reader to split an event at
-            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
-    finally:
-        await source.aclose()
+def _framed(events: AsyncIterator[dict[str, Any]],
+            source: AsyncIterator) -> AsyncIterator[bytes]:
+    """``event: TYPE`` / ``data: JSON`` per event, numbered (``server_sent_events``, which
+    closes ``source``, the Engine stream, when this ends: aborting what is unfinished).
+    Errors arrive as ``response.failed`` events already; one that escapes is an ``error``
+    event in OpenAI's body."""
+    numbers = itertools.count()
+    return server_sent_events(
+        events, source, lambda event: json.dumps({**event, "sequence_number": next(numbers)}),
+        lambda err: openai_error_body(as_openai_error(err)), event_name=lambda e: e["type"],
+        done=False)

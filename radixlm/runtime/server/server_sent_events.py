@@ -1,4 +1,6 @@
-"""Streaming responses as server-sent events, shared by the native and the OpenAI APIs."""
+"""Streaming responses as server-sent events, shared by every API: SGLang's native and
+OpenAI's chat and completions (``data:`` lines, then ``data: [DONE]``), Anthropic's Messages
+and OpenAI's Responses (``event: TYPE`` before each ``data:``, no ``[DONE]``)."""
 
 from __future__ import annotations
 
@@ -23,26 +25,39 @@ _LINE_BREAKS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
                                       "\u2029": "\\u2029"})
 
 
+ANSWERED_IN_STREAMS = (ValueError, RuntimeUnavailable, QueueFull)
+"""The errors a stream answers as the request's (any other is a fault of the server's own)."""
+
+
 async def server_sent_events(
     events: AsyncIterator[Any], source: AsyncIterator[Any],
-    encode: Callable[[Any], str], error_body: Callable[[Exception], dict],
+    encode: Callable[[Any], str], error_body: Callable[[Exception], dict], *,
+    event_name: Callable[[Any], str] | None = None, done: bool = True,
+    answered: tuple[type[Exception], ...] = ANSWERED_IN_STREAMS,
 ) -> AsyncIterator[bytes]:
     """``data: <encode(event)>`` per event (U+0085, U+2028 and U+2029 escaped, so that every
-    event is one line to any line reader); an error as ``data: <error_body(err)>``; then
-    ``data: [DONE]``.
+    event is one line to any line reader), after ``event: <event_name(event)>`` where the API
+    names its events; an error as ``data: <error_body(err)>`` (named ``error``), which ends
+    the stream: an ``answered`` one as it is, any other as ``StreamFailed``; then, with
+    ``done``, ``data: [DONE]``.
 
     ``source`` is the Engine stream the events come from. It is closed as soon as this
     iterator ends, which aborts what is unfinished when a client goes away.
     """
+    def frame(name: str | None, data: str) -> bytes:
+        head = "" if event_name is None else f"event: {name}\n"
+        return f"{head}data: {data.translate(_LINE_BREAKS_IN_JSON)}\n\n".encode()
+
     try:
         async for event in events:
-            yield f"data: {encode(event).translate(_LINE_BREAKS_IN_JSON)}\n\n".encode()
-    except (ValueError, RuntimeUnavailable, QueueFull) as err:
-        yield f"data: {json.dumps(error_body(err))}\n\n".encode()
+            yield frame(event_name and event_name(event), encode(event))
+    except answered as err:
+        yield frame("error", json.dumps(error_body(err)))
     except Exception as err:  # a fault of ours: the client still sees the stream end
         logger.exception("a stream failed")
         failure = StreamFailed(f"the server failed ({type(err).__name__}); see its log")
-        yield f"data: {json.dumps(error_body(failure))}\n\n".encode()
+        yield frame("error", json.dumps(error_body(failure)))
     finally:
         await source.aclose()  # at once, not when garbage collected
-    yield b"data: [DONE]\n\n"
+    if done:
+        yield b"data: [DONE]\n\n"

@@ -53,3 +53,26 @@ def test_openai_events_are_one_line_each():
     events = _data_lines(body)
     assert [json.loads(event)["text"] for event in events[:-1]] == TEXTS
     assert "\u00e9\u4e2d" in body  # other characters stay as they are
+
+
+def test_named_events_carry_their_name_and_an_error_ends_them_as_an_error_event():
+    """Anthropic's and the Responses API's framing: ``event: TYPE`` before each ``data:``,
+    no ``[DONE]``; an answered error is an ``error`` event, a fault of ours a StreamFailed."""
+    async def failing(error):
+        yield {"type": "first", "text": "a\u2028b"}
+        raise error
+
+    async def collect(error) -> str:
+        source = failing(error)
+        parts = [part async for part in server_sent_events(
+            source, source, json.dumps, lambda err: {"kind": type(err).__name__},
+            event_name=lambda event: event["type"], done=False)]
+        return b"".join(parts).decode()
+
+    answered = asyncio.run(collect(ValueError("bad")))
+    assert answered.splitlines() == ['event: first', 'data: {"type": "first", "text": '
+                                     '"a\\u2028b"}', '', 'event: error',
+                                     'data: {"kind": "ValueError"}', '']
+    ours = asyncio.run(collect(KeyError("bug")))
+    assert ours.endswith('event: error\ndata: {"kind": "StreamFailed"}\n\n')
+    assert "[DONE]" not in ours
