@@ -14,15 +14,13 @@ fault of the server's own.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
-from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
+from fastapi.responses import JSONResponse
 
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
+from radixlm.runtime.server.answering_route import answering_route
 from radixlm.runtime.server.anthropic_protocol import UNKNOWN_BLOCK, ErrorResponse
 from radixlm.runtime.server.chat_turn import ChatTurnError
 from radixlm.runtime.server.server_sent_events import StreamFailed
@@ -97,17 +95,10 @@ ANSWERED = (AnthropicError, RequestValidationError, ValueError, RuntimeUnavailab
 """The errors answered in Anthropic's shape; any other is a fault of the server's own."""
 
 
-class AnthropicRoute(APIRoute):
-    """A route answering its own validation, input and runtime errors in Anthropic's shape."""
+def _anthropic_response(err: Exception) -> JSONResponse:
+    error = as_anthropic_error(err)
+    return JSONResponse(error.body(), status_code=error.status)
 
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
 
-        async def guarded(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except ANSWERED as err:
-                error = as_anthropic_error(err)
-                return JSONResponse(error.body(), status_code=error.status)
-
-        return guarded
+AnthropicRoute = answering_route("AnthropicRoute", ANSWERED, _anthropic_response)
+"""A route answering its own validation, input and runtime errors in Anthropic's shape."""

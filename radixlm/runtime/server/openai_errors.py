@@ -6,16 +6,15 @@ or the runtime is down, and a stream's mid-way error as its last event."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
+from radixlm.runtime.server.answering_route import answering_route
 from radixlm.runtime.server.openai_protocol import ErrorResponse
 from radixlm.runtime.server.server_sent_events import StreamFailed, server_sent_events
 
@@ -58,20 +57,13 @@ def as_openai_error(err: Exception) -> OpenAIError:
 _ANSWERED = (OpenAIError, RequestValidationError, ValueError, RuntimeUnavailable, QueueFull)
 
 
-class OpenAIRoute(APIRoute):
-    """A route answering its own validation, input and runtime errors in OpenAI's shape."""
+def _openai_response(err: Exception) -> JSONResponse:
+    error = as_openai_error(err)
+    return JSONResponse(openai_error_body(error), status_code=error.status)
 
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
 
-        async def guarded(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except _ANSWERED as err:
-                error = as_openai_error(err)
-                return JSONResponse(openai_error_body(error), status_code=error.status)
-
-        return guarded
+OpenAIRoute = answering_route("OpenAIRoute", _ANSWERED, _openai_response)
+"""A route answering its own validation, input and runtime errors in OpenAI's shape."""
 
 
 def openai_sse(deltas: AsyncIterator, events: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
