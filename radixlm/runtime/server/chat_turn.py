@@ -304,6 +304,19 @@ def check_tools(tools: list[FunctionTool], choice: ToolChoice) -> None:
                             f"among the tools ({sorted(seen)})", param="tool_choice")
 
 
+def call_arguments(text: str, param: str) -> dict[str, Any]:
+    """A history call's ``arguments`` (JSON text, as the APIs send them; empty: none) as
+    the dict chat templates take; ``ChatTurnError`` naming ``param`` if not an object."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ChatTurnError(f"{param} must be the text of a JSON object, got {text[:80]!r}",
+                            param=param)
+    return value
+
+
 def check_tool_messages(messages: list[dict[str, Any]]) -> None:
     """Each tool message answers a call an earlier assistant message made."""
     calls: set[str] = set()

@@ -17,7 +17,6 @@ choice's last chunk.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,6 +32,7 @@ from radixlm.runtime.server.chat_turn import (
     ReasoningDelta,
     ToolChoice,
     TurnOutput,
+    call_arguments,
     prepare_chat_turn,
 )
 from radixlm.runtime.server.openai_errors import OpenAIError
@@ -106,22 +106,12 @@ def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
         rendered["tool_calls"] = [
             {"id": call.id, "type": "function",
              "function": {"name": call.function.name,
-                          "arguments": call_arguments(index, j, call.function.arguments)}}
+                          "arguments": call_arguments(
+                              call.function.arguments,
+                              f"messages[{index}].tool_calls[{j}].function.arguments")}}
             for j, call in enumerate(message.tool_calls)
         ]
     return rendered
-
-
-def call_arguments(index: int, call: int, arguments: str) -> dict[str, Any]:
-    try:
-        value = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
-        raise ChatTurnError(f"messages[{index}].tool_calls[{call}].function.arguments must be "
-                            f"a JSON object, got {arguments[:80]!r}",
-                            param=f"messages[{index}].tool_calls[{call}].function.arguments")
-    return value
 
 
 def new_call_id() -> str:

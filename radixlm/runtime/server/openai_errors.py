@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
 from radixlm.runtime.server.answering_route import answering_route
+from radixlm.runtime.server.chat_turn import ChatTurnError
 from radixlm.runtime.server.openai_protocol import ErrorResponse
 from radixlm.runtime.server.server_sent_events import StreamFailed, server_sent_events
 
@@ -45,6 +46,8 @@ def as_openai_error(err: Exception) -> OpenAIError:
         field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         return OpenAIError(400, f"{field or 'body'}: {first.get('msg', 'invalid value')}",
                            param=field)
+    if isinstance(err, ChatTurnError):
+        return OpenAIError(400, str(err), param=err.param)
     if isinstance(err, QueueFull):
         return OpenAIError(503, str(err), code="queue_full")
     if isinstance(err, RuntimeUnavailable):

@@ -46,7 +46,13 @@ from radixlm.runtime.engine.errors import QueueFull, RuntimeUnavailable
 from radixlm.runtime.engine.request_inputs import GenerateInput
 from radixlm.runtime.engine.request_state import OutputDelta
 from radixlm.runtime.output_parsing.tool_call_types import FunctionTool
-from radixlm.runtime.server.chat_turn import ChatTurn, ChatTurnError, ToolChoice, prepare_chat_turn
+from radixlm.runtime.server.chat_turn import (
+    ChatTurn,
+    ChatTurnError,
+    ToolChoice,
+    call_arguments,
+    prepare_chat_turn,
+)
 from radixlm.runtime.server.openai_errors import (
     ERROR_RESPONSES,
     OpenAIError,
@@ -177,13 +183,7 @@ def chat_messages(items: list[dict[str, Any]], earlier: int,
             role = "system" if item["role"] == "developer" else item["role"]
             messages.append({"role": role, "content": _text(item["content"])})
         elif kind == "function_call":
-            try:
-                arguments = json.loads(item["arguments"])
-            except json.JSONDecodeError:
-                arguments = None
-            if not isinstance(arguments, dict):
-                raise OpenAIError(400, f"{where}.arguments must be the text of a JSON object, "
-                                  f"got {item['arguments'][:80]!r}", param=f"{where}.arguments")
+            arguments = call_arguments(item["arguments"], f"{where}.arguments")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": arguments}}
             if messages and messages[-1]["role"] == "assistant":
