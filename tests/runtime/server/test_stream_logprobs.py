@@ -16,6 +16,7 @@ import pytest
 from live_server import LiveServer
 from workloads import PROMPTS, greedy
 
+import radixlm
 from radixlm.runtime.server.http_server import create_app
 
 INCREMENTAL = {"incremental_streaming_output": True}
@@ -133,32 +134,35 @@ def test_the_engines_stream_is_incremental_when_the_engine_is(engine_for):
 FRONTEND_ATTEMPTS = 10
 """SGLang's frontend reads a streamed variable on one thread while another writes it: when
 two chunks land between two of its reads, the earlier chunk's meta_info is overwritten
-unread and its test fails, on our server as on SGLang's (the more often the faster steps
-come: a tiny model's come every few milliseconds, and on a loaded machine the reader falls
-behind; three attempts all failed once while the whole suite ran). A server whose chunks
-drop, repeat or miscount logprobs fails every attempt."""
+unread and its test fails, on our server as on SGLang's. The tiny test models step every
+millisecond or two, faster than that reader wakes on a loaded machine (CI saw ten attempts
+in a row fail, the first read coming seven chunks late); the test therefore runs against the
+default model, whose steps take as long as those of the models SGLang's own CI serves. A
+server whose chunks drop, repeat or miscount logprobs fails every attempt."""
 
 
 @pytest.mark.sglang_frontend
-def test_sglangs_own_stream_logprobs_test_passes_against_an_incremental_server(engine_for):
+@pytest.mark.default_model
+def test_sglangs_own_stream_logprobs_test_passes_against_an_incremental_server():
     """``sglang.test.test_programs.test_stream_logprobs``, run as SGLang's CI runs it (its
     server with ``--incremental-streaming-output``): each chunk's logprobs are its tokens'."""
     sgl = pytest.importorskip("sglang", reason="the SGLang frontend is installed in CI's 2nd stage")
     from sglang.lang.global_config import global_config
     from sglang.test import test_programs
 
-    server = LiveServer(create_app(engine_for(**INCREMENTAL)))
     previous = global_config.default_backend
     failures = []
-    try:
-        sgl.set_default_backend(sgl.RuntimeEndpoint(server.url))
-        while len(failures) < FRONTEND_ATTEMPTS:
-            try:
-                test_programs.test_stream_logprobs()
-                break
-            except AssertionError as failure:
-                failures.append(failure)
-    finally:
-        global_config.default_backend = previous
-        server.close()
+    with radixlm.Engine(max_total_tokens=4096, **INCREMENTAL) as engine:
+        server = LiveServer(create_app(engine))
+        try:
+            sgl.set_default_backend(sgl.RuntimeEndpoint(server.url))
+            while len(failures) < FRONTEND_ATTEMPTS:
+                try:
+                    test_programs.test_stream_logprobs()
+                    break
+                except AssertionError as failure:
+                    failures.append(failure)
+        finally:
+            global_config.default_backend = previous
+            server.close()
     assert len(failures) < FRONTEND_ATTEMPTS, failures
