@@ -29,7 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from radixlm.kernels.triton_ops import tile_plan
+
+LOG2E = 1.4426950408889634  # for the host's arithmetic
+# Kernels read only constexpr globals (a plain float compiles under the interpreter alone).
+LOG2E_IN_KERNEL = tl.constexpr(LOG2E)
 MASKED = tl.constexpr(-1.0e38)  # finite, so a fully masked block never produces inf - inf
 
 
@@ -51,8 +55,8 @@ def scaled_scores(q, k, scale_log2, softcap, DOT_PRECISION: tl.constexpr,
     (M, DK) @ (DK, N) -> (M, N). tanh(x) = 2 sigmoid(2x) - 1 (no tanh in every Triton)."""
     scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     if HAS_SOFTCAP:
-        capped = scores / (softcap * LOG2E)
-        scores = (2.0 * tl.sigmoid(2.0 * capped) - 1.0) * (softcap * LOG2E)
+        capped = scores / (softcap * LOG2E_IN_KERNEL)
+        scores = (2.0 * tl.sigmoid(2.0 * capped) - 1.0) * (softcap * LOG2E_IN_KERNEL)
     return scores
 
 
@@ -165,6 +169,8 @@ def extend_attention(
     the layer's pool; per request (B,): pool row, prefix and extend lengths, first query row.
     ``sliding_window``, ``logit_softcap``: the layer's (``AttentionLayer``); ``slot_map``
     (num_slots,): where the layer's buffers hold a request slot's K/V (None: at the slot).
+    ``block_m`` / ``block_n`` are the largest tiles wanted: on a GPU they shrink to fit its
+    shared memory (``tile_plan.extend_tiles``, which raises ValueError where nothing fits).
     """
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     num_heads, head_dim_k = q.shape[1], q.shape[2]
@@ -174,13 +180,9 @@ def extend_attention(
     batch_size = len(extend_lens)
     if batch_size == 0 or max_extend_len == 0:
         return out
-    block_dk = max(16, triton.next_power_of_2(head_dim_k))
-    block_dv = max(16, triton.next_power_of_2(head_dim_v))
-    if block_dk + block_dv > 512:
-        # MLA's 576 / 512-wide heads: 64-row tiles overflow an sm_90's shared memory in
-        # bfloat16 (32-row tiles take 128 KB). In float32 even 16-row tiles do not fit: MLA
-        # prefill on GPUs needs a 16-bit dtype (or keys split into latent and RoPE parts).
-        block_m, block_n = min(block_m, 32), min(block_n, 32)
+    tiles = tile_plan.extend_tiles(head_dim_k, head_dim_v, q.dtype,
+                                   tile_plan.shared_memory_per_block(q.device), block_m, block_n)
+    block_m, block_n = tiles.block_m, tiles.block_n
     grid = (batch_size, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_attention_kernel[grid](
         q, k, v, out, k_buffer, v_buffer,
@@ -193,9 +195,10 @@ def extend_attention(
         req_to_token.stride(0),
         num_heads // num_kv_heads, head_dim_k, head_dim_v,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+        BLOCK_DK=tile_plan.padded(head_dim_k), BLOCK_DV=tile_plan.padded(head_dim_v),
         DOT_PRECISION=dot_precision(q.dtype), HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=logit_softcap is not None, HAS_SLOT_MAP=slot_map is not None,
+        **tiles.launch_options(),
     )
     return out
 

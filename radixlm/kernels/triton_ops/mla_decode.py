@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.kernels.triton_ops import tile_plan
 from radixlm.kernels.triton_ops.decode_attention import decode_scratch, merge_splits
 from radixlm.kernels.triton_ops.extend_attention import (
     LOG2E,
@@ -105,7 +106,8 @@ def mla_decode_attention(
     """Writes attention of q (B, H, D_l + D_r) over the latent rows into out (B, H, D_l).
 
     kv_buffer: the layer's latent pool (slots, 1, D_l + D_r), contiguous rows; ``scratch``
-    as for ``decode_attention``, with D_l columns.
+    as for ``decode_attention``, with D_l columns. ``block_n`` is the largest key tile
+    wanted: on a GPU it shrinks to fit its shared memory (``tile_plan.mla_decode_tiles``).
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -123,6 +125,9 @@ def mla_decode_attention(
     mid_o, mid_lse = scratch[0][:batch_size], scratch[1][:batch_size]
     if mid_o.shape[1:] != (num_heads, num_kv_splits, latent_dim):
         raise ValueError(f"scratch {tuple(mid_o.shape)} does not fit this layer's heads/splits")
+    tiles = tile_plan.mla_decode_tiles(latent_dim, rope_dim, q.dtype,
+                                       tile_plan.shared_memory_per_block(q.device), block_h,
+                                       block_n)
     grid = (batch_size, triton.cdiv(num_heads, block_h), num_kv_splits)
     _mla_decode_split_kernel[grid](
         q, kv_buffer, mid_o, mid_lse,
@@ -131,10 +136,9 @@ def mla_decode_attention(
         q.stride(0), q.stride(1), kv_buffer.stride(0), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         num_heads, latent_dim, rope_dim,
-        NUM_SPLITS=num_kv_splits, BLOCK_H=block_h, BLOCK_N=block_n,
-        BLOCK_DL=max(16, triton.next_power_of_2(latent_dim)),
-        BLOCK_DR=max(16, triton.next_power_of_2(max(rope_dim, 1))),
-        DOT_PRECISION=dot_precision(q.dtype),
+        NUM_SPLITS=num_kv_splits, BLOCK_H=block_h, BLOCK_N=tiles.block_n,
+        BLOCK_DL=tile_plan.padded(latent_dim), BLOCK_DR=tile_plan.padded(rope_dim),
+        DOT_PRECISION=dot_precision(q.dtype), **tiles.launch_options(),
     )
     merge_splits(mid_o, mid_lse, out, seq_lens)
     return out
