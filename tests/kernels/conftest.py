@@ -1,9 +1,12 @@
-"""Kernel tests run Triton kernels on the CPU through Triton's interpreter when there is no GPU.
+"""Kernel tests run Triton kernels on the GPU where CUDA is available, and on the CPU
+through Triton's interpreter where it is not.
 
 ``triton.jit`` picks the interpreter when it decorates a kernel, so ``TRITON_INTERPRET``
 must be set before any ``radixlm.kernels.triton_*`` module is imported; it is set here, at
-collection, and left set for the session (without CUDA, Triton can run nothing else, so
-no other test loses anything). Engine processes started later inherit it.
+collection, only without CUDA, and left set for the session (without CUDA, Triton can run
+nothing else, so no other test loses anything). Engine processes started later inherit it.
+With CUDA it is left unset, and the Triton tests put their tensors on the GPU
+(``kernel_device.KERNEL_DEVICE``): the compiled kernels cannot read host memory.
 """
 
 from __future__ import annotations

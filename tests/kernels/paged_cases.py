@@ -32,44 +32,46 @@ class PagedCase:
 def random_paged_batch(
     mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], num_heads: int,
     num_kv_heads: int, head_dim: int, page_size: int, seed: int,
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    max_context: int = MAX_CONTEXT,
 ) -> PagedCase:
+    """A batch on ``device`` (pool, tables and q, k, v in ``dtype``), drawn on the CPU from
+    ``seed``: the same values on any device. Sequences may be up to ``max_context`` long."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     pages_needed = sum(-(-n // page_size) for n in seq_lens)
     num_pages = pages_needed + 4  # a few spare pages, plus the reserved page 0
     pool = MHATokenToKVPool(
-        (num_pages + 1) * page_size, NUM_LAYERS, num_kv_heads, head_dim, torch.float32, "cpu"
+        (num_pages + 1) * page_size, NUM_LAYERS, num_kv_heads, head_dim, dtype, device
     )
     for layer in range(NUM_LAYERS):
-        pool.k_buffers[layer].normal_(generator=gen)
-        pool.v_buffers[layer].normal_(generator=gen)
-    rows = ReqToTokenPool(MAX_ROWS, MAX_CONTEXT, "cpu")
-    rows.req_to_token.copy_(
-        torch.randint(0, pool.num_slots, (MAX_ROWS, MAX_CONTEXT), generator=gen)
-    )
+        for buffer in (pool.k_buffers[layer], pool.v_buffers[layer]):
+            buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    rows = ReqToTokenPool(MAX_ROWS, max_context, device)
+    table = torch.randint(0, pool.num_slots, (MAX_ROWS, max_context), generator=gen)
     free_pages = (torch.randperm(num_pages, generator=gen) + 1).tolist()
     row_ids = torch.randperm(MAX_ROWS, generator=gen)[: len(seq_lens)].tolist()
     out_cache_loc = []
     for row, seq_len, prefix in zip(row_ids, seq_lens, prefix_lens, strict=True):
         pages = [free_pages.pop() for _ in range(-(-seq_len // page_size))]
         slots = torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages])
-        rows.req_to_token[row, :seq_len] = slots[:seq_len]
+        table[row, :seq_len] = slots[:seq_len]
         out_cache_loc.append(slots[prefix:seq_len])
+    rows.req_to_token.copy_(table)
 
     total = sum(extend_lens)
-    q = torch.randn(total, num_heads, head_dim, generator=gen)
-    k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+    q, k, v = (torch.randn(total, heads, head_dim, generator=gen).to(device, dtype)
+               for heads in (num_heads, num_kv_heads, num_kv_heads))
 
     def as_tensor(values):
-        return torch.tensor(values, dtype=torch.int64)
+        return torch.tensor(values, dtype=torch.int64, device=device)
 
     positions = [p + i for p, e in zip(prefix_lens, extend_lens, strict=True) for i in range(e)]
     batch = ForwardBatch(
         mode=mode,
-        input_ids=torch.zeros(total, dtype=torch.int64),
+        input_ids=torch.zeros(total, dtype=torch.int64, device=device),
         positions=as_tensor(positions),
-        out_cache_loc=torch.cat(out_cache_loc),
+        out_cache_loc=torch.cat(out_cache_loc).to(device),
         req_pool_indices=as_tensor(row_ids),
         seq_lens=as_tensor(seq_lens),
         prefix_lens=as_tensor(prefix_lens),

@@ -18,6 +18,13 @@ Written from FlashInfer's documented API (``BatchDecodeWithPagedKVCacheWrapper``
 - CUDA-graph decode wrappers: int32 index buffers on the workspace's device, an indptr
   buffer one longer than the last-page-length buffer, a batch size fixed at construction
   and page lists no longer than the indices buffer (``plan`` copies into the buffers).
+
+``run`` attends as FlashInfer documents its plans, in float64, and returns q's dtype: each
+request's keys are the first ``(pages - 1) * page_size + last_page_len`` slots of the pages
+listed for it; a query sits at the end of its request's keys (the causal mask and
+``window_left`` are aligned there: query i of r sees keys up to n - r + i, and no more than
+``window_left`` before); ``logits_soft_cap`` c turns a score s = q k * sm_scale into
+c * tanh(s / c). On the ``meta`` device it returns an empty output.
 """
 
 from __future__ import annotations
@@ -121,6 +128,37 @@ class _PagedWrapper:
                      f"pages of {expected} ({self.kv_layout})")
         self.runs.append((q, paged_kv_cache))
 
+    def _attend(self, q: torch.Tensor, paged_kv_cache, qo_indptr: list[int]) -> torch.Tensor:
+        if q.device.type == "meta":
+            return torch.empty_like(q)
+        plan = self.plans[-1]
+        k_pages, v_pages = paged_kv_cache  # (pages, page_size, H_kv, D) as NHD
+        if self.kv_layout == "HND":
+            k_pages, v_pages = k_pages.transpose(1, 2), v_pages.transpose(1, 2)
+        indptr, last = plan["indptr"].tolist(), plan["last_page_len"].tolist()
+        indices = plan["indices"].long()
+        group = plan["num_qo_heads"] // plan["num_kv_heads"]
+        scale = plan["sm_scale"] or plan["head_dim"] ** -0.5
+        window, cap = plan["window_left"], plan["logits_soft_cap"]
+        causal = plan.get("causal", True)  # a decode query is the last: causal or not
+        out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+        for b in range(len(indptr) - 1):
+            pages = indices[indptr[b]: indptr[b + 1]]
+            n = (len(pages) - 1) * plan["page_size"] + last[b]
+            keys = k_pages[pages].flatten(0, 1)[:n].double()  # (n, H_kv, D)
+            values = v_pages[pages].flatten(0, 1)[:n].double()
+            rows = range(qo_indptr[b], qo_indptr[b + 1])
+            for i, t in enumerate(rows):
+                pos = n - len(rows) + i
+                hi = pos + 1 if causal else n
+                lo = 0 if window < 0 else max(0, pos - window)
+                for h in range(q.shape[1]):
+                    scores = keys[lo:hi, h // group] @ q[t, h].double() * scale
+                    if cap:
+                        scores = cap * torch.tanh(scores / cap)
+                    out[t, h] = torch.softmax(scores, 0) @ values[lo:hi, h // group]
+        return out.to(q.dtype)
+
 
 class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
@@ -168,9 +206,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale))
 
     def run(self, q, paged_kv_cache):
-        self._check_run(q, paged_kv_cache, len(self.plans[-1]["last_page_len"])
-                        if self.plans else -1)
-        return torch.empty_like(q)
+        batch_size = len(self.plans[-1]["last_page_len"]) if self.plans else -1
+        self._check_run(q, paged_kv_cache, batch_size)
+        return self._attend(q, paged_kv_cache, list(range(batch_size + 1)))
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
@@ -204,9 +242,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale))
 
     def run(self, q, paged_kv_cache):
-        rows = self.plans[-1]["qo_indptr"].tolist()[-1] if self.plans else -1
-        self._check_run(q, paged_kv_cache, rows)
-        return torch.empty_like(q)
+        qo_indptr = self.plans[-1]["qo_indptr"].tolist() if self.plans else [-1]
+        self._check_run(q, paged_kv_cache, qo_indptr[-1])
+        return self._attend(q, paged_kv_cache, qo_indptr)
 
 
 def standin_flashinfer() -> SimpleNamespace:

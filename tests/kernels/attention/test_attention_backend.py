@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from kernel_device import KERNEL_DEVICE
 from paged_cases import clone_pool, random_paged_batch
 
 from radixlm.kernels.attention import triton_backend
@@ -74,12 +75,14 @@ def test_triton_graph_decode_runs_on_the_pinned_scratch(monkeypatch):
     matches the torch-native backend."""
     layer = PagedAttention(1, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     case = random_paged_batch(
-        ForwardMode.DECODE, [0, 9, 30], [1, 1, 1], HEADS, KV_HEADS, HEAD_DIM, 1, seed=7
+        ForwardMode.DECODE, [0, 9, 30], [1, 1, 1], HEADS, KV_HEADS, HEAD_DIM, 1, seed=7,
+        device=KERNEL_DEVICE,
     )
     batch = case.batch
     reference_pool = clone_pool(batch.kv_pool)
     backend = TritonAttentionBackend()
-    backend.prepare_decode_graphs(DecodeGraphSpec((1, 2, 4), 96, layer, batch.kv_pool, CPU))
+    backend.prepare_decode_graphs(
+        DecodeGraphSpec((1, 2, 4), 96, layer, batch.kv_pool, KERNEL_DEVICE))
     pinned = backend._reserved_scratch
     assert pinned[0].shape == (4, HEADS, backend.config.num_kv_splits, HEAD_DIM)
 

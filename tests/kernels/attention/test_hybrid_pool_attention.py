@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from kernel_device import KERNEL_DEVICE
 from windowed_cases import HEAD_DIM, KV_HEADS, reference
 
 from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
@@ -38,13 +39,14 @@ def make_backend(name: str):
 @pytest.mark.parametrize("backend_name", [
     "torch_native", pytest.param("triton", marks=pytest.mark.triton)])
 def test_sliding_layers_over_a_hybrid_pool_that_drops_dead_pages(backend_name):
+    device = KERNEL_DEVICE if backend_name == "triton" else torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
-    allocator = HybridAllocator(64, LOCAL_SLOTS, PAGE)
+    allocator = HybridAllocator(64, LOCAL_SLOTS, PAGE, device)
     pool = HybridKVPool(64 + PAGE, LOCAL_SLOTS + PAGE, 2, frozenset({1}), KV_HEADS, HEAD_DIM,
-                        torch.float32, "cpu", allocator.slot_map)
-    for buffer in pool.layer_buffers():
-        buffer.normal_(generator=gen)  # garbage where nothing was stored
-    rows = ReqToTokenPool(4, 64, "cpu")
+                        torch.float32, device, allocator.slot_map)
+    for buffer in pool.layer_buffers():  # garbage where nothing was stored
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    rows = ReqToTokenPool(4, 64, device)
     req_rows, lens = [2, 0], [0, 0]
     history = [[{"k": [], "v": []} for _ in range(2)] for _ in range(2)]  # [request][layer]
     layers = [PagedAttention(0, HEADS, KV_HEADS, HEAD_DIM, SCALE),
@@ -56,24 +58,27 @@ def test_sliding_layers_over_a_hybrid_pool_that_drops_dead_pages(backend_name):
             last = int(rows.req_to_token[req_rows[b], lens[b] - 1]) if lens[b] else -1
             slots = allocator.alloc_extend(last, n)
             rows.req_to_token[req_rows[b], lens[b]: lens[b] + n] = slots
-            out_cache_loc.append(slots)
+            out_cache_loc.append(slots.to(device))
         prefix = list(lens)
         lens = [p + n for p, n in zip(prefix, new)]
         total = sum(new)
         mode = ForwardMode.DECODE if new == (1, 1) else ForwardMode.EXTEND
         batch = ForwardBatch(
-            mode=mode, input_ids=torch.zeros(total, dtype=torch.int64),
-            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, new)]),
-            out_cache_loc=torch.cat(out_cache_loc), req_pool_indices=torch.tensor(req_rows),
-            seq_lens=torch.tensor(lens), prefix_lens=torch.tensor(prefix),
-            extend_seq_lens=torch.tensor(new), req_to_token=rows.req_to_token, kv_pool=pool,
+            mode=mode, input_ids=torch.zeros(total, dtype=torch.int64, device=device),
+            positions=torch.cat([torch.arange(p, p + n)
+                                 for p, n in zip(prefix, new)]).to(device),
+            out_cache_loc=torch.cat(out_cache_loc),
+            req_pool_indices=torch.tensor(req_rows, device=device),
+            seq_lens=torch.tensor(lens, device=device),
+            prefix_lens=torch.tensor(prefix, device=device),
+            extend_seq_lens=torch.tensor(new, device=device), req_to_token=rows.req_to_token,
+            kv_pool=pool,
             attn_backend=make_backend(backend_name), seq_lens_list=list(lens),
             extend_seq_lens_list=list(new))
         batch.attn_backend.init_forward_metadata(batch)
         for layer in layers:
-            q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
-            k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
-            v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
+            q, k, v = (torch.randn(total, heads, HEAD_DIM, generator=gen).to(device)
+                       for heads in (HEADS, KV_HEADS, KV_HEADS))
             prefixes = []
             for b in range(2):
                 kept = history[b][layer.layer_id]

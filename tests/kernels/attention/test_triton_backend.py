@@ -1,14 +1,16 @@
 """TritonAttentionBackend against the torch-native backend over random paged batches.
 
-Under ``TRITON_INTERPRET=1`` (set by conftest when there is no GPU) every kernel runs on the
-CPU in float32. Each case: ragged prefix and extend lengths, requests scattered over random
-pool pages and rows, garbage in every unused slot, GQA ratios 1, 4 and 8, pages of 1 and 16.
+On the GPU where there is one (``KERNEL_DEVICE``), else under ``TRITON_INTERPRET=1`` (set by
+conftest) on the CPU; in float32, on the interpreter's small tiles. Each case: ragged prefix
+and extend lengths, requests scattered over random pool pages and rows, garbage in every
+unused slot, GQA ratios 1, 4 and 8, pages of 1 and 16.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import KERNEL_DEVICE
 from paged_cases import NUM_LAYERS, clone_pool, random_lengths, random_paged_batch
 
 from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
@@ -57,7 +59,8 @@ def test_matches_torch_native_on_random_paged_batches(mode, gqa_ratio, page_size
     prefix_lens[0] = 0  # always one fresh request
     num_heads = KV_HEADS * gqa_ratio
     case = random_paged_batch(
-        mode, prefix_lens, extend_lens, num_heads, KV_HEADS, HEAD_DIM, page_size, seed
+        mode, prefix_lens, extend_lens, num_heads, KV_HEADS, HEAD_DIM, page_size, seed,
+        KERNEL_DEVICE,
     )
     out, expected, pool, reference_pool = run_both(case, num_heads)
     assert out.shape == expected.shape and out.dtype == torch.float32
@@ -73,7 +76,8 @@ def test_matches_torch_native_on_random_paged_batches(mode, gqa_ratio, page_size
 def test_extend_edge_lengths(prefix_lens, extend_lens):
     """Lengths on and around the 16-token tiles: empty and partial blocks of both phases."""
     case = random_paged_batch(
-        ForwardMode.EXTEND, prefix_lens, extend_lens, 8, KV_HEADS, HEAD_DIM, 1, seed=3
+        ForwardMode.EXTEND, prefix_lens, extend_lens, 8, KV_HEADS, HEAD_DIM, 1, seed=3,
+        device=KERNEL_DEVICE,
     )
     out, expected, pool, reference_pool = run_both(case, 8)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
@@ -85,7 +89,8 @@ def test_decode_merges_any_number_of_splits(num_kv_splits):
     """More splits than keys (empty splits), one split, an odd count: all merge exactly."""
     prefix_lens = [0, 2, 15, 46]
     case = random_paged_batch(
-        ForwardMode.DECODE, prefix_lens, [1] * 4, 4, KV_HEADS, HEAD_DIM, 16, seed=num_kv_splits
+        ForwardMode.DECODE, prefix_lens, [1] * 4, 4, KV_HEADS, HEAD_DIM, 16, seed=num_kv_splits,
+        device=KERNEL_DEVICE,
     )
     config = TritonBackendConfig(
         num_kv_splits=num_kv_splits, extend_block_m=16, extend_block_n=16, decode_block_n=16
@@ -97,7 +102,8 @@ def test_decode_merges_any_number_of_splits(num_kv_splits):
 def test_every_layer_of_a_batch_reads_its_own_kv():
     """Metadata is built once per batch; each layer stores into and reads its own buffers."""
     case = random_paged_batch(
-        ForwardMode.EXTEND, [3, 9], [5, 2], 4, KV_HEADS, HEAD_DIM, 16, seed=11
+        ForwardMode.EXTEND, [3, 9], [5, 2], 4, KV_HEADS, HEAD_DIM, 16, seed=11,
+        device=KERNEL_DEVICE,
     )
     batch = case.batch
     reference_pool = clone_pool(batch.kv_pool)

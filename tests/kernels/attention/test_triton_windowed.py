@@ -1,11 +1,12 @@
 """Sliding windows, logit soft-capping and slot maps in the Triton kernels (under
-``TRITON_INTERPRET=1`` on CPUs) against the float64 reference of ``windowed_cases``, on
-16-token tiles so windows fall inside, across and beyond the tiles."""
+``TRITON_INTERPRET=1`` on CPUs, on ``KERNEL_DEVICE``) against the float64 reference of
+``windowed_cases``, on 16-token tiles so windows fall inside, across and beyond the tiles."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import KERNEL_DEVICE
 from windowed_cases import (
     HEAD_DIM,
     KV_HEADS,
@@ -57,7 +58,7 @@ def check(case, layer, window, softcap):
 def test_triton_windowed_layers_match_the_reference(case_name, gqa_ratio):
     mode, prefix_lens, extend_lens, window, softcap = CASES[case_name]
     case = windowed_case(mode, prefix_lens, extend_lens, KV_HEADS * gqa_ratio, page_size=4,
-                         seed=len(case_name))
+                         seed=len(case_name), device=KERNEL_DEVICE)
     case.q.mul_(2.0)  # scores reach the cap
     layer = PagedAttention(0, KV_HEADS * gqa_ratio, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5,
                            sliding_window=window, logit_softcap=softcap)
@@ -68,7 +69,8 @@ def test_triton_windowed_layers_match_the_reference(case_name, gqa_ratio):
                                        "decode_windows_over_splits"])
 def test_triton_reads_a_mapped_layer_through_its_slot_map(case_name):
     mode, prefix_lens, extend_lens, window, _ = CASES[case_name]
-    case = windowed_case(mode, prefix_lens, extend_lens, KV_HEADS * 2, page_size=2)
+    case = windowed_case(mode, prefix_lens, extend_lens, KV_HEADS * 2, page_size=2,
+                         device=KERNEL_DEVICE)
     map_pool(case, window, seed=4)
     layer = PagedAttention(MAPPED_LAYER, KV_HEADS * 2, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5,
                            sliding_window=window, logit_softcap=3.0)

@@ -47,10 +47,11 @@ def map_pool(case: PagedCase, window: int | None, seed: int, page: int = 1) -> M
     num_pages = pool.num_slots // page
     page_map = torch.zeros(num_pages, dtype=torch.int64)
     page_map[1:] = torch.randperm(num_pages - 1, generator=gen) + 1
-    slot_map = (page_map[:, None] * page + torch.arange(page)).flatten()
     batch = case.batch
     old_k, old_v = pool.k_buffers[MAPPED_LAYER], pool.v_buffers[MAPPED_LAYER]
-    new_k, new_v = torch.randn(old_k.shape, generator=gen), torch.randn(old_v.shape, generator=gen)
+    slot_map = (page_map[:, None] * page + torch.arange(page)).flatten().to(old_k.device)
+    new_k, new_v = (torch.randn(old.shape, generator=gen).to(old.device, old.dtype)
+                    for old in (old_k, old_v))
     for b, row in enumerate(batch.req_pool_indices.tolist()):
         seq, new = batch.seq_lens_list[b], batch.extend_seq_lens_list[b]
         first = 0 if window is None else max(0, seq - new + 1 - window) // page * page
@@ -68,9 +69,11 @@ def map_pool(case: PagedCase, window: int | None, seed: int, page: int = 1) -> M
 
 
 def windowed_case(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int],
-                  num_heads: int, page_size: int = 1, seed: int = 3) -> PagedCase:
-    return random_paged_batch(mode, prefix_lens, extend_lens, num_heads, KV_HEADS, HEAD_DIM,
-                              page_size, seed)
+                  num_heads: int, page_size: int = 1, seed: int = 3,
+                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                  head_dim: int = HEAD_DIM) -> PagedCase:
+    return random_paged_batch(mode, prefix_lens, extend_lens, num_heads, KV_HEADS, head_dim,
+                              page_size, seed, device, dtype)
 
 
 def prefix_kv(case: PagedCase, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -96,7 +99,7 @@ def reference(case: PagedCase, prefixes, scale: float, window: int | None,
     """(T, H, D) in float64: query i of request b over keys j with pos - W < j <= pos,
     pos = prefix_b + i, scores = c * tanh(q k * scale / c)."""
     batch, q = case.batch, case.q.double()
-    out = torch.empty(q.shape, dtype=torch.float64)
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     start = 0
     for b, (pk, pv) in enumerate(prefixes):
         new = batch.extend_seq_lens_list[b]

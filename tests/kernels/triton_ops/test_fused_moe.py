@@ -1,11 +1,13 @@
 """The fused MoE Triton kernel against the MoE layer's torch computations (float32, CPU
-interpreter): random routings with idle and crowded experts, ragged token counts, an
-intermediate size that is not a multiple of the tiles, and the MoE layer end to end."""
+interpreter, or the GPU: ``KERNEL_DEVICE``): random routings with idle and crowded experts,
+ragged token counts, an intermediate size that is not a multiple of the tiles, and the MoE layer
+end to end."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import KERNEL_DEVICE
 
 from radixlm.kernels.triton_ops.fused_moe import align_pairs_by_expert, fused_experts
 from radixlm.models.layers.moe_experts import (
@@ -18,6 +20,10 @@ pytestmark = pytest.mark.triton
 
 HIDDEN = 32
 INTER = 24  # not a multiple of the 16-wide tiles
+
+
+def on_kernel_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(KERNEL_DEVICE) for t in tensors]
 
 
 def random_experts(num_experts: int, seed: int):
@@ -46,23 +52,25 @@ def test_fused_experts_match_the_torch_experts(num_tokens, num_experts, top_k, c
     x = torch.randn(num_tokens, HIDDEN, generator=gen)
     topk_weights, topk_ids = random_routing(num_tokens, num_experts, top_k, gen, crowd)
     expected = naive_experts_per_token(x, w13, w2, topk_weights, topk_ids)
-    out = fused_experts(x, w13, w2, topk_weights, topk_ids)
+    out = fused_experts(*on_kernel_device(x, w13, w2, topk_weights, topk_ids))
     assert out.shape == x.shape and out.dtype == x.dtype
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_the_moe_layer_gives_the_same_output_with_the_fused_kernel():
     w13, w2, gen = random_experts(8, seed=5)
-    experts = StackedExperts(8, HIDDEN, INTER)
+    experts = StackedExperts(8, HIDDEN, INTER).to(KERNEL_DEVICE)
     with torch.no_grad():
         experts.w13.copy_(w13)
         experts.w2.copy_(w2)
     x = torch.randn(23, HIDDEN, generator=gen)
     topk_weights, topk_ids = random_routing(23, 8, 2, gen)
+    x, topk_weights, topk_ids = on_kernel_device(x, topk_weights, topk_ids)
     with torch.inference_mode():
         expected = experts(x, topk_weights, topk_ids)
         experts.computation = fused_experts
         out = experts(x, topk_weights, topk_ids)
+    w13, w2 = on_kernel_device(w13, w2)
     torch.testing.assert_close(expected, grouped_experts_torch(x, w13, w2, topk_weights, topk_ids))
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
@@ -70,7 +78,8 @@ def test_the_moe_layer_gives_the_same_output_with_the_fused_kernel():
 def test_no_tokens_give_an_empty_output():
     w13, w2, _ = random_experts(4, seed=0)
     empty = torch.empty(0, 2, dtype=torch.int64)
-    out = fused_experts(torch.empty(0, HIDDEN), w13, w2, torch.empty(0, 2), empty)
+    out = fused_experts(*on_kernel_device(torch.empty(0, HIDDEN), w13, w2, torch.empty(0, 2),
+                                          empty))
     assert out.shape == (0, HIDDEN)
 
 

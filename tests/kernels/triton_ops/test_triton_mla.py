@@ -1,5 +1,6 @@
-"""Triton attention over MLA's latent pool against the torch-native backend (float32, CPU
-interpreter): the MLA decode kernel and the extend kernel with values narrower than keys.
+"""Triton attention over MLA's latent pool against the torch-native backend (float32, on the CPU
+interpreter or the GPU: ``KERNEL_DEVICE``): the MLA decode kernel and the extend kernel with
+values narrower than keys.
 
 Rows are [c_kv : D_l | k_rope : D_r]; the key is the row, the value its first D_l dims
 (``MLATokenToKVPool``). Shapes: a tiny one (D_l 32, D_r 8, as the tiny DeepSeek models)
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import KERNEL_DEVICE
 from paged_cases import random_lengths, random_paged_batch
 
 from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
 from radixlm.kernels.attention.triton_backend import TritonAttentionBackend
 from radixlm.kernels.forward_batch import ForwardMode
+from radixlm.kernels.triton_ops import tile_plan
 from radixlm.kv_cache.memory_pool import MLATokenToKVPool
 from radixlm.models.layers.attention import PagedAttention
 
@@ -28,12 +31,13 @@ def latent_case(mode, prefix_lens, extend_lens, num_heads, latent, rope, page_si
     """A paged batch over a random latent pool: q (T, H, D_l + D_r), k (T, 1, D_l + D_r)."""
     row = latent + rope
     case = random_paged_batch(
-        mode, prefix_lens, extend_lens, num_heads, 1, row, page_size, seed
+        mode, prefix_lens, extend_lens, num_heads, 1, row, page_size, seed, KERNEL_DEVICE
     )
     gen = torch.Generator().manual_seed(seed + 1)
-    pool = MLATokenToKVPool(case.batch.kv_pool.num_slots, 2, latent, rope, torch.float32, "cpu")
+    pool = MLATokenToKVPool(case.batch.kv_pool.num_slots, 2, latent, rope, torch.float32,
+                            KERNEL_DEVICE)
     for buffer in pool.kv_buffers:
-        buffer.normal_(generator=gen)
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))
     case.batch.kv_pool = pool
     return case, PagedAttention(LAYER, num_heads, 1, row, row**-0.5, v_head_dim=latent)
 
@@ -74,8 +78,22 @@ def test_latent_attention_matches_torch_native(mode, num_heads, page_size):
     compare(case, layer)
 
 
+def float32_mla_prefill_fits() -> bool:
+    """False on a GPU whose shared memory takes no float32 MLA prefill tile (sm_86, sm_89)."""
+    try:
+        tile_plan.extend_tiles(576, 512, torch.float32,
+                               tile_plan.shared_memory_per_block(KERNEL_DEVICE))
+    except ValueError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=str)
 def test_latent_attention_at_deepseek_v2_lite_shapes(mode):
     prefix_lens, extend_lens = [9, 0], ([1, 1] if mode is ForwardMode.DECODE else [3, 5])
     case, layer = latent_case(mode, prefix_lens, extend_lens, 16, 512, 64, 16, seed=2)
+    if mode is ForwardMode.EXTEND and not float32_mla_prefill_fits():
+        with pytest.raises(ValueError, match="shared memory"):
+            compare(case, layer)
+        return
     compare(case, layer)
