@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import KERNEL_DEVICE as DEVICE
 from quantized_cases import random_blocks, reference
 
 from radixlm.kernels.quantized.block_formats import NATIVE_TYPES, QType
 from radixlm.kernels.triton_ops.quantized_matmul import quantized_matmul
 
 pytestmark = pytest.mark.triton
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("qtype", sorted(NATIVE_TYPES), ids=lambda t: t.name)
