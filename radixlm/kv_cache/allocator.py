@@ -9,6 +9,13 @@ to exactly one owner (a request, or a radix-tree node once cached).
 Invariants (checked by tests after every engine run):
 - ``available_size() + (tokens held by requests and the cache) == size``;
 - a page is either in the free list or owned, never both, never twice in the free list.
+
+The free list is host integers, and so is everything ``alloc_next``, ``extend`` and
+``free_pages`` take or return: a caller that keeps its sequences' last slots and pages on
+the host allocates and frees without reading the device. Slots reach the device in one
+copy from host values (``to_device``: pinned memory on CUDA). ``free`` of a device tensor
+of slots is the one read back (``radixlm/runtime/scheduler/host_reads.py`` says where the
+step loop still does it).
 """
 
 from __future__ import annotations
@@ -74,16 +81,31 @@ class TokenToKVPoolAllocator:
         each request's tokens stay packed into its own pages. ``last_slot < 0`` means the
         sequence is empty so far.
         """
-        if last_slot < 0 or self.page_size == 1:
-            return self.alloc(num_tokens)
-        offset = last_slot % self.page_size + 1
-        in_page = min(self.page_size - offset, num_tokens)
-        head = torch.arange(last_slot + 1, last_slot + 1 + in_page, dtype=torch.int64)
+        return self.extend(last_slot, num_tokens)[0]
+
+    def extend(self, last_slot: int, num_tokens: int) -> tuple[torch.Tensor, int]:
+        """``alloc_extend``'s slots on the device, and the last of them as a host integer
+        (``last_slot`` itself for no tokens), for callers that keep each sequence's last
+        slot without reading the device."""
+        page = self.page_size
+        if num_tokens == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device), last_slot
+        in_page = 0
+        if last_slot >= 0 and page > 1:
+            in_page = min(page - (last_slot % page + 1), num_tokens)
         rest = num_tokens - in_page
-        if rest == 0:
-            return head.to(self.device)
-        pages = self._take_pages(-(-rest // self.page_size))
-        return torch.cat([head.to(self.device), self._page_slots(pages)[:rest]])
+        pages = self._take_pages(-(-rest // page))
+        last = last_slot + in_page if rest == 0 else pages[-1] * page + (rest - 1) % page
+        if in_page == 0:
+            return self._page_slots(pages)[:num_tokens], last
+        # One copy: the slots left in the last page, then the fresh pages' numbers.
+        values = to_device([*range(last_slot + 1, last_slot + 1 + in_page), *pages],
+                           torch.int64, self.device)
+        head, fresh = values.split([in_page, len(pages)])
+        if not pages:
+            return head, last
+        offsets = torch.arange(page, device=self.device)
+        return torch.cat([head, (fresh[:, None] * page + offsets).reshape(-1)[:rest]]), last
 
     def alloc_next(self, last_slots: list[int]) -> list[int]:
         """One slot for the token after each of ``last_slots`` (the slot of a sequence's
@@ -98,14 +120,22 @@ class TokenToKVPoolAllocator:
                 for last, new in zip(last_slots, fresh)]
 
     def free(self, slots: torch.Tensor) -> None:
-        """Returns the pages that ``slots`` lie in. Every slot of a freed page must be dead."""
+        """Returns the pages that ``slots`` lie in. Every slot of a freed page must be dead.
+        ``slots`` are read back from the device: the host waits for it."""
         if slots.numel() == 0:
             return
-        if self.page_size == 1:
-            pages = slots.tolist()
-        else:
-            pages = torch.unique(slots // self.page_size).tolist()
+        self.free_pages(self._pages(slots))
+
+    def free_pages(self, pages: list[int]) -> None:
+        """Returns ``pages`` (page numbers, each owned once, every slot dead) without a
+        device read."""
         self._free_pages.extend(pages)
+
+    def _pages(self, slots: torch.Tensor) -> list[int]:
+        """The distinct pages ``slots`` lie in, read from the device."""
+        if self.page_size == 1:
+            return slots.tolist()
+        return torch.unique(slots // self.page_size).tolist()
 
     def _take_pages(self, num_pages: int) -> list[int]:
         if num_pages > len(self._free_pages):

@@ -70,12 +70,10 @@ class HybridAllocator(TokenToKVPoolAllocator):
         pages = slots.cpu() // self.page_size
         return self.page_map[pages] != 0
 
-    def free(self, slots: torch.Tensor) -> None:
-        """Returns the pages ``slots`` lie in, request and local (where still held)."""
-        if slots.numel() == 0:
-            return
-        self._unpair(self._pages(slots))
-        super().free(slots)
+    def free_pages(self, pages: list[int]) -> None:
+        """Returns ``pages``, request and local (where still held)."""
+        self._unpair(pages)
+        super().free_pages(pages)
 
     def release_local(self, slots: torch.Tensor) -> int:
         """Returns the local pages of the pages ``slots`` lie in (those still held) and
@@ -120,11 +118,6 @@ class HybridAllocator(TokenToKVPoolAllocator):
             self.page_map[pages] = torch.tensor(local, dtype=torch.int64)
             self._write_map(pages, local)
         return pages
-
-    def _pages(self, slots: torch.Tensor) -> list[int]:
-        if self.page_size == 1:
-            return slots.tolist()
-        return torch.unique(slots // self.page_size).tolist()
 
     def _unpair(self, pages: list[int]) -> int:
         """Frees the local pages paired with ``pages``; returns how many there were."""

@@ -60,3 +60,33 @@ def test_alloc_next_with_pages_of_one_token_always_opens_a_page():
     allocator = TokenToKVPoolAllocator(8, page_size=1)
     slots = allocator.alloc_next([3, 5])
     assert len(set(slots)) == 2 and allocator.available_size() == 6
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("last_in_page", [None, 0, 2, 3])
+@pytest.mark.parametrize("num_tokens", [0, 1, 2, 5, 9])
+def test_extend_gives_the_last_slot_on_the_host_as_alloc_extend_places_it(
+        page_size, last_in_page, num_tokens):
+    allocator = TokenToKVPoolAllocator(64, page_size)
+    last = -1
+    if last_in_page is not None:
+        last = int(allocator.alloc(last_in_page % page_size + 1)[-1])
+    free = allocator.available_size()
+    slots, host_last = allocator.extend(last, num_tokens)
+    assert len(slots) == num_tokens
+    assert host_last == (int(slots[-1]) if num_tokens else last)
+    expected = list(range(last + 1, last + 1 + min(num_tokens, (-last - 1) % page_size)))
+    if page_size > 1 and last >= 0:  # the room left in the last page comes first
+        assert slots[: len(expected)].tolist() == expected
+    fresh = num_tokens - (len(expected) if page_size > 1 and last >= 0 else 0)
+    assert free - allocator.available_size() == -(-fresh // page_size) * page_size
+
+
+def test_free_pages_returns_host_page_numbers_as_free_does_their_slots():
+    by_slots, by_pages = (TokenToKVPoolAllocator(32, page_size=4) for _ in range(2))
+    slots = by_slots.alloc(10)
+    assert by_pages.alloc(10).tolist() == slots.tolist()
+    by_slots.free(slots)
+    by_pages.free_pages(sorted(set((slots // 4).tolist())))
+    assert by_slots.available_size() == by_pages.available_size() == 32
+    assert sorted(by_slots._free_pages) == sorted(by_pages._free_pages)

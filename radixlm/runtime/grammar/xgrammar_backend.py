@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from radixlm.host_to_device import to_device
 from radixlm.runtime.grammar.constraints import CONSTRAINT_KINDS, GrammarKey
 from radixlm.runtime.grammar.grammar_backend import GrammarBackend, GrammarMatcher
 from radixlm.runtime.grammar.grammar_bounds import GrammarBounds, measure
@@ -312,9 +313,14 @@ class XGrammarBackend(GrammarBackend):
                                self._token_bytes)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """Host memory xgrammar fills; pinned where CUDA is, so that its rows go to the
+        device without waiting for the stream. The buffer is reused: the matchers refill it
+        for a step only once the step before has been read on the host (its tokens), which
+        was after its copy of the bitmask."""
         import xgrammar as xgr
 
-        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+        bitmask = xgr.allocate_token_bitmask(rows, self.vocab_size)
+        return bitmask.pin_memory() if torch.cuda.is_available() else bitmask
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """On the CPU, each byte of the bitmask indexes a table of eight additive penalties
@@ -322,9 +328,10 @@ class XGrammarBackend(GrammarBackend):
         boolean ``masked_fill`` and than xgrammar's CPU kernel (benchmarks/bench_grammar.py;
         figures in benchmarks/RESULTS.md).
 
-        Elsewhere the bitmask (host memory, filled by xgrammar) is copied to the logits'
-        device without waiting for it, and applied there: by xgrammar's kernel on CUDA, by
-        unpacking its bits with tensor ops on any other device (``meta`` included)."""
+        Elsewhere the bitmask (host memory, filled by xgrammar; pinned on CUDA) and the
+        row numbers (``to_device``) are copied to the logits' device without waiting for
+        it, and applied there: by xgrammar's kernel on CUDA, by unpacking its bits with
+        tensor ops on any other device (``meta`` included)."""
         if logits.device.type == "cpu":
             if sys.byteorder == "little":
                 _apply_byte_penalties(logits, bitmask, rows, self.vocab_size)
@@ -338,8 +345,9 @@ class XGrammarBackend(GrammarBackend):
             import xgrammar as xgr
 
             words = bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
+            index = to_device(rows, torch.int32, logits.device)  # (a list: a pageable copy)
             xgr.apply_token_bitmask_inplace(logits, words, vocab_size=self.vocab_size,
-                                            indices=rows)
+                                            indices=index)
             return
         _apply_unpacked_bits(logits, bitmask, rows, self.vocab_size)
 
@@ -367,13 +375,17 @@ def _apply_unpacked_bits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
     row allows token 32 i + j."""
     device = logits.device
     leading = rows == list(range(len(rows)))
-    words = (bitmask[: len(rows)] if leading else bitmask[rows]).to(device, non_blocking=True)
+    # Leading rows of the (pinned) buffer, gathered on the device: a host gather would be
+    # a pageable copy.
+    words = bitmask[: rows[-1] + 1].to(device, non_blocking=True)
+    index = None if leading else to_device(rows, torch.int64, device)  # (N,)
+    if index is not None:
+        words = words.index_select(0, index)
     shifts = torch.arange(32, dtype=torch.int32, device=device)
     allowed = ((words[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()  # (N, V)
     if leading:
         logits[: len(rows), :vocab].masked_fill_(~allowed, float("-inf"))
         return
-    index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)  # (N,)
     masked = logits.index_select(0, index)
     masked[:, :vocab].masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, index, masked)

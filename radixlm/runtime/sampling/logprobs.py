@@ -5,7 +5,10 @@ entries, most likely first. Logprobs are those of the model's distribution (log-
 the raw logits), before penalties, temperature or filtering.
 
 They are computed on the logits' device (``logprob_tensors``) and reach the host in one
-copy (``Logprobs.compute``), however many rows a step asks about.
+copy, however many rows a step asks about. In the step loop the copy is started with the
+sampling (``LogprobCopy.start``) and read only once the step's tokens have been read
+(``LogprobCopy.read``): on CUDA it goes into pinned memory behind the step's kernels, so the
+read waits for nothing the token read has not waited for already.
 """
 
 from __future__ import annotations
@@ -44,20 +47,9 @@ class Logprobs:
 
     @classmethod
     def compute(cls, logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> Logprobs:
-        """``logprob_tensors`` on the logits' device, then one copy to the host: the
-        float32 logprobs travel as their int32 bit patterns beside the token ids."""
-        chosen, values, ids = logprob_tensors(logits, token_ids, top_k)
-        k = values.shape[-1]
-        packed = torch.cat([  # (N, 2 + 2k) int32
-            token_ids[:, None].int(), chosen[:, None].view(torch.int32),
-            values.view(torch.int32), ids.int(),
-        ], dim=1).cpu()
-        return cls(
-            token_ids=packed[:, 0].tolist(),
-            chosen=packed[:, 1].view(torch.float32).tolist(),
-            top_values=packed[:, 2 : 2 + k].contiguous().view(torch.float32).tolist(),
-            top_ids=packed[:, 2 + k :].tolist(),
-        )
+        """``logprob_tensors`` on the logits' device, then one copy to the host, waited
+        for at once (outside the step loop; the loop uses ``LogprobCopy``)."""
+        return LogprobCopy.start(logits, token_ids, top_k).read()
 
     def extend(self, more: Logprobs) -> None:
         """Appends ``more``'s rows (computed with the same ``top_k``) after these."""
@@ -76,6 +68,50 @@ class Logprobs:
         """The ``top_k`` alternatives' entries of each of rows ``start .. stop - 1``."""
         return [[_entry(lp, tid, decode) for lp, tid in zip(values[:top_k], ids[:top_k])]
                 for values, ids in zip(self.top_values[start:stop], self.top_ids[start:stop])]
+
+
+class LogprobCopy:
+    """``logprob_tensors``' results on their way to the host: the float32 logprobs travel
+    as their int32 bit patterns beside the token ids, one (N, 2 + 2k) int32 tensor.
+
+    ``start`` queues the copy and returns at once; ``read`` waits for it. On CUDA the copy
+    goes into pinned memory of its own (never reused, so a later step cannot overwrite it)
+    behind the kernels queued so far, and ``read`` waits on an event recorded after it, not
+    on kernels queued later. Elsewhere the tensor is read where it lies."""
+
+    def __init__(self, packed: torch.Tensor, top_k: int, copied: torch.cuda.Event | None):
+        self._packed, self._k, self._copied = packed, top_k, copied
+
+    @classmethod
+    def start(cls, logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> LogprobCopy:
+        """Computes the logprobs of ``token_ids`` (N,) under ``logits`` (N, V) and the
+        ``top_k`` alternatives on the logits' device and starts their copy to the host."""
+        chosen, values, ids = logprob_tensors(logits, token_ids, top_k)
+        packed = torch.cat([  # (N, 2 + 2k) int32
+            token_ids[:, None].int(), chosen[:, None].view(torch.int32),
+            values.view(torch.int32), ids.int(),
+        ], dim=1)
+        copied = None
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            packed = host
+        return cls(packed, values.shape[-1], copied)
+
+    def read(self) -> Logprobs:
+        """The host lists, once the copy has landed (call it after the step's tokens are
+        read: then it waits for nothing more)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        packed, k = self._packed, self._k
+        return Logprobs(
+            token_ids=packed[:, 0].tolist(),
+            chosen=packed[:, 1].view(torch.float32).tolist(),
+            top_values=packed[:, 2 : 2 + k].contiguous().view(torch.float32).tolist(),
+            top_ids=packed[:, 2 + k :].tolist(),
+        )
 
 
 def token_logprobs(

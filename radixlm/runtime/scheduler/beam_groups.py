@@ -124,6 +124,7 @@ class BeamGroup:
         table[leader.req_pool_idx, self.base : self.base + best.numel()] = best
         leader.output_ids = list(results[0].tokens)
         leader.kv_len = self.base + best.numel()
+        leader.last_slot = self._slot_before(memory, leader.kv_len)
         memory.release(leader)
         self._return_follower_rows(memory)
         eos = self.search.eos_set
@@ -146,6 +147,7 @@ class BeamGroup:
                 held = torch.unique(torch.cat(self._step_pages))
                 self._free_pages(memory, held, held[:0])
                 leader.kv_len = self.base
+                leader.last_slot = self._slot_before(memory, self.base)
             elif self.expanded:
                 table = memory.req_to_token
                 beams = self.running()
@@ -153,6 +155,7 @@ class BeamGroup:
                 held = self._held_pages(table, rows, beams[0].kv_len)
                 self._free_pages(memory, held, held[:0])
                 leader.kv_len = self.base  # what remains the leader's: the prompt's pages
+                leader.last_slot = self._slot_before(memory, self.base)
             leader.output_ids = []
             memory.release(leader)
             self._return_follower_rows(memory)
@@ -163,6 +166,14 @@ class BeamGroup:
         self._step_pages = None
 
     # Rows and pages -----------------------------------------------------------------------
+
+    def _slot_before(self, memory: RequestMemory, end: int) -> int:
+        """The slot of the leader's token at ``end - 1`` (-1 for none), which
+        ``RequestMemory.release`` frees the unaligned tail by (a beam search reads the
+        host at every step already)."""
+        if end == 0:
+            return -1
+        return int(memory.req_to_token[self.leader.req_pool_idx, end - 1])
 
     def _fork(self, parents: list[int], rows: torch.Tensor, end: int,
               memory: RequestMemory, kv_pool) -> torch.Tensor:

@@ -16,7 +16,7 @@ from radixlm.host_to_device import to_device
 from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.runtime.model_executor.device_setup import make_device_current
 from radixlm.runtime.request import Req
-from radixlm.runtime.sampling.logprobs import Logprobs
+from radixlm.runtime.sampling.logprobs import LogprobCopy, Logprobs
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch import GRAMMAR, SamplingBatch
 
@@ -37,13 +37,15 @@ class DecodeInFlight:
     are discarded, and no step is queued behind it."""
     tokens: Future = field(default_factory=Future)
     """Resolves to the sampled tokens, (len(reqs),) int64 on the device, a function
-    returning them as a list (see ``_start_copy_to_host``) and the ``Logprobs`` of
+    returning them as a list (see ``_start_copy_to_host``) and the ``LogprobCopy`` of
     ``logprob_rows`` (None without any)."""
 
     def host_outputs(self) -> tuple[list[int], Logprobs | None]:
-        """Waits for this step's tokens (only: not for steps queued after it) and logprobs."""
-        _, read, found = self.tokens.result()
-        return read(), found
+        """Waits for this step's tokens (only: not for steps queued after it), then reads
+        its logprobs, copied behind them."""
+        _, read, copy = self.tokens.result()
+        tokens = read()
+        return tokens, None if copy is None else copy.read()
 
 
 class DecodeWorker:
@@ -94,7 +96,7 @@ class DecodeWorker:
     def _run(self, batch: ForwardBatch, previous: DecodeInFlight | None,
              keep: torch.Tensor | None, leaving: list[Req], logprob_rows: list[int],
              top_k: int, host_ready: threading.Event,
-             ) -> tuple[torch.Tensor, Callable[[], list[int]], Logprobs | None]:
+             ) -> tuple[torch.Tensor, Callable[[], list[int]], LogprobCopy | None]:
         if leaving:
             self.sampling_batch.remove(leaving)
         if previous is not None:
@@ -106,12 +108,12 @@ class DecodeWorker:
             host_ready.wait()  # the matchers have accepted the previous step's tokens
         next_ids = self.sampler.sample(logits, self.sampling_batch)  # (B,)
         self.sampling_batch.record_sampled(next_ids)
-        found = None
-        if logprob_rows:  # on this thread: the host does not wait for the copy
+        copy = None
+        if logprob_rows:  # started here, read by the host with the tokens (host_outputs)
             rows = to_device(logprob_rows, torch.int64, logits.device)
-            found = Logprobs.compute(logits.index_select(0, rows), next_ids.index_select(0, rows),
-                                     top_k)
-        return next_ids, _start_copy_to_host(next_ids), found
+            copy = LogprobCopy.start(logits.index_select(0, rows),
+                                     next_ids.index_select(0, rows), top_k)
+        return next_ids, _start_copy_to_host(next_ids), copy
 
 
 def _start_copy_to_host(tokens: torch.Tensor) -> Callable[[], list[int]]:

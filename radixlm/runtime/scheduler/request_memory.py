@@ -3,6 +3,13 @@
 A request's KV slots live in its row of ``req_to_token``. The first ``len(req.prefix_indices)``
 of them belong to the tree (matched at admission, locked while the request runs); the rest
 were allocated for the request and are its own until it hands them to the tree.
+
+The slots live on the device; the host keeps what it needs to allocate and free without
+reading them back: each request's last slot (``req.last_slot``, from the allocator's host
+page numbers), and the rule that a cached prefix is whole pages (``PrefixCache``), so a
+finished request's unaligned tail is the one page of its last slot. What is still read
+back (its own duplicates of tokens cached meanwhile, eviction, a request freed without the
+cache) is declared in ``host_reads.py``.
 """
 
 from __future__ import annotations
@@ -71,18 +78,19 @@ class RequestMemory:
         req.req_pool_idx, req.kv_len = row, len(prefix)
         if not req.retractions:
             req.cached_tokens = len(prefix)
-        req.last_slot = int(prefix[-1]) if len(prefix) else -1
+        # The prefix is whole pages: the next token opens a fresh page, so the last slot of
+        # any page stands for the prefix's (no device read); no prefix: none yet.
+        req.last_slot = self.page_size - 1 if len(prefix) else -1
 
     def alloc(self, req: Req, num_tokens: int) -> torch.Tensor:
         """Slots for the request's next ``num_tokens`` tokens, evicting from the cache if needed."""
         self._make_room(pages_for(num_tokens, self.page_size))
         try:
-            slots = self.allocator.alloc_extend(req.last_slot, num_tokens)
+            slots, last_slot = self.allocator.extend(req.last_slot, num_tokens)
         except OutOfKVSlots as err:
             raise OutOfKVSlots(f"{err}; the scheduler's reservation was wrong") from err
         self.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + num_tokens] = slots
-        if num_tokens:  # the caller advances req.kv_len
-            req.last_slot = int(slots[-1])
+        req.last_slot = last_slot  # the caller advances req.kv_len
         return slots
 
     def alloc_pages(self, num_tokens: int) -> torch.Tensor:
@@ -151,14 +159,16 @@ class RequestMemory:
     def release(self, req: Req) -> None:
         """Hands a finished (or aborted) request's KV to the cache and frees the rest."""
         slots = self.req_to_token[req.req_pool_idx, : req.kv_len].clone()
-        own_start = len(req.prefix_indices)
         if self.tree_cache.keeps_inserted:
             aligned = req.kv_len - req.kv_len % self.page_size
             tokens = req.all_ids()[:aligned]
             already = self.tree_cache.insert(tokens, slots[:aligned], req.extra_key)
             self._free_duplicates(req, slots, already)
-            own_start = max(aligned, own_start)
-        self.allocator.free(slots[own_start:])
+            if req.kv_len > aligned:  # (a prefix is whole pages: this one is its own)
+                # The unaligned tail: one page, the one of its last slot.
+                self.allocator.free_pages([req.last_slot // self.page_size])
+        else:
+            self.allocator.free(slots[len(req.prefix_indices):])
         self.tree_cache.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.kv_len, req.last_slot = None, 0, -1

@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerBase
 from radixlm.host_to_device import to_device
 from radixlm.runtime.grammar.jump_forward import JumpForward
 from radixlm.runtime.request import Req, finish_abort, finish_length, finish_stop
-from radixlm.runtime.sampling.logprobs import Logprobs
+from radixlm.runtime.sampling.logprobs import LogprobCopy, Logprobs
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch import SamplingBatch
 
@@ -81,12 +81,13 @@ class SamplingStep:
                 to_sample.append(req)
                 sample_rows.append(offset + extend - 1)
             offset += extend
-        if owed:
-            self._add_prompt_logprobs(hidden, owed, prompt_rows, targets)
+        copies = self._start_prompt_logprobs(hidden, owed, prompt_rows, targets)
         if to_sample:
             row_index = to_device(sample_rows, torch.int64, hidden.device)
             logits = self.compute_logits(hidden.index_select(0, row_index))  # (S, V)
             self._sample(logits, to_sample, sampler, sampling_batch)
+        if owed:  # read after the tokens (or alone, in a step that samples nothing)
+            self._add_prompt_logprobs(owed, copies)
 
     def process_decode(self, reqs: list[Req], hidden: torch.Tensor, sampler: Sampler,
                        sampling_batch: SamplingBatch) -> list[Req]:
@@ -146,34 +147,50 @@ class SamplingStep:
         next_ids = sampler.sample(logits, rows_sampled)  # (S,) on the logits' device
         rows_sampled.record_sampled(next_ids)
         wanted = [i for i, req in enumerate(to_sample) if req.logprobs is not None]
+        copy = None
         if wanted:
-            device = logits.device
-            rows = to_device(wanted, torch.int64, device)
+            rows = to_device(wanted, torch.int64, logits.device)
             top_k = max(to_sample[i].logprobs.top_k for i in wanted)
-            found = Logprobs.compute(
+            copy = LogprobCopy.start(
                 logits.index_select(0, rows), next_ids.index_select(0, rows), top_k)
+        tokens = next_ids.tolist()  # the step's one wait for the device (host_reads.py)
+        if copy is not None:  # copied behind the tokens: nothing more to wait for
             self.add_output_logprobs(
-                [(to_sample[i], row) for row, i in enumerate(wanted)], found)
-        return self.append_tokens(to_sample, next_ids.tolist(), sampling_batch)
+                [(to_sample[i], row) for row, i in enumerate(wanted)], copy.read())
+        return self.append_tokens(to_sample, tokens, sampling_batch)
 
-    def _add_prompt_logprobs(self, hidden: torch.Tensor, owed: list[tuple[Req, int, int]],
-                             prompt_rows: list[int], targets: list[int]) -> None:
-        """Appends each request's owed prompt logprobs: ``prompt_rows`` of ``hidden``
-        predict ``targets``; ``owed`` names each request's span of them.
+    def _start_prompt_logprobs(self, hidden: torch.Tensor, owed: list[tuple[Req, int, int]],
+                               prompt_rows: list[int], targets: list[int]
+                               ) -> list[LogprobCopy]:
+        """Starts computing the owed prompt logprobs (none when nothing is ``owed``):
+        ``prompt_rows`` of ``hidden`` predict ``targets``; ``owed`` names each request's
+        span of them.
 
         The LM head runs over ``PROMPT_LOGPROB_SLICE_ROWS`` rows at a time, so a long
         prompt never holds rows x vocabulary logits at once (a 1,024-token chunk of a
-        49,152-token vocabulary would be 200 MB, and three such copies a step)."""
+        49,152-token vocabulary would be 200 MB, and three such copies a step). Every
+        slice's copy to the host is started here; ``_add_prompt_logprobs`` reads them."""
+        if not owed:
+            return []
         device = hidden.device
         row_index = to_device(prompt_rows, torch.int64, device)  # (R,)
         token_ids = to_device(targets, torch.int64, device)  # (R,)
         top_k = max(req.logprobs.top_k for req, _, _ in owed)
-        found = Logprobs([], [], [], [])
+        copies = []
         for start in range(0, len(prompt_rows), PROMPT_LOGPROB_SLICE_ROWS):
             stop = start + PROMPT_LOGPROB_SLICE_ROWS
             logits = self.compute_logits(hidden.index_select(0, row_index[start:stop]))
-            found.extend(Logprobs.compute(logits, token_ids[start:stop], top_k))
+            copies.append(LogprobCopy.start(logits, token_ids[start:stop], top_k))
             del logits
+        return copies
+
+    def _add_prompt_logprobs(self, owed: list[tuple[Req, int, int]],
+                             copies: list[LogprobCopy]) -> None:
+        """Appends each request's owed prompt logprobs from ``copies`` (the slices
+        ``_start_prompt_logprobs`` started)."""
+        found = Logprobs([], [], [], [])
+        for copy in copies:
+            found.extend(copy.read())
         for req, first, count in owed:
             self._add_input_logprobs(req, found, first, count)
 

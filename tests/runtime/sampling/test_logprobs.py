@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_models import VOCAB_SIZE
 from workloads import PROMPTS, greedy, sampled
+
+from radixlm.runtime.sampling.logprobs import LogprobCopy, Logprobs
 
 
 def test_output_token_logprobs_have_one_entry_per_output_token(engine_for):
@@ -111,3 +114,14 @@ def test_frequency_and_presence_penalties_steer_greedy_by_output_counts(engine_f
         }
         assert token == max(scores, key=scores.get)
         counts[token] = counts.get(token, 0) + 1
+
+
+
+def test_a_started_copy_reads_what_compute_gives_after_its_logits_change():
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([3, 0, 39, 7, 7])
+    expected = Logprobs.compute(logits, tokens, 3)
+    copy = LogprobCopy.start(logits, tokens, top_k=3)
+    logits.fill_(0.0)  # the copy holds its own result: later writes do not reach it
+    found = copy.read()
+    assert found == expected and found.token_ids == tokens.tolist()

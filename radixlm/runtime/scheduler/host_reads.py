@@ -1,0 +1,53 @@
+"""The device-to-host reads the step loop makes on purpose, each with its reason.
+
+On a GPU the host waits whenever it reads a device tensor (``.tolist()``, ``.item()``,
+``int()``, ``.cpu()``, a boolean-mask gather, ``torch.unique``) and whenever it copies host
+data to the device from pageable memory: the copy is queued behind every kernel before it.
+With overlap scheduling such a wait stops the host from queueing step N + 1 before step N
+ends. A step needs one wait, for its sampled tokens (they decide the next step); everything
+else is kept as host values beside the device tensors (``RequestMemory``: each request's
+last slot, whole-page prefixes) or is copied behind the tokens into pinned memory and read
+after them (``LogprobCopy``), and host values reach the device through ``to_device``.
+
+What remains is listed here. ``tests/runtime/scheduler/test_step_host_reads.py`` runs
+extend, decode and finishing steps (plain and overlapped) through the real scheduler and
+model runner on the CPU under a guard that records every read and every upload not made by
+``to_device``, and fails on one whose site is not a key of ``STEP_HOST_READS``. A site is
+``path:qualname`` of the function that reads, or, for a function in ``READ_ON_BEHALF``, of
+the first function outside those that called it.
+"""
+
+from __future__ import annotations
+
+STEP_HOST_READS: dict[str, str] = {
+    "radixlm/runtime/scheduler/sampling_step.py:SamplingStep._sample":
+        "the step's sampled tokens, in the plain loop: the one wait a step needs (the host "
+        "appends them, checks stops and builds the next step from them)",
+    "radixlm/runtime/scheduler/decode_worker.py:DecodeInFlight.host_outputs":
+        "the tokens of the decode step in flight, with overlap: on CUDA copied into pinned "
+        "memory behind that step's sampling and waited for on an event recorded after the "
+        "copy, so the step queued behind it keeps running",
+    "radixlm/runtime/sampling/logprobs.py:LogprobCopy.read":
+        "logprobs, read after the tokens of their step (copied behind them, into pinned "
+        "memory on CUDA): they wait for nothing the token read has not",
+    "radixlm/runtime/scheduler/request_memory.py:RequestMemory._free_duplicates":
+        "a request's own slots for tokens another request cached first: their pages were "
+        "never held as host numbers (only when two requests computed the same tokens)",
+    "radixlm/runtime/scheduler/request_memory.py:RequestMemory.release":
+        "without the prefix cache (--disable-radix-cache), a finished request's slots: the "
+        "host keeps only its last slot, not its every page",
+    "radixlm/kv_cache/radix_tree.py:RadixCache.evict":
+        "the cache's evicted nodes hold their slots on the device (only when the pool runs "
+        "out of free pages)",
+    "radixlm/runtime/grammar/xgrammar_backend.py:_apply_byte_penalties":
+        "the grammar mask on the CPU: the bitmask and the logits are both host memory there "
+        "(on a GPU, apply_bitmask copies the bitmask from pinned memory instead)",
+}
+"""Site -> why the read is there and why it costs no more than it must."""
+
+READ_ON_BEHALF: tuple[str, ...] = (
+    "radixlm/kv_cache/allocator.py:TokenToKVPoolAllocator.free",
+    "radixlm/kv_cache/allocator.py:TokenToKVPoolAllocator._pages",
+)
+"""Functions that read for their caller: a read in them is the caller's (a new caller of
+``free`` in the step loop is a new site, not a declared one)."""
