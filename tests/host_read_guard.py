@@ -93,6 +93,9 @@ class Finding:
         chain = " <- ".join(f[1] for f in self.frames[:6])
         return f"{self.kind} by {self.what} at {line} (site {site}; called from {chain})"
 
+    def __str__(self) -> str:
+        return self.describe()
+
 
 class HostReadGuard:
     """Records reads and uploads while active (``with guard:``); ``marking()`` only marks

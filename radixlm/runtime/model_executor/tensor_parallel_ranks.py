@@ -3,14 +3,17 @@
 Every rank holds its share of the model (``models/layers/tensor_parallel``) and a KV pool
 of its share of the heads under the same slot numbers, so the allocator, the request rows
 and the radix cache exist once, on rank 0. Before each forward pass rank 0 broadcasts the
-step (``send_step``): its sizes on the CPU group (gloo), then one int64 payload on the
-model's group (gloo on CPUs, NCCL on GPUs, so the payload never leaves the device there):
-token ids, positions, the new tokens' slots, request rows and lengths, the rows the prefix
-cache rewrote in place since the last step (``ReqToTokenPool.rewritten``), and for an
-extend step each request's whole row of slots (a prefix-cache hit or a re-admitted request
-brings slots the other ranks have not seen; a decode step's one new slot per request is in
-the new tokens' slots). The other ranks (``tp_worker``) write those rows into their own request
-table and run the same pass; the layers' all-reduces keep them in step. Logits are a
+step (``send_step``): its sizes, then the host values it has as lists (each request's prefix
+and new lengths, the rows the prefix cache rewrote in place since the last step
+(``ReqToTokenPool.rewritten``) and their lengths) on the CPU group (gloo), then one int64
+payload of device values on the model's group (gloo on CPUs, NCCL on GPUs, so the payload
+never leaves the device there): token ids, positions, the new tokens' slots, request rows,
+the rewritten rows' slots, and for an extend step each request's whole row of slots (a
+prefix-cache hit or a re-admitted request brings slots the other ranks have not seen; a
+decode step's one new slot per request is in the new tokens' slots). No rank reads the
+device to take a step apart: the lengths it is cut by arrive on the host. The other ranks
+(``tp_worker``) write those rows into their own request table and run the same pass; the
+layers' all-reduces keep them in step. Logits are a
 step of their own (``send_logits``): rank 0 broadcasts the hidden rows it wants them for,
 every rank projects them onto its share of the vocabulary, and the shares are gathered.
 Rank 0 alone samples.
@@ -120,9 +123,15 @@ class StepSender:
         if time.monotonic() - self.last_sent >= self.keep_alive_s:
             self._send_header([KEEP_ALIVE, 0, 0, 0, 0, 0])
 
-    def _send_header(self, fields: list[int], payload: torch.Tensor | None = None) -> None:
+    def _send_header(self, fields: list[int], payload: torch.Tensor | None = None,
+                     lengths: list[int] | None = None) -> None:
+        """The header, then (a forward pass) its host ``lengths`` on the CPU group, then the
+        ``payload`` on the model's group."""
         with self.lock:
             dist.broadcast(torch.tensor(fields, dtype=torch.int64), 0, group=self.cpu_group)
+            if lengths is not None:
+                dist.broadcast(torch.tensor(lengths, dtype=torch.int64), 0,
+                               group=self.cpu_group)
             if payload is not None:
                 dist.broadcast(payload, 0, group=self.tp.group)
             self.last_sent = time.monotonic()
@@ -131,20 +140,20 @@ class StepSender:
         extend = batch.mode == ForwardMode.EXTEND
         table = self.rows.req_to_token
         rewritten, self.rows.rewritten = self.rows.rewritten, {}
+        extend_lens = batch.extend_seq_lens_list
+        # On the host: prefix and new lengths, then the rows replaced in place since the
+        # last pass (the prefix cache swapped slots) and their lengths.
+        lengths = [*(n - e for n, e in zip(batch.seq_lens_list, extend_lens)), *extend_lens,
+                   *rewritten, *rewritten.values()]
         parts = [batch.input_ids, batch.positions, batch.out_cache_loc,
-                 batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens]
-        # Rows replaced in place since the last pass (the prefix cache swapped slots):
-        # their rows and lengths, then their slots.
-        device = batch.input_ids.device
-        parts.append(torch.tensor([*rewritten, *rewritten.values()], dtype=torch.int64,
-                                  device=device))
+                 batch.req_pool_indices]
         parts += [table[row, :n] for row, n in rewritten.items()]
         if extend:  # each request's row, up to its length (host lengths: no device sync)
             batch_rows = table.index_select(0, batch.req_pool_indices)
             parts += [batch_rows[b, :n] for b, n in enumerate(batch.seq_lens_list)]
         payload = torch.cat([p.to(torch.int64) for p in parts])
         self._send_header([FORWARD, int(extend), len(batch.input_ids), batch.batch_size,
-                           len(payload), len(rewritten)], payload)
+                           len(payload), len(rewritten)], payload, lengths)
 
     def send_logits(self, hidden: torch.Tensor) -> None:
         """Has the other ranks compute their share of the logits of ``hidden`` (N, H)."""
@@ -177,16 +186,18 @@ class StepReceiver:
             hidden = torch.empty(tokens, self.hidden_size, dtype=self.dtype, device=self.device)
             dist.broadcast(hidden, 0, group=self.tp.group)
             return hidden
+        lengths = torch.empty(2 * batch_size + 2 * rewrites, dtype=torch.int64)
+        dist.broadcast(lengths, 0, group=self.cpu_group)
+        host = lengths.tolist()  # host memory: the CPU group's
+        prefix_lens, extend_lens = host[:batch_size], host[batch_size : 2 * batch_size]
+        rewritten_rows = host[2 * batch_size : 2 * batch_size + rewrites]
+        rewritten_lens = host[2 * batch_size + rewrites :]
         payload = torch.empty(length, dtype=torch.int64, device=self.device)
         dist.broadcast(payload, 0, group=self.tp.group)
-        head = 3 * tokens + 3 * batch_size + 2 * rewrites
-        input_ids, positions, out_cache_loc, req_pool_indices, prefix_lens, extend_lens, \
-            rewritten, rest = payload.split([tokens, tokens, tokens, batch_size, batch_size,
-                                             batch_size, 2 * rewrites, length - head])
-        rewritten_rows, rewritten_lens = rewritten.view(2, rewrites).tolist()
-        rewritten_slots, rows = rest.split([sum(rewritten_lens), len(rest) - sum(
-            rewritten_lens)])
+        head = 3 * tokens + batch_size + sum(rewritten_lens)
+        input_ids, positions, out_cache_loc, req_pool_indices, rewritten_slots, rows = \
+            payload.split([tokens, tokens, tokens, batch_size, sum(rewritten_lens),
+                           length - head])
         return Step(ForwardMode.EXTEND if extend else ForwardMode.DECODE, input_ids,
-                    positions, out_cache_loc, req_pool_indices, prefix_lens.tolist(),
-                    extend_lens.tolist(), rows,
-                    list(zip(rewritten_rows, rewritten_slots.split(rewritten_lens))))
+                    positions, out_cache_loc, req_pool_indices, prefix_lens, extend_lens,
+                    rows, list(zip(rewritten_rows, rewritten_slots.split(rewritten_lens))))

@@ -16,6 +16,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from radixlm.host_to_device import to_device
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor.model_runner import ModelRunner
@@ -54,26 +55,30 @@ def run_rank(args: ServerArgs, model_path: str, rank: int) -> None:
 def step_batch(runner: ModelRunner, step: Step) -> ForwardBatch:
     """The forward batch of ``step``, with its request rows written into this rank's table
     first (rows rewritten in place, then an extend step's whole rows or a decode step's one
-    new slot per request)."""
+    new slot per request), all without reading the device: rows and columns are indexed on
+    the device, lengths come from the host."""
     table = runner.req_to_token_pool.req_to_token
     seq_lens = [p + e for p, e in zip(step.prefix_lens, step.extend_lens)]
+    device = step.input_ids.device
     for row, slots in step.rewritten:
         table[row, : len(slots)] = slots
     if step.mode == ForwardMode.EXTEND:
-        for b, row in enumerate(step.rows.split(seq_lens)):
-            table[step.req_pool_indices[b], : seq_lens[b]] = row
+        lens = to_device(seq_lens, torch.int64, device)  # (B,)
+        total = sum(seq_lens)
+        rows = step.req_pool_indices.repeat_interleave(lens, output_size=total)  # (T,)
+        starts = (torch.cumsum(lens, 0) - lens).repeat_interleave(lens, output_size=total)
+        table[rows, torch.arange(total, device=device) - starts] = step.rows
     else:
         table[step.req_pool_indices, step.positions] = step.out_cache_loc
-    device = step.input_ids.device
     return ForwardBatch(
         mode=step.mode,
         input_ids=step.input_ids,
         positions=step.positions,
         out_cache_loc=step.out_cache_loc,
         req_pool_indices=step.req_pool_indices,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        prefix_lens=torch.tensor(step.prefix_lens, dtype=torch.int64, device=device),
-        extend_seq_lens=torch.tensor(step.extend_lens, dtype=torch.int64, device=device),
+        seq_lens=to_device(seq_lens, torch.int64, device),
+        prefix_lens=to_device(step.prefix_lens, torch.int64, device),
+        extend_seq_lens=to_device(step.extend_lens, torch.int64, device),
         req_to_token=table,
         kv_pool=runner.kv_pool,
         attn_backend=runner.attn_backend,
