@@ -140,20 +140,32 @@ ONEDNN_PRIMITIVE_CACHE = 256
 
 def child_main(role: str, ready_fd: str) -> None:
     """A child process's entry point (importing ``radixlm`` on the way here applied
-    ``radixlm.openmp_policy`` before torch loads)."""
+    ``radixlm.openmp_policy`` before torch loads).
+
+    Once its loop has ended and it has closed its sockets and stopped what it started (TP
+    ranks, transfer engines), a child leaves with ``os._exit``: the interpreter's
+    finalization would free torch, the model and the tokenizer object by object, which holds
+    the caller's ``shutdown`` for a second or more and gives back nothing that the kernel
+    does not reclaim at exit. A child that fails with an exception exits as Python does,
+    with its traceback."""
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=wire.ChildConfig)
     args, paths = config.server_args, config.paths
     ready = _ReadyPipe(int(ready_fd))
-    if role == "scheduler":
-        # oneDNN keeps a compiled primitive per matmul shape, up to 1,024 by default: with
-        # prompts of every length that is ~200 MiB of RSS that looks like a leak. A quarter
-        # of that holds every decode batch size and the recent prefill lengths.
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
-        from radixlm.runtime.scheduler.scheduler_process import run_scheduler_process
+    try:
+        if role == "scheduler":
+            # oneDNN keeps a compiled primitive per matmul shape, up to 1,024 by default: with
+            # prompts of every length that is ~200 MiB of RSS that looks like a leak. A quarter
+            # of that holds every decode batch size and the recent prefill lengths.
+            os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
+            from radixlm.runtime.scheduler.scheduler_process import run_scheduler_process
 
-        run_scheduler_process(args, config.model_path, paths, ready)
-    else:
-        from radixlm.runtime.detokenizer.detokenizer_process import run_detokenizer_process
+            run_scheduler_process(args, config.model_path, paths, ready)
+        else:
+            from radixlm.runtime.detokenizer.detokenizer_process import run_detokenizer_process
 
-        run_detokenizer_process(config.tokenizer_path, paths, ready)
-
+            run_detokenizer_process(config.tokenizer_path, paths, ready)
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0)

@@ -89,12 +89,6 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def thaw_startup_objects() -> None:
-    """Undoes ``freeze_startup_objects`` before the process exits, so that the interpreter
-    frees those objects as it finalizes (extension modules report what it does not)."""
-    gc.unfreeze()
-
-
 def make_req(msg: wire.GenerateReq, tokenizer, leaders: dict[str, Req],
              disaggregation_mode: str = "null", transfer_backend: str = "tcp") -> Req:
     params = msg.sampling  # validated where the request entered
@@ -379,7 +373,6 @@ def run_scheduler_process(args: ServerArgs, model_path: str, paths: wire.SocketP
     finally:
         scheduler.shutdown()
         context.destroy(linger=100)
-        thaw_startup_objects()
 
 
 def _describe(err: BaseException) -> str:
