@@ -215,7 +215,11 @@ def scaled_model_dirs(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("name", list(END_TO_END_ROPE))
+# The end-to-end run is the same code for every scaling (cos/sin against transformers' for
+# each: test_cos_sin_match_transformers_rope_init); two of the three run in the slow stage.
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[] if name == "llama3_factor_8"
+                                               else [pytest.mark.slow])
+                                  for name in END_TO_END_ROPE])
 def test_scaled_rope_llama_matches_transformers_tokens_and_prompt_logprobs(
     scaled_model_dirs, name
 ):

@@ -32,7 +32,7 @@ def fresh_engine(tiny_model_dir):
         assert_engine_idle(engine)
 
 
-@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("page_size", [pytest.param(4, marks=pytest.mark.slow), 16])
 def test_paged_pool_gives_the_same_greedy_tokens(engine_for, page_size):
     reference = engine_for()
     paged = engine_for(page_size=page_size)
@@ -52,7 +52,8 @@ def test_more_requests_than_request_rows_queue_and_all_complete(engine_for):
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
 
 
-@pytest.mark.parametrize("disable_radix_cache", [False, True])
+@pytest.mark.parametrize("disable_radix_cache",
+                         [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_requests_beyond_the_pool_queue_and_all_complete(engine_for, fresh_engine,
                                                          disable_radix_cache):
     small = fresh_engine(max_total_tokens=256, disable_radix_cache=disable_radix_cache)
