@@ -33,7 +33,7 @@ STEP_HOST_READS: dict[str, str] = {
     "radixlm/runtime/scheduler/request_memory.py:RequestMemory._free_duplicates":
         "a request's own slots for tokens another request cached first: their pages were "
         "never held as host numbers (only when two requests computed the same tokens)",
-    "radixlm/runtime/scheduler/request_memory.py:RequestMemory.release":
+    "radixlm/runtime/scheduler/request_memory.py:RequestMemory._free_uncached":
         "without the prefix cache (--disable-radix-cache), a finished request's slots: the "
         "host keeps only its last slot, not its every page",
     "radixlm/kv_cache/radix_tree.py:RadixCache.evict":

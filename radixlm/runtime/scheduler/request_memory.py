@@ -168,7 +168,7 @@ class RequestMemory:
                 # The unaligned tail: one page, the one of its last slot.
                 self.allocator.free_pages([req.last_slot // self.page_size])
         else:
-            self.allocator.free(slots[len(req.prefix_indices):])
+            self._free_uncached(req, slots)
         self.tree_cache.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.kv_len, req.last_slot = None, 0, -1
@@ -183,6 +183,11 @@ class RequestMemory:
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.kv_len, req.last_slot = None, 0, -1
         req.prefix_indices, req.last_node = None, None
+
+    def _free_uncached(self, req: Req, slots: torch.Tensor) -> None:
+        """Frees a finished request's own slots where the cache keeps nothing (read back
+        from the device: the host keeps only the request's last slot)."""
+        self.allocator.free(slots[len(req.prefix_indices):])
 
     def _free_duplicates(self, req: Req, slots: torch.Tensor, already_cached: int) -> None:
         """Frees the request's own slots for tokens another request cached first."""

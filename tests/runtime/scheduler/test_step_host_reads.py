@@ -32,6 +32,9 @@ CONFIGS = {
     "evicting-page4": {**PLAIN, "page_size": 4, "max_total_tokens": 96},
     "no-cache": {**OVERLAP, "page_size": 4, "disable_radix_cache": True},
 }
+TOKEN_READS = ("radixlm/runtime/scheduler/sampling_step.py:SamplingStep._sample",
+               "radixlm/runtime/scheduler/decode_worker.py:DecodeInFlight.host_outputs")
+LOGPROB_READ = "radixlm/runtime/sampling/logprobs.py:LogprobCopy.read"
 SITES_SEEN: dict[str, set[str]] = {}
 """Each config's read sites, for the check that every declared site is still used."""
 SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
@@ -83,7 +86,10 @@ def workload(scheduler) -> list[list]:
     return [first, second]
 
 
-def run_guarded(guard: HostReadGuard, scheduler) -> None:
+def run_guarded(guard: HostReadGuard, scheduler) -> list[int]:
+    """Runs the workload's waves under the guard; returns where each step's findings
+    start in ``guard.findings``."""
+    steps = []
     for wave in workload(scheduler):
         for req in wave:
             scheduler.add_request(req)
@@ -93,11 +99,26 @@ def run_guarded(guard: HostReadGuard, scheduler) -> None:
                 for _ in range(200):
                     if all(req.finished for req in wave):
                         break
+                    steps.append(len(guard.findings))
                     scheduler.step()
         finally:
             guard.recording = False
         assert all(req.finished for req in wave)
     scheduler.drain()
+    return steps
+
+
+def logprobs_read_before_tokens(guard: HostReadGuard, steps: list[int]) -> list[str]:
+    """Steps that read a logprob copy before their tokens (a step that samples nothing,
+    a prompt chunk, may read only logprobs: that is its one wait)."""
+    early = []
+    for start, stop in zip(steps, [*steps[1:], len(guard.findings)]):
+        sites = [f.site(READ_ON_BEHALF) for f in guard.findings[start:stop]]
+        if any(site in TOKEN_READS for site in sites):
+            first_token = min(i for i, site in enumerate(sites) if site in TOKEN_READS)
+            early += [guard.findings[start + i].describe(READ_ON_BEHALF)
+                      for i, site in enumerate(sites[:first_token]) if site == LOGPROB_READ]
+    return early
 
 
 def unexpected_report(guard: HostReadGuard) -> str:
@@ -113,15 +134,17 @@ def test_steps_read_back_only_the_declared_values(guarded, name):
     guard.findings.clear()
     stats = scheduler.state.stats
     before = (stats.extend_steps, stats.decode_steps)
-    run_guarded(guard, scheduler)
+    steps = run_guarded(guard, scheduler)
     assert stats.extend_steps > before[0] and stats.decode_steps > before[1]
     assert not guard.unexpected(STEP_HOST_READS, READ_ON_BEHALF), unexpected_report(guard)
+    early = logprobs_read_before_tokens(guard, steps)
+    assert not early, "logprobs read before their step's tokens:\n  " + "\n  ".join(early)
     sites = {f.site(READ_ON_BEHALF) for f in guard.findings}
     token_read = ("radixlm/runtime/scheduler/decode_worker.py:DecodeInFlight.host_outputs"
                   if "overlap" in name else
                   "radixlm/runtime/scheduler/sampling_step.py:SamplingStep._sample")
     assert token_read in sites, "the guard missed the step's token read"
-    assert "radixlm/runtime/sampling/logprobs.py:LogprobCopy.read" in sites
+    assert LOGPROB_READ in sites
     assert_pool_idle(scheduler.server_info())
     SITES_SEEN[name] = sites
 
