@@ -29,7 +29,9 @@ STEP_HOST_READS: dict[str, str] = {
         "copy, so the step queued behind it keeps running",
     "radixlm/runtime/sampling/logprobs.py:LogprobCopy.read":
         "logprobs, read after the tokens of their step (copied behind them, into pinned "
-        "memory on CUDA): they wait for nothing the token read has not",
+        "memory on CUDA): they wait for nothing the token read has not; a prompt chunk "
+        "that samples nothing reads only its prompt logprobs, its one wait (the test "
+        "checks the order)",
     "radixlm/runtime/scheduler/request_memory.py:RequestMemory._free_duplicates":
         "a request's own slots for tokens another request cached first: their pages were "
         "never held as host numbers (only when two requests computed the same tokens)",
