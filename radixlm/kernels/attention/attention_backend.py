@@ -77,6 +77,14 @@ class AttentionBackend(ABC):
     torch ops; the model runner then also runs the model's layers that have a Triton kernel
     (fused MoE experts) on it, where Triton can run."""
 
+    def check_latent_heads(self, latent_dim: int, rope_dim: int, dtype: torch.dtype,
+                           device: torch.device) -> None:
+        """Raises ValueError, naming what to use instead, where this backend cannot attend
+        over MLA's latent KV (``latent_dim`` + ``rope_dim`` wide) in ``dtype`` on ``device``:
+        called once when the model runner starts, so that a start fails rather than the
+        first step. Every backend here that attends over latent KV can, but Triton's."""
+        return None
+
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None: ...
 

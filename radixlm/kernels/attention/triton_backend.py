@@ -32,6 +32,7 @@ import torch
 
 from radixlm.kernels.attention.attention_backend import AttentionBackend, DecodeGraphSpec
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
+from radixlm.kernels.triton_ops import tile_plan
 from radixlm.kernels.triton_ops.decode_attention import decode_attention, decode_scratch
 from radixlm.kernels.triton_ops.extend_attention import extend_attention
 from radixlm.kernels.triton_ops.kv_store import store_kv
@@ -79,6 +80,17 @@ class TritonAttentionBackend(AttentionBackend):
         self._max_extend = 0
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._reserved_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def check_latent_heads(self, latent_dim: int, rope_dim: int, dtype: torch.dtype,
+                           device: torch.device) -> None:
+        """The tiles MLA prefill and decode will take on ``device`` (``tile_plan``), planned
+        now: where none fits its shared memory (float32 prefill on a 99 KiB GPU) the
+        ValueError comes at start-up."""
+        limit = tile_plan.shared_memory_per_block(device)
+        tile_plan.extend_tiles(latent_dim + rope_dim, latent_dim, dtype, limit,
+                               self.config.extend_block_m, self.config.extend_block_n)
+        tile_plan.mla_decode_tiles(latent_dim, rope_dim, dtype, limit,
+                                   block_n=self.config.decode_block_n)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch

@@ -340,12 +340,17 @@ class ModelRunner:
         request = BackendRequest(self.args.attention_backend, self.device, self.dtype,
                                  layer.head_dim, uses_mla)
         self.attention_backend_name = resolve_backend_name(request)
-        return create_backend(
+        backend = create_backend(
             self.attention_backend_name, self.device, num_heads=layer.num_heads,
             num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
             page_size=self.args.page_size, dtype=self.dtype, scaling=layer.scaling,
             cpu_plan=self.cpu_plan,
         )
+        if uses_mla:
+            backend.check_latent_heads(self.model_config.kv_lora_rank,
+                                       self.model_config.qk_rope_head_dim, self.dtype,
+                                       self.device)
+        return backend
 
     def _use_fused_cpu_kernels(self) -> bool:
         """On CPUs (unless ``disable_cpu_kernels``) the layers' small operations run as fused
