@@ -150,6 +150,35 @@ def write_tiny_model(
     return directory
 
 
+def write_tiny_gemma3_multimodal(directory: Path, seed: int = 0) -> Path:
+    """Writes a ``Gemma3ForConditionalGeneration`` (the tiny Gemma 3 text decoder of
+    ``write_tiny_model`` beside a one-layer SigLIP vision tower and its projector), as
+    transformers saves it: the hub's ``language_model.model.*`` names."""
+    tokenizer = tiny_tokenizer()
+    _, extra = WINDOWED_ARCHITECTURES["Gemma3ForCausalLM"]
+    text = transformers.Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.1, **extra)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=len(tokenizer) - 1, boi_token_index=len(tokenizer) - 2,
+        eoi_token_index=len(tokenizer) - 3, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, architectures=["Gemma3ForConditionalGeneration"])
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():  # norms off Gemma's identity start, as write_tiny_model does
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 @functools.lru_cache(maxsize=8)
 def reference_model(directory: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(

@@ -17,12 +17,16 @@ Gemma's departures from Llama, each where it enters:
 - Gemma 3 normalises each query and key head (QK-norm, replacing the softcaps) and gives
   its local layers their own RoPE: a shorter base, no scaling (``gemma3_rope_parameters``).
 
+Gemma 3's multimodal checkpoints (``Gemma3ForConditionalGeneration``) are served as text
+models: their text decoder, its tensors renamed from under ``language_model.``.
+
 Invariant: a layer's ``layer_type`` picks both its RoPE table and (when the config has a
 window) its window, so the two never disagree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -162,3 +166,34 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
             rope_head_dim, max_position, {k: v for k, v in params.items() if k in kinds},
             trained_context=getattr(config, "max_position_embeddings", max_position),
         )
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3's multimodal checkpoints (4B and larger) served as text models: the text
+    decoder alone, built from the config's ``text_config`` (``ModelConfig.text_config``),
+    its weights read from under ``language_model.`` (the hub's layout) or
+    ``model.language_model.`` (transformers' newer one). The vision tower's and the
+    projector's tensors are not read; every other name must still match a parameter."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(text_decoder_weights(weights))
+
+
+TEXT_DECODER_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                         "language_model.lm_head.": "lm_head."}
+IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                  "model.multi_modal_projector.")
+
+
+def text_decoder_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A multimodal checkpoint's text decoder tensors under the text model's names."""
+    for name, tensor in weights:
+        if name.startswith(IMAGE_PREFIXES):
+            continue
+        for prefix, replacement in TEXT_DECODER_PREFIXES.items():
+            if name.startswith(prefix):
+                name = replacement + name.removeprefix(prefix)
+                break
+        yield name, tensor

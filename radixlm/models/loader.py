@@ -55,7 +55,7 @@ def load_model(
     weight_format = None if weight_format == "gguf" else weight_format
     files = None if gguf_file is not None else safetensors_files(config.path)
     with torch.device(device), building(tp), _without_init(gguf_file is not None):
-        model = cls(config.hf_config, max_position=max_position)
+        model = cls(config.text_config, max_position=max_position)
     if gguf_file is None:
         model.load_weights(iterate_safetensors(files))
     else:
@@ -131,4 +131,4 @@ def validate_split(config: ModelConfig, tp_size: int) -> None:
     tensor-parallel shares (head counts or intermediate sizes the size does not divide):
     builds rank 0's share without memory (on the meta device), as every rank will."""
     with torch.device("meta"), building(TensorParallel(0, tp_size)):
-        model_class(config.architecture)(config.hf_config, max_position=1)
+        model_class(config.architecture)(config.text_config, max_position=1)

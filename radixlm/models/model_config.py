@@ -14,12 +14,16 @@ from transformers import AutoConfig, PretrainedConfig
 class ModelConfig:
     """The architecture facts the runtime sizes pools and picks kernels by.
 
-    ``hf_config`` keeps the full Hugging Face config for the model files; the fields here
-    are the ones the runtime itself reads (KV layout, vocabulary, context, stop tokens).
+    ``hf_config`` keeps the full Hugging Face config for the model files, ``text_config``
+    the part the served decoder is built from (the same config but for a multimodal
+    checkpoint, e.g. Gemma 3's ``Gemma3ForConditionalGeneration``, whose text decoder is
+    served alone); the fields here are the ones the runtime itself reads (KV layout,
+    vocabulary, context, stop tokens), all of them the text decoder's.
     """
 
     path: Path
     hf_config: PretrainedConfig
+    text_config: PretrainedConfig
     architecture: str
     num_layers: int
     num_heads: int
@@ -52,6 +56,7 @@ class ModelConfig:
         architectures = getattr(hf, "architectures", None) or []
         if not architectures:
             raise ValueError(f"{path}/config.json names no 'architectures'")
+        full, hf = hf, hf.get_text_config()  # a multimodal checkpoint's text decoder
         num_heads = hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
         if num_heads % num_kv_heads:
@@ -63,10 +68,12 @@ class ModelConfig:
         kv_lora_rank = getattr(hf, "kv_lora_rank", None)
         generation = _read_generation_config(path)
         window, sliding = attention_windows(hf)
-        eos = _as_id_set(generation.get("eos_token_id")) | _as_id_set(hf.eos_token_id)
+        eos = (_as_id_set(generation.get("eos_token_id")) | _as_id_set(full.eos_token_id)
+               | _as_id_set(getattr(hf, "eos_token_id", None)))
         return cls(
             path=path,
-            hf_config=hf,
+            hf_config=full,
+            text_config=hf,
             architecture=architectures[0],
             num_layers=hf.num_hidden_layers,
             num_heads=num_heads,

@@ -5,7 +5,11 @@ from __future__ import annotations
 from torch import nn
 
 from radixlm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from radixlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from radixlm.models.gemma import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+)
 from radixlm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from radixlm.models.mixtral import MixtralForCausalLM
 from radixlm.models.phi3 import Phi3ForCausalLM
@@ -19,6 +23,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

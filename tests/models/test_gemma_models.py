@@ -1,14 +1,21 @@
 """Gemma 2 and Gemma 3 (text) against transformers on the same tiny weights (float32): prompt
 logprobs and greedy tokens alone, batched, in 16-token prefill chunks, with the radix cache
 serving a prefix, inside and beyond the 12-token window; and the pieces that need no engine
-(registry, per-layer windows and RoPE, the CPU decode runner leaving these layers alone)."""
+(registry, per-layer windows and RoPE, the CPU decode runner leaving these layers alone).
+Gemma 3's multimodal checkpoints (``Gemma3ForConditionalGeneration``) serve their text
+decoder: its weights, and in the slow stage its outputs, equal transformers'."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers
-from tiny_models import WINDOW, WINDOWED_ARCHITECTURES
+from tiny_models import (
+    WINDOW,
+    WINDOWED_ARCHITECTURES,
+    reference_model,
+    write_tiny_gemma3_multimodal,
+)
 from windowed_model_checks import (
     CHUNK,
     SMALL_POOL,
@@ -17,15 +24,19 @@ from windowed_model_checks import (
     check_retraction,
 )
 
+import radixlm
 from radixlm.models.gemma import (
     FULL,
     SLIDING,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
     gemma3_rope_parameters,
+    text_decoder_weights,
 )
 from radixlm.models.layers.layernorm import GemmaRMSNorm
-from radixlm.models.model_config import attention_windows
+from radixlm.models.loader import load_model
+from radixlm.models.model_config import ModelConfig, attention_windows
 from radixlm.models.registry import model_class
 from radixlm.runtime.model_executor.cpu_decode_runner import CpuDecodeRunner
 
@@ -114,3 +125,45 @@ def test_gemma2_requests_retracted_for_lack_of_kv_keep_transformers_tokens(
     engine = engine_for("Gemma2ForCausalLM", "gqa", True, chunked_prefill_size=CHUNK,
                         **SMALL_POOL)
     check_retraction(engine, tiny_model_dir("Gemma2ForCausalLM", "gqa", True))
+
+
+# Gemma 3's multimodal checkpoints, served as text ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def multimodal_gemma3(tmp_path_factory):
+    return write_tiny_gemma3_multimodal(tmp_path_factory.mktemp("gemma3-multimodal"))
+
+
+def test_a_multimodal_gemma3_loads_its_text_decoder_and_leaves_the_vision_tower(
+        multimodal_gemma3):
+    config = ModelConfig.from_path(multimodal_gemma3)
+    assert config.architecture == "Gemma3ForConditionalGeneration"
+    assert config.text_config.model_type == "gemma3_text"
+    assert config.hf_config.model_type == "gemma3"
+    assert (config.num_layers, config.num_heads, config.sliding_window) == (2, 4, WINDOW)
+    model = load_model(config, torch.float32, torch.device("cpu"), max_position=64)
+    assert isinstance(model, Gemma3ForConditionalGeneration)
+    reference = reference_model(multimodal_gemma3).model.language_model
+    ours = dict(model.named_parameters())
+    assert torch.equal(ours["embed_tokens.weight"], reference.embed_tokens.weight)
+    assert torch.equal(ours["layers.1.post_feedforward_layernorm.weight"],
+                       reference.layers[1].post_feedforward_layernorm.weight)
+    assert torch.equal(ours["layers.0.self_attn.qkv_proj.weight"][:64],
+                       reference.layers[0].self_attn.q_proj.weight)
+
+
+def test_text_decoder_weights_rename_both_layouts_and_drop_only_the_image_parts():
+    names = ["language_model.model.norm.weight", "model.language_model.layers.0.x",
+             "language_model.lm_head.weight", "vision_tower.a", "model.multi_modal_projector.b",
+             "stray.weight"]
+    renamed = [name for name, _ in text_decoder_weights((n, None) for n in names)]
+    assert renamed == ["model.norm.weight", "model.layers.0.x", "lm_head.weight",
+                       "stray.weight"]
+
+
+@pytest.mark.slow  # an engine of its own
+def test_a_multimodal_gemma3_serves_what_transformers_computes_for_text(multimodal_gemma3):
+    with radixlm.Engine(str(multimodal_gemma3), dtype="float32", max_total_tokens=2048,
+                        chunked_prefill_size=CHUNK) as engine:
+        check_alone_and_batched(engine, multimodal_gemma3)
