@@ -9,7 +9,8 @@ else is kept as host values beside the device tensors (``RequestMemory``: each r
 last slot, whole-page prefixes) or is copied behind the tokens into pinned memory and read
 after them (``LogprobCopy``), and host values reach the device through ``to_device``.
 
-What remains is listed here. ``tests/runtime/scheduler/test_step_host_reads.py`` runs
+What remains is listed here. Beam search reads its beams' scores and slots every step by
+design (its host picks the next beams) and is outside the guarded workload. ``tests/runtime/scheduler/test_step_host_reads.py`` runs
 extend, decode and finishing steps (plain and overlapped) through the real scheduler and
 model runner on the CPU under a guard that records every read and every upload not made by
 ``to_device``, and fails on one whose site is not a key of ``STEP_HOST_READS``. A site is
@@ -41,6 +42,25 @@ STEP_HOST_READS: dict[str, str] = {
     "radixlm/kv_cache/radix_tree.py:RadixCache.evict":
         "the cache's evicted nodes hold their slots on the device (only when the pool runs "
         "out of free pages)",
+    "radixlm/kv_cache/hybrid_pool.py:HybridAllocator.local_held":
+        "windowed models (the hybrid pool): which cached pages still hold their local-layer "
+        "KV, read when a waiting request is matched against the cache; the match's slots "
+        "are device tensors (keeping their pages' numbers on the host as well is left to do)",
+    "radixlm/kv_cache/windowed_radix_tree.py:WindowedRadixCache.usable_length":
+        "windowed models: how much of a cache match has its local-layer KV, from "
+        "local_held's answer, at admission",
+    "radixlm/kv_cache/hybrid_pool.py:HybridAllocator.move_local":
+        "windowed models: a finished or chunked request's local-layer pages handed to the "
+        "cache's nodes, whose slots are device tensors",
+    "radixlm/kv_cache/hybrid_pool.py:HybridAllocator.release_local":
+        "windowed models: a running request's local-layer pages that fell out of its window, "
+        "freed as it decodes (a page's worth of tokens apart)",
+    "radixlm/kernels/attention/windowed_attention.py:build_layout":
+        "the torch-native backend's windowed attention lays out its gather from the host "
+        "lengths (the CPU's backend, where host and device are one memory; GPUs attend "
+        "through Triton or FlashInfer)",
+    "radixlm/kernels/attention/windowed_attention.py:WindowedAttention._grid_kv":
+        "the torch-native backend's windowed gather with build_layout's host index",
     "radixlm/runtime/grammar/xgrammar_backend.py:_apply_byte_penalties":
         "the grammar mask on the CPU: the bitmask and the logits are both host memory there "
         "(on a GPU, apply_bitmask copies the bitmask from pinned memory instead)",

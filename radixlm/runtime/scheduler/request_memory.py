@@ -166,7 +166,11 @@ class RequestMemory:
             self._free_duplicates(req, slots, already)
             if req.kv_len > aligned:  # (a prefix is whole pages: this one is its own)
                 # The unaligned tail: one page, the one of its last slot.
-                self.allocator.free_pages([req.last_slot // self.page_size])
+                page = req.last_slot // self.page_size
+                if not 0 < page <= self.allocator.num_pages:  # page 0 is the padding page
+                    raise RuntimeError(f"request {req.rid}: its last slot {req.last_slot} "
+                                       f"is on no page of the pool")
+                self.allocator.free_pages([page])
         else:
             self._free_uncached(req, slots)
         self.tree_cache.dec_lock_ref(req.last_node)

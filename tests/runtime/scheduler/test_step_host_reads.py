@@ -7,7 +7,8 @@ where they were made and records every read of them and every pageable upload, w
 call site. The workload touches every path of a step: prompt and output logprobs, sampled
 and penalized rows, a grammar mask, chunked prefill, a cached prefix (whole pages), two
 requests caching the same tokens (their duplicates freed), requests that end inside a page,
-in the plain loop and with overlap (the worker's thread runs under the guard too)."""
+in the plain loop and with overlap (the worker's thread runs under the guard too), and a
+windowed model (Gemma 2's local layers on the hybrid pool) past its window."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ CONFIGS = {
     "overlap-page4": {**OVERLAP, "page_size": 4},
     "evicting-page4": {**PLAIN, "page_size": 4, "max_total_tokens": 96},
     "no-cache": {**OVERLAP, "page_size": 4, "disable_radix_cache": True},
+    # Gemma 2's local layers on the hybrid pool: windows released as requests run
+    "windowed-page4": {**OVERLAP, "page_size": 4, "architecture": "Gemma2ForCausalLM"},
 }
 TOKEN_READS = ("radixlm/runtime/scheduler/sampling_step.py:SamplingStep._sample",
                "radixlm/runtime/scheduler/decode_worker.py:DecodeInFlight.host_outputs")
@@ -49,8 +52,8 @@ def guarded(tiny_model_dir):
 
     def build(name: str):
         if name not in built:
-            path = str(tiny_model_dir())
             options = {"max_total_tokens": 2048, **CONFIGS[name]}
+            path = str(tiny_model_dir(options.pop("architecture", "LlamaForCausalLM")))
             args = ServerArgs(path, dtype="float32", num_threads=1, chunked_prefill_size=32,
                               **options)
             with guard:  # recording is off: it only marks what is made on the device
@@ -72,6 +75,7 @@ def workload(scheduler) -> list[list]:
     first = [
         scheduler_req(scheduler, random_ids(2, 45), greedy(6), return_logprob=True,
                       top_logprobs_num=2, logprob_start=3),
+        scheduler_req(scheduler, random_ids(6, 10), greedy(24)),  # beyond the tiny window
         scheduler_req(scheduler, random_ids(3, 13), sampled(7, 5, frequency_penalty=0.5,
                                                             repetition_penalty=1.2)),
         scheduler_req(scheduler, shared, greedy(3)),
