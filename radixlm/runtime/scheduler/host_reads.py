@@ -10,8 +10,9 @@ last slot, whole-page prefixes) or is copied behind the tokens into pinned memor
 after them (``LogprobCopy``), and host values reach the device through ``to_device``.
 
 What remains is listed here. Beam search reads its beams' scores and slots every step by
-design (its host picks the next beams) and is outside the guarded workload. ``tests/runtime/scheduler/test_step_host_reads.py`` runs
-extend, decode and finishing steps (plain and overlapped) through the real scheduler and
+design (its host picks the next beams) and is outside the guarded workload.
+``tests/runtime/scheduler/test_step_host_reads.py`` runs extend, decode and finishing steps
+(plain and overlapped, and a windowed model's) through the real scheduler and
 model runner on the CPU under a guard that records every read and every upload not made by
 ``to_device``, and fails on one whose site is not a key of ``STEP_HOST_READS``. A site is
 ``path:qualname`` of the function that reads, or, for a function in ``READ_ON_BEHALF``, of
