@@ -27,6 +27,7 @@ from radixlm.runtime.grammar.constraints import GrammarKey
 CACHE_ENTRIES = 1024
 """Compiled grammars kept (least recently used ones are dropped beyond this)."""
 COMPILE_THREADS = 2
+HOST = torch.device("cpu")
 
 
 class GrammarMatcher(ABC):
@@ -94,10 +95,11 @@ class GrammarBackend(ABC):
                 self._cache.move_to_end(key)
             return future
 
-    def bitmask(self, rows: int) -> torch.Tensor:
-        """A (rows, words) bitmask buffer, grown as needed and reused across steps."""
+    def bitmask(self, rows: int, device: torch.device = HOST) -> torch.Tensor:
+        """A (rows, words) host bitmask buffer for logits on ``device``, grown as needed and
+        reused across steps."""
         if self._bitmask is None or self._bitmask.shape[0] < rows:
-            self._bitmask = self.allocate_bitmask(max(rows, 8))
+            self._bitmask = self.allocate_bitmask(max(rows, 8), device)
         return self._bitmask[:rows]
 
     def mask_logits(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
@@ -108,7 +110,7 @@ class GrammarBackend(ABC):
         rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         if not rows:
             return
-        bitmask = self.bitmask(len(matchers))
+        bitmask = self.bitmask(len(matchers), logits.device)
         for row in rows:
             matchers[row].fill_bitmask(bitmask, row)
         self.apply_bitmask(logits, bitmask, rows)
@@ -125,8 +127,9 @@ class GrammarBackend(ABC):
         """A fresh matcher at the start of ``compiled``."""
 
     @abstractmethod
-    def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        """A bitmask buffer for ``rows`` requests over ``vocab_size`` tokens."""
+    def allocate_bitmask(self, rows: int, device: torch.device = HOST) -> torch.Tensor:
+        """A host bitmask buffer for ``rows`` requests over ``vocab_size`` tokens, whose
+        rows go to logits on ``device``."""
 
     @abstractmethod
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -42,7 +42,7 @@ import torch
 
 from radixlm.host_to_device import to_device
 from radixlm.runtime.grammar.constraints import CONSTRAINT_KINDS, GrammarKey
-from radixlm.runtime.grammar.grammar_backend import GrammarBackend, GrammarMatcher
+from radixlm.runtime.grammar.grammar_backend import HOST, GrammarBackend, GrammarMatcher
 from radixlm.runtime.grammar.grammar_bounds import GrammarBounds, measure
 
 logger = logging.getLogger(__name__)
@@ -312,15 +312,15 @@ class XGrammarBackend(GrammarBackend):
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.grammar), compiled.bounds,
                                self._token_bytes)
 
-    def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        """Host memory xgrammar fills; pinned where CUDA is, so that its rows go to the
-        device without waiting for the stream. The buffer is reused: the matchers refill it
-        for a step only once the step before has been read on the host (its tokens), which
-        was after its copy of the bitmask."""
+    def allocate_bitmask(self, rows: int, device: torch.device = HOST) -> torch.Tensor:
+        """Host memory xgrammar fills; pinned for logits on CUDA, so that its rows go there
+        without waiting for the stream. The buffer is reused: the matchers refill it for a
+        step only once the step before has been read on the host (its tokens), which was
+        after its copy of the bitmask."""
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(rows, self.vocab_size)
-        return bitmask.pin_memory() if torch.cuda.is_available() else bitmask
+        return bitmask.pin_memory() if device.type == "cuda" else bitmask
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """On the CPU, each byte of the bitmask indexes a table of eight additive penalties
@@ -375,8 +375,7 @@ def _apply_unpacked_bits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
     row allows token 32 i + j."""
     device = logits.device
     leading = rows == list(range(len(rows)))
-    # Leading rows of the (pinned) buffer, gathered on the device: a host gather would be
-    # a pageable copy.
+    # Leading rows of the (pinned) buffer, gathered on the device (not a pageable copy)
     words = bitmask[: rows[-1] + 1].to(device, non_blocking=True)
     index = None if leading else to_device(rows, torch.int64, device)  # (N,)
     if index is not None:
