@@ -21,7 +21,10 @@ Three measurements in one run (issue 9), each printed as a table, then one JSON 
 
 ``--smoke`` runs the same code paths on a CPU (Triton under its interpreter, perf_counter
 instead of CUDA events, float32, a 2-layer model); its figures mean nothing. Without CUDA
-and without ``--smoke`` the script exits with status 2.
+and without ``--smoke`` the script exits with status 2. Otherwise every part runs and the
+JSON line prints, and the script exits 1 if any error was recorded (``report_errors``: a
+part that raised, a backend's failed row, an engine that failed), else 0; a backend left
+out (flashinfer absent, or a dtype it has no kernels for) is not an error.
 
 To run on any machine with an NVIDIA GPU and its driver, from a checkout of radixlm:
 
@@ -329,6 +332,19 @@ def bench_model_decode(model_dir: Path, backends: list[str], device: torch.devic
 # Report ----------------------------------------------------------------------------------
 
 
+def report_errors(report: dict) -> list[str]:
+    """Every error ``report`` records: a part's own (``<part>_error``, the part raised) and
+    its rows' (``error`` in an attention row, ``graphs_error`` / ``eager_error`` in a decode
+    row)."""
+    errors = [f"{key}: {value}" for key, value in report.items() if key.endswith("_error")]
+    for part, size in (("attention", "page_size"), ("decode", "batch")):
+        for row in report.get(part, []):
+            where = f"{part} {row['backend']} {size} {row[size]}"
+            errors += [f"{where}: {key}: {value}" for key, value in row.items()
+                       if key == "error" or key.endswith("_error")]
+    return errors
+
+
 def fmt(row: dict, key: str, spec: str, width: int) -> str:
     value = row.get(key)
     return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
@@ -461,8 +477,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # the other parts still run; the JSON line still prints
             report[f"{part}_error"] = error_text(err)
             print(f"\n{part} FAILED: {report[f'{part}_error']}", flush=True)
-    print(json.dumps(report))
-    return 0
+    print(json.dumps(report), flush=True)
+    errors = report_errors(report)
+    for error in errors:  # after the JSON line, which stays stdout's last
+        print(f"error: {error}", file=sys.stderr)
+    return 1 if errors else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,15 +4,28 @@ Part of ``benchmarks/gpu_check.sh`` (issue 58). A host wait (a device-to-host re
 synchronizing copy) in the step loop stops the host from queueing step N+1 while step N
 runs. Here the real scheduler (``build_scheduler``, in this process) serves a batch of
 greedy requests on a randomly initialised small Llama (written by
-``bench_gpu_decode.write_random_llama``; nothing is downloaded) under
-``torch.cuda.set_sync_debug_mode("warn")``, which warns at every synchronizing CUDA call on
-any thread; the warnings issued during decode steps are counted, per step, and their call
-sites listed. The declared reads (``radixlm/runtime/scheduler/host_reads.py``, the sampled
-tokens above all) are expected: one or two per step is the design, more is a regression.
+``bench_gpu_decode.write_random_llama``; nothing is downloaded), and ``SyncCounter`` counts
+the host waits of the whole measured loop (every ``scheduler.step()`` and the drain after
+it), on every thread, the overlap worker's included:
+
+- the calls ``torch.cuda.set_sync_debug_mode("warn")`` flags (device-to-host copies,
+  ``.item()`` / ``.tolist()`` of a device tensor, stream synchronizations), seen through a
+  process-wide ``warnings.showwarning`` hook, which every thread's warnings reach;
+- ``torch.cuda.Event.synchronize`` and ``torch.cuda.synchronize``, which sync debug mode
+  does not flag (overlap's wait for a step's tokens is an event's), counted by wrapping
+  them for the same span.
+
+A wait inside a C++ extension that calls the CUDA runtime itself is not seen. Waits are
+given to the step the main thread was in when they happened: with overlap, the worker's
+waits for step N+1 may fall in step N. The output line gives the waits in decode steps,
+per decode step, and the loop's total (prefill steps and the drain included). The declared
+reads (``radixlm/runtime/scheduler/host_reads.py``, the sampled tokens above all) are
+expected: one or two per decode step is the design, more is a regression.
 
     python benchmarks/gpu_host_waits.py [--backend triton] [--dtype bfloat16]
 
-CUDA only (exits 2 without it); about a minute, most of it capturing graphs.
+CUDA only (exits 2 without it). ``gpu_check.sh`` runs it under a time limit (a budget the
+first GPU run calibrates, not a measurement).
 """
 
 from __future__ import annotations
@@ -21,7 +34,9 @@ import argparse
 import collections
 import sys
 import tempfile
+import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -46,9 +61,74 @@ def set_sync_debug_mode(mode: str) -> None:
         torch.cuda.set_sync_debug_mode(mode)
 
 
+class SyncCounter:
+    """While entered: every host wait in the process, on any thread, as a call site.
+
+    Installs process-wide state and restores it on exit: sync debug mode "warn", a
+    ``warnings`` filter showing every synchronization warning (not once per site), a
+    ``warnings.showwarning`` that records those and passes the rest on, and wrappers around
+    ``torch.cuda.Event.synchronize`` and ``torch.cuda.synchronize``. A wait is recorded
+    once: a warning raised inside a wrapped call is left to the wrapper. ``take()`` hands
+    over the sites recorded since the last ``take()``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sites: list[str] = []
+        self._inside = threading.local()  # this thread is in a wrapped call
+
+    def take(self) -> list[str]:
+        with self._lock:
+            taken, self._sites = self._sites, []
+        return taken
+
+    def _record(self, site: str) -> None:
+        with self._lock:
+            self._sites.append(site)
+
+    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            self._showwarning(message, category, filename, lineno, file, line)
+        elif not getattr(self._inside, "active", False):
+            self._record(f"{Path(filename).name}:{lineno}")
+
+    def _wrap(self, original, label: str):
+        def wrapper(*args, **kwargs):
+            caller = sys._getframe(1)
+            self._record(f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno} ({label})")
+            outer, self._inside.active = getattr(self._inside, "active", False), True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._inside.active = outer
+
+        return wrapper
+
+    def __enter__(self) -> SyncCounter:
+        self._filters = list(warnings.filters)
+        self._showwarning = warnings.showwarning
+        self._event_synchronize = torch.cuda.Event.synchronize
+        self._device_synchronize = torch.cuda.synchronize
+        warnings.filterwarnings("always", message=".*synchroniz")
+        warnings.showwarning = self._show
+        torch.cuda.Event.synchronize = self._wrap(self._event_synchronize, "Event.synchronize")
+        torch.cuda.synchronize = self._wrap(self._device_synchronize, "cuda.synchronize")
+        set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        set_sync_debug_mode("default")
+        torch.cuda.synchronize = self._device_synchronize
+        torch.cuda.Event.synchronize = self._event_synchronize
+        warnings.showwarning = self._showwarning
+        # "always" writes no per-module registry entries, so none need resetting.
+        warnings.filters[:] = self._filters
+
+
 def count_waits(model_dir: str, backend: str, dtype: str, overlap: bool, graphs: bool,
                 device: str = "cuda") -> str:
-    """One configuration's line: decode steps, host waits per step, the busiest sites."""
+    """One configuration's line: decode steps, host waits in them and in the whole loop,
+    the busiest sites."""
     args = ServerArgs(model_dir, attention_backend=backend, dtype=dtype, device=device,
                       disable_overlap_schedule=not overlap, disable_cuda_graph=not graphs,
                       cuda_graph_max_bs=BATCH, max_running_requests=BATCH,
@@ -56,6 +136,7 @@ def count_waits(model_dir: str, backend: str, dtype: str, overlap: bool, graphs:
                       context_length=PROMPT + NEW_TOKENS + 16)
     scheduler = build_scheduler(args, model_dir)
     sites: collections.Counter[str] = collections.Counter()
+    in_decode = total = 0
     try:
         for warm_up in (True, False):
             reqs = [scheduler_req(scheduler, random_ids(i, PROMPT), greedy(NEW_TOKENS))
@@ -63,31 +144,42 @@ def count_waits(model_dir: str, backend: str, dtype: str, overlap: bool, graphs:
             for req in reqs:
                 scheduler.add_request(req)
             stats = scheduler.state.stats
-            decode_before, waits = stats.decode_steps, 0
-            set_sync_debug_mode("warn")
-            try:
-                for _ in range(10 * NEW_TOKENS):
-                    if all(req.finished for req in reqs):
-                        break
-                    decoding = stats.decode_steps
-                    with warnings.catch_warnings(record=True) as caught:
-                        warnings.simplefilter("always")
-                        scheduler.step()
-                    if stats.decode_steps > decoding and not warm_up:
-                        found = [w for w in caught if "synchroniz" in str(w.message)]
-                        waits += len(found)
-                        sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in found)
-            finally:
-                set_sync_debug_mode("default")
-            scheduler.drain()
+            if warm_up:
+                for _ in decode_loop(scheduler, reqs):
+                    pass
+                scheduler.drain()
+                continue
+            decode_before = stats.decode_steps
+            with SyncCounter() as counter:
+                for decoding in decode_loop(scheduler, reqs):
+                    found = counter.take()
+                    total += len(found)
+                    if decoding:
+                        in_decode += len(found)
+                        sites.update(found)
+                scheduler.drain()
+                total += len(counter.take())
         steps = stats.decode_steps - decode_before
     finally:
         scheduler.shutdown()
     busiest = ", ".join(f"{site} x{n}" for site, n in sites.most_common(6)) or "none"
-    per_step = waits / steps if steps else float("nan")
+    per_step = in_decode / steps if steps else float("nan")
     return (f"{backend} {dtype} overlap={'on' if overlap else 'off'} "
-            f"graphs={'on' if graphs else 'off'}: {steps} decode steps, {waits} host waits, "
-            f"{per_step:.2f} per step; sites: {busiest}")
+            f"graphs={'on' if graphs else 'off'}: {steps} decode steps, {in_decode} host "
+            f"waits in them ({per_step:.2f} per step; any thread, by the main thread's step "
+            f"at the time), {total} in the whole loop; sites: {busiest}")
+
+
+def decode_loop(scheduler, reqs) -> Iterator[bool]:
+    """Steps the scheduler until ``reqs`` finish, yielding after each step whether it
+    decoded."""
+    stats = scheduler.state.stats
+    for _ in range(10 * NEW_TOKENS):
+        if all(req.finished for req in reqs):
+            return
+        before = stats.decode_steps
+        scheduler.step()
+        yield stats.decode_steps > before
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,9 +2,12 @@
 
 Part of ``benchmarks/gpu_check.sh`` (issue 58). Each case runs one kernel path on the GPU
 and the torch-native computation of the same thing, and prints one line: the case, the
-dtype, the largest absolute difference, the tolerance and ``ok`` / ``FAIL`` (or ``refused``
-with the kernel's message, where the kernel declines the dtype on this GPU, and
-``ERROR`` with the exception where it breaks).
+dtype, the largest absolute difference, the tolerance and ``ok`` / ``FAIL``, or ``ERROR``
+with the exception where it raises. One refusal is expected and is not an error: float32
+MLA extend on a GPU whose shared memory fits no tile of it (sm_86, sm_89), where
+``tile_plan.extend_tiles`` raises a ValueError saying how many bytes of shared memory it
+needs; that case prints ``refused`` with the message. Any other exception, a ValueError
+included, is an ``ERROR``.
 
 - decode / extend: ``TritonAttentionBackend`` (and ``FlashInferAttentionBackend`` where
   ``flashinfer`` imports, in 16-bit dtypes and its head sizes) against
@@ -18,8 +21,9 @@ with the kernel's message, where the kernel declines the dtype on this GPU, and
 
     python benchmarks/gpu_kernel_agreement.py        # CUDA only; exits 2 without it
 
-Exits 1 when any case fails or errors (a refusal is not a failure). About a minute on an
-H100, most of it Triton compiling.
+Exits 1 when any case fails or errors (the refusal above is not a failure).
+``gpu_check.sh`` gives it a time limit, which Triton compiling the kernels on first use
+takes most of: a budget, not a measurement; the first GPU run calibrates it.
 """
 
 from __future__ import annotations
@@ -35,18 +39,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "kernels"), str(ROOT / "tests")]
 
-from paged_cases import clone_pool, random_paged_batch  # noqa: E402
-
-from radixlm.kernels.attention.torch_native_backend import (  # noqa: E402
-    TorchNativeAttentionBackend,
+from paged_cases import (  # noqa: E402
+    random_latent_pool,
+    random_paged_batch,
+    torch_native_reference,
 )
+
 from radixlm.kernels.attention.triton_backend import (  # noqa: E402
     TritonAttentionBackend,
     TritonBackendConfig,
 )
 from radixlm.kernels.forward_batch import ForwardMode  # noqa: E402
 from radixlm.kernels.triton_ops.fused_moe import fused_experts  # noqa: E402
-from radixlm.kv_cache.memory_pool import MLATokenToKVPool  # noqa: E402
 from radixlm.models.layers.attention import PagedAttention  # noqa: E402
 from radixlm.models.layers.moe_experts import grouped_experts_torch  # noqa: E402
 
@@ -60,6 +64,8 @@ LENGTHS = {  # mode: (prefix lengths, extend lengths)
     ForwardMode.EXTEND: ([0, 1500, 17, 512], [700, 300, 64, 1]),
 }
 MAX_CONTEXT = 4096
+# The one refusal allowed: tile_plan.extend_tiles on a GPU too small for the case's tiles.
+SHARED_MEMORY_REFUSAL = "bytes of shared memory"
 
 
 class Report:
@@ -68,14 +74,18 @@ class Report:
     def __init__(self) -> None:
         self.failed = 0
 
-    def case(self, name: str, dtype: torch.dtype, run: Callable[[], float]) -> None:
+    def case(self, name: str, dtype: torch.dtype, run: Callable[[], float],
+             may_refuse: bool = False) -> None:
+        """Runs one case. ``may_refuse``: a ValueError naming the shared memory the kernel
+        needs is a refusal (printed, not counted), not an error."""
         label = f"{name} {str(dtype).removeprefix('torch.')}"
         try:
             diff = run()
-        except ValueError as err:  # a kernel declining the dtype on this GPU
-            print(f"refused {label}: {err}", flush=True)
-            return
         except Exception as err:
+            if (may_refuse and isinstance(err, ValueError)
+                    and SHARED_MEMORY_REFUSAL in str(err)):
+                print(f"refused {label}: {err}", flush=True)
+                return
             self.failed += 1
             print(f"ERROR   {label}: {type(err).__name__}: {err}", flush=True)
             traceback.print_exc(limit=4, file=sys.stdout)
@@ -106,24 +116,11 @@ def attention_case(backend_factory, mode, heads, page_size, dtype, latent=None) 
     v = case.v
     layer = PagedAttention(1, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
     if latent is not None:  # MLA: one latent row per token, the values its first D_l
-        pool = MLATokenToKVPool(batch.kv_pool.num_slots, 2, *latent, dtype, DEVICE)
-        gen = torch.Generator().manual_seed(8)
-        for buffer in pool.kv_buffers:
-            buffer.copy_(torch.randn(buffer.shape, generator=gen))
-        batch.kv_pool = pool
+        batch.kv_pool = random_latent_pool(batch.kv_pool.num_slots, *latent, dtype, DEVICE,
+                                           seed=8)
         v = case.k[..., : latent[0]]
         layer = PagedAttention(1, num_heads, 1, head_dim, head_dim**-0.5, v_head_dim=latent[0])
-        reference_pool = MLATokenToKVPool.__new__(MLATokenToKVPool)
-        reference_pool.__dict__.update(pool.__dict__)
-        reference_pool.kv_buffers = [b.clone() for b in pool.kv_buffers]
-    else:
-        reference_pool = clone_pool(batch.kv_pool)
-    kernel_pool = batch.kv_pool
-    batch.kv_pool = reference_pool
-    reference = TorchNativeAttentionBackend()
-    reference.init_forward_metadata(batch)
-    expected = reference.forward(case.q, case.k, v, layer, batch)
-    batch.kv_pool = kernel_pool
+    expected, _ = torch_native_reference(case, v, layer)
     backend = backend_factory(heads if latent is None else (num_heads, 1, head_dim), page_size,
                               dtype)
     batch.attn_backend = backend
@@ -183,7 +180,8 @@ def main() -> int:
                                     attention_case(flashinfer_backend, m, h, p, d))
             report.case(f"triton mla {mode.name.lower()} deepseek-v2", dtype,
                         lambda m=mode, d=dtype: attention_case(
-                            triton_backend, m, (16, 1, 576), 16, d, latent=(512, 64)))
+                            triton_backend, m, (16, 1, 576), 16, d, latent=(512, 64)),
+                        may_refuse=mode is ForwardMode.EXTEND and dtype == torch.float32)
         report.case("fused_moe deepseek-v2-lite", dtype, lambda d=dtype: moe_case(d))
     print(f"{report.failed} case(s) failed", flush=True)
     return 1 if report.failed else 0

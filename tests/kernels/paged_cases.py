@@ -3,7 +3,8 @@
 Each batch scatters its requests' pages over random pool pages (in page order within a
 request, as the allocator does), puts the requests in random rows of ``req_to_token``,
 fills every other slot and index with garbage, and gives the new tokens random q, k, v.
-The torch-native backend over the same batch is the reference.
+The torch-native backend over the same batch is the reference (``torch_native_reference``),
+run on a copy of the pool so the kernel under test writes into its own.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
-from radixlm.kv_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.kv_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 
 NUM_LAYERS = 2
 MAX_ROWS = 8
@@ -103,3 +104,40 @@ def clone_pool(pool: MHATokenToKVPool) -> MHATokenToKVPool:
     copy.k_buffers = [b.clone() for b in pool.k_buffers]
     copy.v_buffers = [b.clone() for b in pool.v_buffers]
     return copy
+
+
+def random_latent_pool(num_slots: int, latent_dim: int, rope_dim: int, dtype: torch.dtype,
+                       device: torch.device | str, seed: int) -> MLATokenToKVPool:
+    """An MLA pool of ``NUM_LAYERS`` layers of random [c_kv : D_l | k_rope : D_r] rows, drawn
+    on the CPU from ``seed``: the same values on any device."""
+    pool = MLATokenToKVPool(num_slots, NUM_LAYERS, latent_dim, rope_dim, dtype, device)
+    gen = torch.Generator().manual_seed(seed)
+    for buffer in pool.kv_buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    return pool
+
+
+def clone_latent_pool(pool: MLATokenToKVPool) -> MLATokenToKVPool:
+    """A deep copy of an MLA pool, as ``clone_pool``."""
+    copy = MLATokenToKVPool.__new__(MLATokenToKVPool)
+    copy.__dict__.update(pool.__dict__)
+    copy.kv_buffers = [b.clone() for b in pool.kv_buffers]
+    return copy
+
+
+def torch_native_reference(case: PagedCase, v: torch.Tensor, layer
+                           ) -> tuple[torch.Tensor, MHATokenToKVPool | MLATokenToKVPool]:
+    """The torch-native output of ``layer`` over ``case`` (with values ``v``), computed on a
+    copy of the batch's pool, and that copy (holding the k and v the reference stored).
+    ``case.batch`` keeps its own pool, untouched, for the kernel under test."""
+    batch = case.batch
+    pool = batch.kv_pool
+    copy = clone_latent_pool(pool) if isinstance(pool, MLATokenToKVPool) else clone_pool(pool)
+    batch.kv_pool = copy
+    try:
+        reference = TorchNativeAttentionBackend()
+        reference.init_forward_metadata(batch)
+        expected = reference.forward(case.q, case.k, v, layer, batch)
+    finally:
+        batch.kv_pool = pool
+    return expected, copy

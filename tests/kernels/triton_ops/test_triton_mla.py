@@ -13,13 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_device import KERNEL_DEVICE
-from paged_cases import random_lengths, random_paged_batch
+from paged_cases import (
+    random_latent_pool,
+    random_lengths,
+    random_paged_batch,
+    torch_native_reference,
+)
 
-from radixlm.kernels.attention.torch_native_backend import TorchNativeAttentionBackend
 from radixlm.kernels.attention.triton_backend import TritonAttentionBackend
 from radixlm.kernels.forward_batch import ForwardMode
 from radixlm.kernels.triton_ops import tile_plan
-from radixlm.kv_cache.memory_pool import MLATokenToKVPool
 from radixlm.models.layers.attention import PagedAttention
 
 pytestmark = pytest.mark.triton
@@ -33,32 +36,16 @@ def latent_case(mode, prefix_lens, extend_lens, num_heads, latent, rope, page_si
     case = random_paged_batch(
         mode, prefix_lens, extend_lens, num_heads, 1, row, page_size, seed, KERNEL_DEVICE
     )
-    gen = torch.Generator().manual_seed(seed + 1)
-    pool = MLATokenToKVPool(case.batch.kv_pool.num_slots, 2, latent, rope, torch.float32,
-                            KERNEL_DEVICE)
-    for buffer in pool.kv_buffers:
-        buffer.copy_(torch.randn(buffer.shape, generator=gen))
-    case.batch.kv_pool = pool
+    case.batch.kv_pool = random_latent_pool(case.batch.kv_pool.num_slots, latent, rope,
+                                            torch.float32, KERNEL_DEVICE, seed + 1)
     return case, PagedAttention(LAYER, num_heads, 1, row, row**-0.5, v_head_dim=latent)
-
-
-def clone_latent_pool(pool: MLATokenToKVPool) -> MLATokenToKVPool:
-    copy = MLATokenToKVPool.__new__(MLATokenToKVPool)
-    copy.__dict__.update(pool.__dict__)
-    copy.kv_buffers = [b.clone() for b in pool.kv_buffers]
-    return copy
 
 
 def compare(case, layer):
     batch = case.batch
     v = case.k[..., : layer.v_head_dim]  # the view the MLA layer passes
-    reference_pool = clone_latent_pool(batch.kv_pool)
+    expected, reference_pool = torch_native_reference(case, v, layer)
     triton_pool = batch.kv_pool
-    batch.kv_pool = reference_pool
-    reference = TorchNativeAttentionBackend()
-    reference.init_forward_metadata(batch)
-    expected = reference.forward(case.q, case.k, v, layer, batch)
-    batch.kv_pool = triton_pool
     backend = TritonAttentionBackend()
     backend.init_forward_metadata(batch)
     out = backend.forward(case.q, case.k, v, layer, batch)
