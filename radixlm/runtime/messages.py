@@ -168,6 +168,9 @@ class ChildConfig(msgspec.Struct):
     model_path: str
     tokenizer_path: str
     paths: SocketPaths
+    decoder_path: str | None = None
+    """The Engine's tokenizer's Rust backend as JSON, where the Detokenizer decodes with it
+    alone (``detokenizer/text_decoder.py``); None: it loads transformers' tokenizer."""
 
 
 class Heartbeat(msgspec.Struct, tag=True):

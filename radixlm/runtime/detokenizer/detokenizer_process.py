@@ -25,6 +25,7 @@ import zmq
 from radixlm.runtime import messages as wire
 from radixlm.runtime.detokenizer.incremental_detokenizer import IncrementalDetokenizer
 from radixlm.runtime.detokenizer.stop_matcher import StopMatcher
+from radixlm.runtime.detokenizer.text_decoder import RustTextDecoder
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -126,13 +127,24 @@ class Detokenizer:
         return state
 
 
-def run_detokenizer_process(tokenizer_path: str, paths, ready) -> None:
-    """Process entry point: turns TokenBatches into OutputBatches until told to stop."""
-    from transformers import AutoTokenizer  # loaded in the process, not by importing it
+def load_decoder(tokenizer_path: str, decoder_path: str | None):
+    """What the Detokenizer decodes with: ``RustTextDecoder`` or transformers' tokenizer
+    (imported here, in the process, only when needed)."""
+    if decoder_path is not None:
+        return RustTextDecoder(decoder_path)
+    from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(tokenizer_path)
+
+
+def run_detokenizer_process(tokenizer_path: str, paths, ready,
+                            decoder_path: str | None = None) -> None:
+    """Process entry point: turns TokenBatches into OutputBatches until told to stop. It
+    decodes with the Rust tokenizer at ``decoder_path`` where the Engine wrote one (no
+    transformers, no torch in this process), else with transformers' tokenizer."""
     context = zmq.Context()
     try:
-        detokenizer = Detokenizer(AutoTokenizer.from_pretrained(tokenizer_path))
+        detokenizer = Detokenizer(load_decoder(tokenizer_path, decoder_path))
         inbox = context.socket(zmq.PULL)
         inbox.bind(paths.detokenizer)
         outbox = context.socket(zmq.PUSH)

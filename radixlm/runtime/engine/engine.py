@@ -32,6 +32,7 @@ from radixlm.models.default_model import resolve_model_path
 from radixlm.models.model_config import ModelConfig
 from radixlm.models.registry import model_class
 from radixlm.runtime import messages as wire
+from radixlm.runtime.detokenizer.text_decoder import backend_decoder_json
 from radixlm.runtime.engine.chat_template_kwargs import check_template_kwargs
 from radixlm.runtime.engine.client_template_renderer import ClientTemplateRenderer
 from radixlm.runtime.engine.errors import RuntimeUnavailable
@@ -88,7 +89,8 @@ class Engine:
         check_output_parsers(self.server_args)
         if self.server_args.chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(self.server_args.chat_template)
-        self._runtime = start_runtime_processes(self.server_args, str(path), tokenizer_path)
+        self._runtime = start_runtime_processes(self.server_args, str(path), tokenizer_path,
+                                                backend_decoder_json(self.tokenizer))
         # renders the templates requests bring (only where the operator trusts them)
         self.client_templates = (ClientTemplateRenderer(tokenizer_path)
                                  if self.server_args.trust_request_chat_template else None)

@@ -57,17 +57,25 @@ class RuntimeProcesses:
 
 
 def start_runtime_processes(
-    args: ServerArgs, model_path: str, tokenizer_path: str
+    args: ServerArgs, model_path: str, tokenizer_path: str, decoder_json: str | None = None
 ) -> RuntimeProcesses:
     """Starts both processes and waits until they are ready; a failure to start raises
-    ``ValueError`` (bad model or options) or ``RuntimeError``, leaving nothing running."""
+    ``ValueError`` (bad model or options) or ``RuntimeError``, leaving nothing running.
+    ``decoder_json``: the tokenizer's Rust backend the Detokenizer decodes with
+    (``text_decoder.backend_decoder_json``), written into the private directory."""
     if (warning := args.dtype_warning()) is not None:
         logger.warning(warning)
     socket_dir = tempfile.mkdtemp(prefix="radixlm-")
     os.chmod(socket_dir, 0o700)
     paths = wire.SocketPaths(*(f"ipc://{socket_dir}/{name}" for name in
                              ("scheduler", "detokenizer", "request_tracker")))
-    config = msgspec.msgpack.encode(wire.ChildConfig(args, model_path, tokenizer_path, paths))
+    decoder_path = None
+    if decoder_json is not None:
+        decoder_path = os.path.join(socket_dir, "decoder.json")
+        with open(decoder_path, "w", encoding="utf-8") as out:
+            out.write(decoder_json)
+    config = msgspec.msgpack.encode(
+        wire.ChildConfig(args, model_path, tokenizer_path, paths, decoder_path))
     runtime = RuntimeProcesses(paths, {}, socket_dir, {})
     ready_fds = {}
     try:
@@ -163,7 +171,7 @@ def child_main(role: str, ready_fd: str) -> None:
         else:
             from radixlm.runtime.detokenizer.detokenizer_process import run_detokenizer_process
 
-            run_detokenizer_process(config.tokenizer_path, paths, ready)
+            run_detokenizer_process(config.tokenizer_path, paths, ready, config.decoder_path)
     finally:
         logging.shutdown()
         sys.stdout.flush()
