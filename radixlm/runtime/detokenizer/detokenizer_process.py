@@ -18,17 +18,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from radixlm.runtime import messages as wire
 from radixlm.runtime.detokenizer.incremental_detokenizer import IncrementalDetokenizer
 from radixlm.runtime.detokenizer.stop_matcher import StopMatcher
-from radixlm.runtime.detokenizer.text_decoder import RustTextDecoder
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+from radixlm.runtime.detokenizer.text_decoder import RustTextDecoder, TextDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +89,7 @@ class DecodeState:
 class Detokenizer:
     """Per-request decode states, keyed by rid; a state is dropped when its request ends."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, tokenizer: TextDecoder):
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from radixlm.runtime.detokenizer.text_decoder import TextDecoder
 
 CONTEXT_TOKENS = 5
 """Prompt tokens decoded in front of the output so the first output token is spaced right."""
@@ -29,7 +29,7 @@ class IncrementalDetokenizer:
     ``finish``).
     """
 
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: TextDecoder
     prompt_ids: list[int]
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

@@ -18,10 +18,17 @@ Invariant: ``RustTextDecoder(json).decode(ids, skip)`` equals the tokenizer's
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+
+class TextDecoder(Protocol):
+    """What detokenization needs of a tokenizer: transformers' or ``RustTextDecoder``."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False,
+               spaces_between_special_tokens: bool = True) -> str: ...
 
 
 def backend_decoder_json(tokenizer: PreTrainedTokenizerBase) -> str | None:

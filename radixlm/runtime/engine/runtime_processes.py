@@ -152,10 +152,10 @@ def child_main(role: str, ready_fd: str) -> None:
 
     Once its loop has ended and it has closed its sockets and stopped what it started (TP
     ranks, transfer engines), a child leaves with ``os._exit``: the interpreter's
-    finalization would free torch, the model and the tokenizer object by object, which holds
-    the caller's ``shutdown`` for a second or more and gives back nothing that the kernel
-    does not reclaim at exit. A child that fails with an exception exits as Python does,
-    with its traceback."""
+    finalization would free torch, the model and the tokenizer object by object while the
+    caller's ``shutdown`` waits, and gives back nothing that the kernel does not reclaim at
+    exit (figures: benchmarks/RESULTS.md). A child that fails with an exception exits as
+    Python does, with its traceback."""
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=wire.ChildConfig)
     args, paths = config.server_args, config.paths
     ready = _ReadyPipe(int(ready_fd))
