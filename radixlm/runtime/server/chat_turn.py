@@ -188,7 +188,6 @@ async def prepare_chat_turn(
                             param="messages")
     tools = list(tools)
     check_tools(tools, tool_choice)
-    check_tool_messages(messages)
     template_kwargs = dict(template_kwargs or {})
     offered = tools if tool_choice.mode != "none" else []
     if offered:
@@ -318,7 +317,9 @@ def call_arguments(text: str, param: str) -> dict[str, Any]:
 
 
 def check_tool_messages(messages: list[dict[str, Any]]) -> None:
-    """Each tool message answers a call an earlier assistant message made."""
+    """Each tool message answers a call an earlier assistant message made (OpenAI's chat
+    messages; the Anthropic and Responses routes check their own blocks and items as they
+    convert them, naming their fields)."""
     calls: set[str] = set()
     for index, message in enumerate(messages):
         for call in message.get("tool_calls") or ():

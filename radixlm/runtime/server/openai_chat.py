@@ -33,6 +33,7 @@ from radixlm.runtime.server.chat_turn import (
     ToolChoice,
     TurnOutput,
     call_arguments,
+    check_tool_messages,
     prepare_chat_turn,
 )
 from radixlm.runtime.server.openai_errors import OpenAIError
@@ -68,6 +69,7 @@ async def prepare_openai_chat_turn(engine, body: ChatCompletionRequest,
                               **({} if t.function.parameters is None
                                  else {"parameters": t.function.parameters}))
                  for t in body.tools or ()]
+        check_tool_messages(messages)  # (Anthropic's and the Responses API's check their own)
         return await prepare_chat_turn(
             engine, messages, tools=tools, tool_choice=tool_choice(body),
             parallel_tool_calls=body.parallel_tool_calls is not False,
