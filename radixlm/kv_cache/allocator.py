@@ -107,6 +107,28 @@ class TokenToKVPoolAllocator:
         offsets = torch.arange(page, device=self.device)
         return torch.cat([head, (fresh[:, None] * page + offsets).reshape(-1)[:rest]]), last
 
+    def extend_listed(self, last_slot: int, num_tokens: int) -> list[int]:
+        """``extend``'s slots as host integers (for a caller that may give the tail back:
+        ``free_tail``); the same slots ``extend`` would hand out."""
+        page = self.page_size
+        in_page = 0
+        if last_slot >= 0 and page > 1:
+            in_page = min(page - (last_slot % page + 1), num_tokens)
+        rest = num_tokens - in_page
+        pages = self._take_pages(-(-rest // page)) if rest else []
+        fresh = [p * page + offset for p in pages for offset in range(page)][:rest]
+        return [*range(last_slot + 1, last_slot + 1 + in_page), *fresh]
+
+    def free_tail(self, slots: list[int], keep: int) -> None:
+        """Gives back ``slots[keep:]`` of a sequence's latest ``extend_listed`` slots (they
+        hold nothing any longer), ``keep >= 1``: the pages only those slots lie in, never
+        the page of ``slots[keep - 1]``, which the sequence goes on filling."""
+        if keep < 1:
+            raise ValueError(f"free_tail keeps at least one slot, got keep={keep}")
+        kept_page = slots[keep - 1] // self.page_size
+        pages = dict.fromkeys(slot // self.page_size for slot in slots[keep:])
+        self.free_pages([page for page in pages if page != kept_page])
+
     def alloc_next(self, last_slots: list[int]) -> list[int]:
         """One slot for the token after each of ``last_slots`` (the slot of a sequence's
         last token, < 0 for an empty sequence): the next slot of its page where the page has

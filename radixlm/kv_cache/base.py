@@ -81,6 +81,13 @@ class PrefixCache(ABC):
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()
 
+    def continuation(self, key: Sequence[int], max_tokens: int,
+                     extra_key: str | None = None) -> list[int]:
+        """Up to ``max_tokens`` tokens cached right after the whole of ``key`` (a draft
+        for speculative decoding); [] where no cached sequence extends ``key``. Changes
+        nothing: no split, no access time. A cache that keeps nothing finds nothing."""
+        return []
+
     @abstractmethod
     def reset(self) -> None: ...
 

@@ -130,6 +130,47 @@ class RadixCache(PrefixCache):
         indices = torch.cat(values) if values else self._empty()
         return MatchResult(indices=indices, last_node=node)
 
+    def continuation(self, key: Sequence[int], max_tokens: int,
+                     extra_key: str | None = None) -> list[int]:
+        """The tokens after the whole (unaligned) ``key``, down the most recently used
+        branch wherever the tree forks (``PrefixCache.continuation``)."""
+        key = self._key_tuple(key)
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = self._child_starting(node, key, pos, extra_key)
+            if child is None:
+                return []
+            edge, remaining = child.key, len(key) - pos
+            if remaining <= len(edge):
+                if key[pos:] != edge[:remaining]:
+                    return []
+                found = list(edge[remaining : remaining + max_tokens])
+                return self._follow(child, found, max_tokens)
+            if key[pos : pos + len(edge)] != edge:
+                return []
+            node, pos = child, pos + len(edge)
+        return self._follow(node, [], max_tokens)
+
+    def _child_starting(self, node: TreeNode, key: tuple[int, ...], pos: int,
+                        extra_key: str | None) -> TreeNode | None:
+        """The child of ``node`` whose edge can hold ``key[pos:]``'s next tokens (by its
+        first page; a key that ends inside a page: the latest-used child it begins)."""
+        if len(key) - pos >= self.page_size:
+            return node.children.get(self._child_key(node, key, pos, extra_key))
+        head = key[pos:]
+        found = [child for child in node.children.values()
+                 if child.key[: len(head)] == head
+                 and (node is not self.root or child.extra_key == extra_key)]
+        return max(found, key=lambda child: child.last_access_time, default=None)
+
+    @staticmethod
+    def _follow(node: TreeNode, found: list[int], max_tokens: int) -> list[int]:
+        """``found`` lengthened by the edges below ``node``, latest-used child first."""
+        while len(found) < max_tokens and node.children:
+            node = max(node.children.values(), key=lambda child: child.last_access_time)
+            found += node.key[: max_tokens - len(found)]
+        return found
+
     def insert(
         self, key: Sequence[int], indices: torch.Tensor, extra_key: str | None = None
     ) -> int:

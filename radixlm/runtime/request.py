@@ -118,6 +118,9 @@ class Req:
     """The ``BeamGroup`` this request is a member of (``scheduler/beam_groups.py``; typed
     loosely, as the scheduler's module imports this one), None outside beam search: its
     beams run as the group's requests, which report only their final hypotheses."""
+    drafting: Any = None
+    """A speculative proposer's state for this request (``runtime/speculative``; typed
+    loosely, as for ``beam``), None without speculation."""
     cumulative_logprob: float | None = None
     beam_score: float | None = None
     """A finished beam hypothesis's summed logprobs and length-normalised score."""

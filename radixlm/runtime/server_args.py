@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from radixlm.runtime.speculative.options import check_speculative_options
+
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BATCHING_MODES = ("continuous", "static")
@@ -168,6 +170,21 @@ class ServerArgs:
     """What compiles regex / json_schema / ebnf constraints into token masks."""
     disable_jump_forward: bool = False
     """Decode a grammar's forced text token by token instead of appending it at once."""
+    speculative_algorithm: str | None = None
+    """Speculative decoding (``scheduler/speculative_decode.py``): ``NGRAM`` drafts tokens
+    from each request's own tokens and the radix tree and verifies them in one forward
+    pass; None: off."""
+    speculative_num_draft_tokens: int | None = None
+    """Most draft tokens one request verifies per step (None: ``speculative/options``)."""
+    speculative_ngram_min_match_window_size: int = 2
+    """Shortest suffix of a request's tokens that an n-gram draft is matched on."""
+    speculative_ngram_max_match_window_size: int = 8
+    """Longest suffix of a request's tokens that an n-gram draft is matched on."""
+    speculative_ngram_disable_radix_tree: bool = False
+    """N-gram drafts from the requests' own tokens only, not from the radix tree."""
+    speculative_disable_by_batch_size: int | None = None
+    """Running requests above which decode steps do not speculate (None:
+    ``speculative/options``)."""
     max_logprobs: int = 20
     """Most top logprobs per position a request may ask for (vLLM's name and default)."""
     max_n: int = 128
@@ -271,6 +288,7 @@ class ServerArgs:
                     seconds >= 0):
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {seconds!r}")
         self._check_parallelism()
+        check_speculative_options(self)
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         _check_positive("max_running_requests", self.max_running_requests)

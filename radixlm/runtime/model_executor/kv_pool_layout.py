@@ -9,7 +9,9 @@ windows, so results are the same; only the memory is not saved):
 - the attention backend must apply ``slot_map_for`` (``SLOT_MAP_BACKENDS``);
 - one rank: tensor-parallel ranks mirror the request table, not the slot map;
 - no disaggregation: ``kv_rows`` moves a request's rows of every buffer by request slot;
-- K and V per layer (not MLA's latents).
+- K and V per layer (not MLA's latents);
+- no speculative decoding: a verify step gives back its rejected tokens' slots, which the
+  hybrid allocator's paired local pages do not follow.
 
 Sizing: the full-attention layers' pool is the plain pool's (``max_total_tokens``). The
 local pool holds, per running request, its window, two pages (the partial ones at each
@@ -53,6 +55,8 @@ def plain_pool_reason(args: ServerArgs, config: ModelConfig, device: torch.devic
         return "tensor-parallel ranks do not mirror the sliding layers' slot map"
     if args.disaggregation_mode != "null":
         return "disaggregation moves KV rows by request slot (kv_rows.py)"
+    if args.speculative_algorithm is not None:
+        return "speculative decoding gives rejected draft tokens' slots back (paired pages)"
     backend = resolve_backend_name(BackendRequest(
         args.attention_backend, device, args.resolved_dtype(), config.head_dim))
     if backend not in SLOT_MAP_BACKENDS:

@@ -91,6 +91,11 @@ class Sampler:
         probs = _filter_probs(probs, batch)
         return torch.where(batch.greedy, greedy, self._draw(probs, batch))
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, V') -> (N,): each row's most likely token, as ``sample`` chooses it for a
+        plain greedy batch (any number of rows: a verify step's positions)."""
+        return _argmax(logits[:, : self.vocab_size])
+
     def _draw(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """One token per row of (B, V) ``probs`` (what the filters kept, not renormalised):
         the first token whose running sum of probs exceeds U times the row's kept mass, U

@@ -16,7 +16,7 @@ stop token therefore runs one step too many; that step's token is discarded. Its
 slot is allocated like any other and freed with the request, so no slot is lost.
 
 The host's turn comes back for what a step ahead cannot do: admission (an extend step),
-retraction, an abort; the step in flight is drained first and the plain loop runs.
+retraction, an abort, a step that may verify draft tokens (speculative decoding); the step in flight is drained first and the plain loop runs.
 Logprobs are computed on the worker with the tokens; seeds and ``min_new_tokens`` read the
 positions the ``SamplingBatch`` records itself.
 
@@ -42,6 +42,8 @@ prefix cache and ``req_to_token`` columns past those any queued step reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from radixlm.kv_cache.allocator import pages_for
 from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler.decode_worker import DecodeInFlight, DecodeWorker
@@ -57,8 +59,12 @@ class Overlap:
 
     def __init__(self, state: SchedulerState, memory: RequestMemory,
                  sampling_step: SamplingStep, args: ServerArgs, batches: StepBatches,
-                 worker: DecodeWorker | None):
-        """``worker`` None: decode steps are never queued ahead (no overlap)."""
+                 worker: DecodeWorker | None,
+                 wants_host: Callable[[list[Req]], bool] | None = None):
+        """``worker`` None: decode steps are never queued ahead (no overlap).
+        ``wants_host``: whether the next decode step of these requests needs their
+        tokens on the host first (speculative decoding's drafts are made from them)."""
+        self.wants_host = wants_host
         self.state = state
         self.memory = memory
         self.sampling_step = sampling_step
@@ -87,7 +93,8 @@ class Overlap:
         following = [r for r in flight.reqs
                      if r.finish_reason is None and len(r.output_ids) + 1 < r.output_limit]
         if (following and not flight.jumped and not state.waiting and state.chunked is None
-                and self._decode_fits(following)):
+                and self._decode_fits(following)
+                and (self.wants_host is None or not self.wants_host(following))):
             state.stats.decode_steps += 1
             state.stats.overlapped_steps += 1
             state.decay_new_token_ratio(args.new_token_ratio_decay, args.min_new_token_ratio)

@@ -93,6 +93,29 @@ class RequestMemory:
         req.last_slot = last_slot  # the caller advances req.kv_len
         return slots
 
+    def alloc_listed(self, req: Req, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
+        """``alloc``'s slots, also as host integers: for a speculative verify step, which
+        gives back those of rejected draft tokens (``give_back``)."""
+        self._make_room(pages_for(num_tokens, self.page_size))
+        try:
+            listed = self.allocator.extend_listed(req.last_slot, num_tokens)
+        except OutOfKVSlots as err:
+            raise OutOfKVSlots(f"{err}; the scheduler's reservation was wrong") from err
+        slots = to_device(listed, torch.int64, self.req_to_token.device)
+        self.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + num_tokens] = slots
+        req.last_slot = listed[-1]  # the caller advances req.kv_len
+        return slots, listed
+
+    def give_back(self, req: Req, listed: list[int], keep: int) -> None:
+        """Frees all but the first ``keep`` (>= 1) of ``listed``, the request's latest
+        ``alloc_listed`` slots (whose tokens it has in ``kv_len``): their KV is of tokens it
+        did not keep. ``kv_len`` goes back by as many."""
+        if not 1 <= keep <= len(listed):
+            raise ValueError(f"give_back keeps 1..{len(listed)} slots, got {keep}")
+        self.allocator.free_tail(listed, keep)
+        req.kv_len -= len(listed) - keep
+        req.last_slot = listed[keep - 1]
+
     def alloc_pages(self, num_tokens: int) -> torch.Tensor:
         """Slots for ``num_tokens`` tokens in fresh pages (no request's row), evicting from
         the cache if needed."""

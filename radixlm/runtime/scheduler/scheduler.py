@@ -36,7 +36,9 @@ running batch, what the next step reports): ``Admission`` (``admission.py``), ``
 (``overlap.py``), ``Handoffs`` (``handoffs.py``, disaggregation), ``BeamSearches``
 (``beam_searches.py``), ``StepBatches`` (``step_batches.py``, the forward batches) and,
 for sliding layers that keep only their window, ``WindowRelease`` (``window_release.py``);
-it keeps the step's pipeline, the forward passes and retraction.
+it keeps the step's pipeline, the forward passes and retraction. With
+``--speculative-algorithm``, ``SpeculativeDecode`` (``speculative_decode.py``) runs the
+decode steps where some request has draft tokens to verify.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from radixlm.runtime.scheduler.request_memory import RequestMemory
 from radixlm.runtime.scheduler.sampling_step import SamplingStep
 from radixlm.runtime.scheduler.scheduler_info import describe
 from radixlm.runtime.scheduler.scheduler_state import SchedulerState
+from radixlm.runtime.scheduler.speculative_decode import build_speculation
 from radixlm.runtime.scheduler.step_batches import StepBatches
 from radixlm.runtime.scheduler.window_release import WindowRelease
 from radixlm.runtime.server_args import ServerArgs
@@ -91,10 +94,14 @@ class Scheduler:
         self.prefill_pace = PrefillPace(args.chunked_prefill_size,
                                         None if step_ms is None else step_ms / 1000)
         self.batches = StepBatches(state, memory, runner)
+        self.speculation = build_speculation(args, state, memory, runner, self.batches,
+                                             sampling_step, sampler)
         worker = None
         if args.overlap_schedule():
             worker = DecodeWorker(runner, sampling_step, sampler, state.sampling_batch)
-        self.overlap = Overlap(state, memory, sampling_step, args, self.batches, worker)
+        self.overlap = Overlap(state, memory, sampling_step, args, self.batches, worker,
+                               None if self.speculation is None
+                               else self.speculation.wants_host)
         self.handoffs = Handoffs(state, memory, sampling_step, self.overlap.drain,
                                  prefill_handoff, decode_handoff)
         self.admission = Admission(state, memory, args, self.grammar_queue,
@@ -241,6 +248,10 @@ class Scheduler:
         state.stats.decode_steps += 1
         state.decay_new_token_ratio(args.new_token_ratio_decay, args.min_new_token_ratio)
         if pending == len(reqs):
+            if self.speculation is not None:
+                stepped = self.speculation.step(reqs)
+                if stepped is not None:
+                    return stepped
             if self.overlap.worker is not None and not state.beam_groups:
                 state.in_flight = self.overlap.launch(reqs, previous=None)
                 return []  # its tokens are processed at the next step

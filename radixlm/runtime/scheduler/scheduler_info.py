@@ -22,6 +22,12 @@ class SchedulerStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     retractions: int = 0
+    spec_verify_steps: int = 0
+    """Decode steps that verified draft tokens (speculative decoding)."""
+    spec_drafted_requests: int = 0
+    """Requests verified with a draft, summed over those steps."""
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 def describe(scheduler) -> dict:
@@ -60,6 +66,17 @@ def describe(scheduler) -> dict:
         "disaggregation_mode": scheduler.args.disaggregation_mode,
         "disaggregation": scheduler.handoffs.stats(),
         "sliding_window_kv": None if scheduler.windows is None else scheduler.windows.info(),
+        "speculative_algorithm": (None if scheduler.speculation is None
+                                  else scheduler.args.speculative_algorithm),
+        "avg_spec_accept_length": _accept_length(scheduler.state.stats),
         **{k: getattr(scheduler.args, k) for k in ("schedule_policy", "batching",
                                                   "chunked_prefill_size", "disable_radix_cache")},
     }
+
+
+def _accept_length(stats: SchedulerStats) -> float | None:
+    """Tokens a request gained per verify step that checked a draft of it (SGLang's
+    ``avg_spec_accept_length``: accepted draft tokens plus the target's own)."""
+    if not stats.spec_drafted_requests:
+        return None
+    return 1 + stats.spec_accepted_tokens / stats.spec_drafted_requests

@@ -37,11 +37,19 @@ class StepBatches:
         shared = shared_prefixes(reqs) if self.state.beam_groups else None
         return self.runner.make_decode_batch(inputs, slots, kv_lens, shared)
 
-    def extend(self, reqs: list[Req], new_ids: list[list[int]]) -> ForwardBatch:
-        """Allocates KV for each request's new tokens and builds the extend batch."""
+    def extend(self, reqs: list[Req], new_ids: list[list[int]],
+               listed: list[list[int]] | None = None) -> ForwardBatch:
+        """Allocates KV for each request's new tokens and builds the extend batch.
+        ``listed``: gets each request's slots as host integers (a speculative verify step,
+        which gives back those of rejected tokens)."""
         input_ids, positions, slots, prefix_lens, extend_lens = [], [], [], [], []
         for req, ids in zip(reqs, new_ids):
-            slots.append(self.memory.alloc(req, len(ids)))
+            if listed is None:
+                slots.append(self.memory.alloc(req, len(ids)))
+            else:
+                req_slots, host_slots = self.memory.alloc_listed(req, len(ids))
+                slots.append(req_slots)
+                listed.append(host_slots)
             input_ids += ids
             positions += range(req.kv_len, req.kv_len + len(ids))
             prefix_lens.append(req.kv_len)

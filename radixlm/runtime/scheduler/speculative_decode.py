@@ -1,0 +1,225 @@
+"""Speculative decode steps: draft tokens verified in one forward pass over the paged KV.
+
+A decode step where some running request has a draft (``runtime/speculative``) runs as one
+extend pass instead: each request is extended by its last token and its k draft tokens (k = 0
+for a request without one, which the pass decodes as usual), so the pass computes k + 1
+next-token distributions for it. Then, position by position, the request's next token is
+chosen exactly as a decode step would choose it there (the sampler with every setting the
+request has: penalties, grammar mask, seed, thinking budget) and appended (stop checks).
+While it equals the draft token at that position, the next position's distribution is the
+target's too and the request goes on. It stops at the first token that differs from the
+draft (that token is kept: the target chose it), at its end (a stop, its budget), where
+jump-forward appended tokens after it, or after the token following its last draft token.
+One pass thus gives a request 1 .. k + 1 tokens.
+
+Exactness. Every token is the one the request's sampler chooses given the tokens before it,
+as a decode step chooses it; the draft only decides how many positions one pass checks.
+Greedy outputs are those of decoding without speculation. For sampled requests this is the
+standard rejection rule for a draft that is a single token (q one-hot at x: accept with
+probability min(1, p(x) / q(x)) = p(x), else draw from max(p - q, 0) normalised, which is p
+without x): the token drawn from p equals x with probability p(x) and is any other y with
+probability p(y), exactly the rule's outcome. N-gram and tree drafts are such tokens. A
+seeded request draws each position's uniform from (its seed, its output position), so its
+tokens are the same with speculation as without. (Numerically, the verify pass is a prompt
+pass: in half precision its logits may differ from a one-row decode pass's in the last bits,
+as a chunked or recomputed prompt's do.)
+
+KV. The pass writes the KV of all k + 1 tokens; each request keeps the slots of the tokens it
+kept (its last token and the accepted drafts) and gives the rest back at once
+(``RequestMemory.give_back``), before anything reads its ``kv_len`` again. A failed pass
+gives back every draft slot, leaving the requests as a failed decode step leaves them.
+
+Host reads. A batch of greedy requests without other settings reads its argmaxes once, as a
+decode step reads its tokens; any other batch reads each checked position's token (on an
+accelerator, a wait per position): both declared in ``host_reads.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.host_to_device import to_device
+from radixlm.kv_cache.allocator import pages_for
+from radixlm.runtime.model_executor.model_runner import ModelRunner
+from radixlm.runtime.request import Req
+from radixlm.runtime.sampling.logprobs import LogprobCopy
+from radixlm.runtime.sampling.sampler import Sampler
+from radixlm.runtime.scheduler.request_memory import RequestMemory
+from radixlm.runtime.scheduler.sampling_step import SamplingStep
+from radixlm.runtime.scheduler.scheduler_state import SchedulerState
+from radixlm.runtime.scheduler.step_batches import StepBatches
+from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.speculative.draft_proposer import DraftProposer
+from radixlm.runtime.speculative.ngram_proposer import NgramProposer
+
+
+class SpeculativeDecode:
+    """The decode steps of a scheduler serving with ``--speculative-algorithm``."""
+
+    def __init__(self, state: SchedulerState, memory: RequestMemory, runner: ModelRunner,
+                 batches: StepBatches, sampling_step: SamplingStep, sampler: Sampler,
+                 proposer: DraftProposer, max_batch_size: int):
+        """``max_batch_size``: above this many running requests, no step speculates."""
+        self.state = state
+        self.memory = memory
+        self.runner = runner
+        self.batches = batches
+        self.sampling_step = sampling_step
+        self.sampler = sampler
+        self.proposer = proposer
+        self.max_batch_size = max_batch_size
+
+    def wants_host(self, reqs: list[Req]) -> bool:
+        """Whether the next decode step of ``reqs`` might speculate: it must then wait for
+        their last tokens on the host (overlap scheduling does not run it ahead)."""
+        return (len(reqs) <= self.max_batch_size and not self.state.beam_groups
+                and any(self.proposer.may_propose(req) for req in reqs))
+
+    def step(self, reqs: list[Req]) -> list[Req] | None:
+        """A verify step over ``reqs`` (every running request, each with one token
+        without KV), or None where no request gets a draft: the caller decodes plainly."""
+        if len(reqs) > self.max_batch_size or self.state.beam_groups:
+            return None
+        drafts = self.proposer.propose(reqs, self._budgets(reqs))
+        if not any(drafts):
+            return None
+        self._fit_in_memory(reqs, drafts)
+        for req, draft in zip(reqs, drafts):
+            if draft and req.grammar is not None:
+                del draft[_grammar_allows(req, draft):]
+        if not any(drafts):
+            return None
+        return self._verify(reqs, drafts)
+
+    # Drafts --------------------------------------------------------------------------------
+
+    def _budgets(self, reqs: list[Req]) -> list[int]:
+        """Draft tokens each request can use: a step appends at most k + 1 tokens, within
+        its output limit and the context."""
+        context = self.runner.context_length
+        return [max(0, min(r.output_limit - len(r.output_ids), context - r.seq_len) - 1)
+                for r in reqs]
+
+    def _fit_in_memory(self, reqs: list[Req], drafts: list[list[int]]) -> None:
+        """Shortens the longest drafts until the pass's KV fits what the pool can give
+        (the caller made room for one token each)."""
+        page = self.memory.page_size
+
+        def need() -> int:
+            return sum(pages_for(r.kv_len + 1 + len(d), page) - pages_for(r.kv_len, page)
+                       for r, d in zip(reqs, drafts))
+
+        available = self.memory.available_tokens()
+        while need() > available:
+            longest = max(drafts, key=len)
+            if not longest:
+                return
+            longest.pop()
+
+    # The pass ------------------------------------------------------------------------------
+
+    def _verify(self, reqs: list[Req], drafts: list[list[int]]) -> list[Req]:
+        state = self.state
+        new_ids = [[req.output_ids[-1], *draft] for req, draft in zip(reqs, drafts)]
+        listed: list[list[int]] = []
+        try:
+            batch = self.batches.extend(reqs, new_ids, listed)
+            hidden = self.runner.forward(batch)
+            state.stats.forward_steps += 1
+            state.note_kv_peak(self.memory)
+            logits = self.runner.compute_logits(hidden)  # (T, V): every position checked
+            kept = self._accept(reqs, drafts, logits)
+        except BaseException:
+            for req, slots in zip(reqs, listed):  # as a failed decode step leaves them
+                self.memory.give_back(req, slots, 1)
+            raise
+        stats = state.stats
+        stats.spec_verify_steps += 1
+        rows, offset = [], 0
+        for req, draft, slots, keep in zip(reqs, drafts, listed, kept):
+            self.memory.give_back(req, slots, keep)
+            self.proposer.observe(req, len(draft), keep - 1)
+            stats.spec_drafted_requests += bool(draft)
+            stats.spec_draft_tokens += len(draft)
+            stats.spec_accepted_tokens += keep - 1
+            rows.append(list(range(offset, offset + keep)))
+            offset += len(draft) + 1
+        self.proposer.after_verify(reqs, hidden, rows)
+        finished = [req for req in reqs if req.finished]
+        for req in finished:
+            state.running.remove(req)
+            self.memory.release(req)
+        state.sampling_batch.remove(finished)
+        return reqs
+
+    def _accept(self, reqs: list[Req], drafts: list[list[int]],
+                logits: torch.Tensor) -> list[int]:
+        """Appends each request's tokens, position by position (see the module), and
+        returns how many positions each kept (its appended sampled tokens)."""
+        batch = self.state.sampling_batch
+        if batch.is_plain_greedy():
+            chosen = self.sampler.argmax(logits).tolist()  # the step's one wait
+        kept, wanted, offset = [], [], 0
+        for req, draft in zip(reqs, drafts):
+            row_view = None if batch.is_plain_greedy() else batch.select([req])
+            for position in range(len(draft) + 1):
+                row = offset + position
+                if row_view is None:
+                    token = chosen[row]
+                else:  # the row's settings, as a decode step applies them at this position
+                    drawn = self.sampler.sample(logits[row : row + 1], row_view)
+                    row_view.record_sampled(drawn)
+                    token = int(drawn.item())  # this position's wait
+                outputs = len(req.output_ids)
+                self.sampling_step.append_tokens([req], [token], batch)
+                if req.logprobs is not None:
+                    wanted.append((req, row, token))
+                if (req.finished or position == len(draft) or token != draft[position]
+                        or len(req.output_ids) > outputs + 1):  # (jump-forward appended)
+                    kept.append(position + 1)
+                    break
+            offset += len(draft) + 1
+        if wanted:
+            self._add_logprobs(wanted, logits)
+        return kept
+
+    def _add_logprobs(self, wanted: list[tuple[Req, int, int]], logits: torch.Tensor) -> None:
+        """Each kept token's logprob entry (and top alternatives) from its position's
+        logits, in the order of the request's tokens."""
+        device = logits.device
+        rows = to_device([row for _, row, _ in wanted], torch.int64, device)
+        tokens = to_device([token for _, _, token in wanted], torch.int64, device)
+        top_k = max(req.logprobs.top_k for req, _, _ in wanted)
+        found = LogprobCopy.start(logits.index_select(0, rows), tokens, top_k).read()
+        self.sampling_step.add_output_logprobs(
+            [(req, i) for i, (req, _, _) in enumerate(wanted)], found)
+
+
+def _grammar_allows(req: Req, draft: list[int]) -> int:
+    """How many leading tokens of ``draft`` the request's grammar accepts after its output
+    (its matcher is left as it was)."""
+    matcher = req.grammar
+    accepted = 0
+    for token in draft:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
+    return accepted
+
+
+def build_speculation(args: ServerArgs, state: SchedulerState, memory: RequestMemory,
+                      runner: ModelRunner, batches: StepBatches, sampling_step: SamplingStep,
+                      sampler: Sampler) -> SpeculativeDecode | None:
+    """The speculative decode steps ``args`` ask for, or None."""
+    if args.speculative_algorithm is None:
+        return None
+    if memory.window is not None:  # (kv_pool_layout keeps the plain pool for speculation)
+        raise ValueError("speculative decoding needs the plain KV pool, not the hybrid one")
+    tree = None if args.speculative_ngram_disable_radix_tree else memory.tree_cache
+    proposer = NgramProposer(tree, args.speculative_num_draft_tokens,
+                             args.speculative_ngram_min_match_window_size,
+                             args.speculative_ngram_max_match_window_size)
+    return SpeculativeDecode(state, memory, runner, batches, sampling_step, sampler,
+                             proposer, args.speculative_disable_by_batch_size)

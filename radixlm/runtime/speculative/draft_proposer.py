@@ -1,0 +1,84 @@
+"""The interface between the verify step and whatever proposes draft tokens, and the
+per-request draft length that follows acceptance.
+
+A proposer is asked, once per verify step, for each running request's draft: at most the
+budget the step gives it (what memory, the output limit and the context leave), possibly
+nothing. What it keeps per request lives on the request (``Req.drafting``), so it
+goes with it. After the step it is told how much of each draft was accepted, so that it can
+draft less for requests whose drafts fail. ``may_propose`` answers, before a request's
+last token is known on the host, whether a draft could come: overlap scheduling keeps
+running ahead only while no request may speculate.
+
+The seam for proposers that read the target model's hidden states (EAGLE-style heads):
+``after_verify`` receives the verify pass's hidden rows of the tokens each request kept.
+The n-gram proposer ignores them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from radixlm.runtime.request import Req
+
+PROBE_EVERY = 16
+"""Steps a request whose draft length fell to zero decodes plainly before it tries a
+one-token draft again (open-ended text stops paying for drafts, but a quote may begin)."""
+
+
+class DraftProposer(Protocol):
+    def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
+        """Each request's draft tokens, at most its budget (0: none)."""
+
+    def may_propose(self, req: Req) -> bool:
+        """Whether ``req`` might get a draft at its next step."""
+
+    def observe(self, req: Req, proposed: int, accepted: int) -> None:
+        """``accepted`` of the ``proposed`` draft tokens were the target's."""
+
+    def after_verify(self, reqs: list[Req], hidden: torch.Tensor,
+                     kept_rows: list[list[int]]) -> None:
+        """The verify pass's hidden states (T, H) and, per request, the rows of the tokens
+        it kept (for proposers that draft from the target's hidden states)."""
+
+
+@dataclass
+class DraftLength:
+    """How many tokens to draft for one request next (invariant: ``0 <= length <= limit``).
+
+    A fully accepted draft lengthens the next by one; a partly accepted one sets it to one
+    more than was accepted; a draft rejected at its first token halves it. At zero the
+    request drafts nothing, but for a one-token probe every ``PROBE_EVERY`` steps."""
+
+    limit: int
+    length: int = -1
+    idle_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.length < 0:
+            self.length = self.limit
+
+    def next(self) -> int:
+        """The draft length for this step (counting an idle step at zero)."""
+        if self.length > 0:
+            return self.length
+        self.idle_steps += 1
+        if self.idle_steps >= PROBE_EVERY:
+            self.idle_steps = 0
+            return 1
+        return 0
+
+    def may_draft(self) -> bool:
+        return self.length > 0 or self.idle_steps + 1 >= PROBE_EVERY
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        if accepted == proposed:
+            self.length = min(self.limit, max(self.length, proposed) + 1)
+        elif accepted > 0:
+            self.length = min(self.limit, accepted + 1)
+        else:
+            self.length //= 2
