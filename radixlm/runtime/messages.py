@@ -91,6 +91,8 @@ class OutputState(msgspec.Struct):
     retractions: int
     jump_forward_tokens: int
     """Output tokens so far appended by jump-forward decoding (a running total)."""
+    spec_verify_ct: int = 0
+    """Speculative verify steps that checked a draft of the request (a running total)."""
     finish_reason: dict[str, Any] | None = None
     input_token_logprobs: list[LogprobEntry] = []
     input_top_logprobs: list[Any] = []

@@ -87,6 +87,8 @@ class Req:
     grammar: GrammarMatcher | None = None
     jump_forward_tokens: int = 0
     """Output tokens appended by jump-forward decoding rather than sampled."""
+    spec_verify_ct: int = 0
+    """Speculative verify steps that checked a draft of this request (SGLang's name)."""
     # How much of the output (tokens and their logprobs; prompt logprobs; text) has been
     # reported, and whether the Detokenizer has had the request's first message (its spec).
     reported_ids: int = 0
@@ -95,7 +97,7 @@ class Req:
     reported_chars: int = 0
     """Characters of ``detokenizer.text`` reported (with a detokenizer only)."""
     reported_counters: tuple[int, int, int] | None = None
-    """(cached_tokens, retractions, jump_forward_tokens) as last reported."""
+    """(cached_tokens, retractions, jump_forward_tokens, spec_verify_ct) as last reported."""
     streamed: bool = True
     """Whether its caller takes the output step by step (``GenerateReq.streamed``)."""
     # Set by ``SamplingStep.prepare`` when the request enters the scheduler:

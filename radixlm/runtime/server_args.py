@@ -172,10 +172,18 @@ class ServerArgs:
     """Decode a grammar's forced text token by token instead of appending it at once."""
     speculative_algorithm: str | None = None
     """Speculative decoding (``scheduler/speculative_decode.py``): ``NGRAM`` drafts tokens
-    from each request's own tokens and the radix tree and verifies them in one forward
-    pass; None: off."""
+    from each request's own tokens and the radix tree, ``STANDALONE`` with a small draft
+    model; the drafts are verified in one forward pass. None: off."""
     speculative_num_draft_tokens: int | None = None
-    """Most draft tokens one request verifies per step (None: ``speculative/options``)."""
+    """Tokens one request's verify pass checks, its last one included (k drafted + 1), as
+    SGLang counts them (None: ``speculative/options``)."""
+    speculative_num_steps: int | None = None
+    """A draft model's steps (tokens drafted) per verify (None: num_draft_tokens - 1)."""
+    speculative_eagle_topk: int | None = None
+    """Draft branches per step: 1 (chains) is all that is served."""
+    speculative_draft_model_path: str | None = None
+    """``STANDALONE``'s draft model: a directory, ``.gguf`` file or hub id of a model with
+    the target's vocabulary."""
     speculative_ngram_min_match_window_size: int = 2
     """Shortest suffix of a request's tokens that an n-gram draft is matched on."""
     speculative_ngram_max_match_window_size: int = 8

@@ -61,6 +61,7 @@ from radixlm.runtime.grammar.factory import constraint_checker
 from radixlm.runtime.output_parsing.reasoning_parser import get_reasoning_parser
 from radixlm.runtime.output_parsing.tool_call_registry import get_tool_call_parser
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.speculative.draft_model_check import resolve_draft_model
 
 TOKENIZE_ON_LOOP_CHARS = 50_000
 """Prompt texts longer than this (together) are tokenized off the event loop: tokenizing
@@ -84,6 +85,10 @@ class Engine:
         path = resolve_model_path(self.server_args.model_path)
         self.model_config = ModelConfig.from_path(path, self.server_args.trust_remote_code)
         model_class(self.model_config.architecture)  # an unknown one fails here, fast
+        if self.server_args.speculative_draft_model_path is not None:
+            self.server_args.speculative_draft_model_path = str(resolve_draft_model(
+                self.server_args.speculative_draft_model_path, self.model_config,
+                self.server_args.trust_remote_code))
         tokenizer_path = str(self.server_args.tokenizer_path or path)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_path)
         check_output_parsers(self.server_args)

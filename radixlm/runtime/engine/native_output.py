@@ -83,6 +83,8 @@ class NativeOutput:
             "jump_forward_tokens": last.jump_forward_tokens if last else 0,
             "e2e_latency": time.perf_counter() - self.created,
         }
+        if last is not None and last.spec_verify_ct:
+            meta["spec_verify_ct"] = last.spec_verify_ct
         if last is not None and last.beam is not None:
             meta["cumulative_logprob"], meta["beam_score"] = last.beam
         if self.return_logprob:

@@ -32,6 +32,7 @@ class OutputDelta:
     retractions: int
     jump_forward_tokens: int = 0
     trim: int = 0
+    spec_verify_ct: int = 0
     input_token_logprobs: list[wire.LogprobEntry] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)
     output_token_logprobs: list[wire.LogprobEntry] = field(default_factory=list)
@@ -55,6 +56,7 @@ class OutputDelta:
             retractions=later.retractions,
             jump_forward_tokens=later.jump_forward_tokens,
             trim=trim,
+            spec_verify_ct=later.spec_verify_ct,
             input_token_logprobs=self.input_token_logprobs + later.input_token_logprobs,
             input_top_logprobs=self.input_top_logprobs + later.input_top_logprobs,
             output_token_logprobs=self.output_token_logprobs + later.output_token_logprobs,
@@ -100,7 +102,7 @@ class ReqState:
         counters = self.counters
         delta = OutputDelta(self.rid, new_ids, text, None, self.prompt_tokens,
                             counters.cached_tokens, counters.retractions,
-                            counters.jump_forward_tokens, trim)
+                            counters.jump_forward_tokens, trim, counters.spec_verify_ct)
         if update is not None:
             delta.finish_reason = update.finish_reason
             delta.input_token_logprobs = update.input_token_logprobs

@@ -29,6 +29,14 @@ STEP_HOST_READS: dict[str, str] = {
         "the tokens of the decode step in flight, with overlap: on CUDA copied into pinned "
         "memory behind that step's sampling and waited for on an event recorded after the "
         "copy, so the step queued behind it keeps running",
+    "radixlm/runtime/scheduler/speculative_decode.py:SpeculativeDecode._accept":
+        "a speculative verify step's chosen tokens: once for a batch of plain greedy rows "
+        "(the step's one wait, as a decode step's), else one wait per position checked (the "
+        "next position's token is chosen after the grammar, penalties and seeds have "
+        "taken this one)",
+    "radixlm/runtime/speculative/draft_model_proposer.py:DraftModelProposer._argmax":
+        "a draft model's tokens, once per draft pass (each pass is fed the tokens of the "
+        "one before; --speculative-algorithm STANDALONE only)",
     "radixlm/runtime/sampling/logprobs.py:LogprobCopy.read":
         "logprobs, read after the tokens of their step (copied behind them, into pinned "
         "memory on CUDA): they wait for nothing the token read has not; a prompt chunk "

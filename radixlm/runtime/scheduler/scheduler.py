@@ -132,6 +132,8 @@ class Scheduler:
             self.overlap.worker.shutdown()
         self.sampler.grammar_backend.shutdown()
         self.handoffs.close()
+        if self.speculation is not None:
+            self.speculation.close()
         self.runner.close()
 
     def is_idle(self) -> bool:

@@ -299,7 +299,8 @@ def report_message(reqs: list[Req]) -> wire.TokenBatch | None:
         rids.append(req.rid)
         new_ids += output_ids[reported:]
         ends.append(len(new_ids))
-        counters = (req.cached_tokens, req.retractions, req.jump_forward_tokens)
+        counters = (req.cached_tokens, req.retractions, req.jump_forward_tokens,
+                    req.spec_verify_ct)
         if finish is not None or req.logprobs is not None or counters != req.reported_counters:
             states[row] = _output_state(req, counters)
         if len(output_ids) > reported or finish is not None:  # the rows that make text
@@ -313,7 +314,7 @@ def report_message(reqs: list[Req]) -> wire.TokenBatch | None:
     return wire.TokenBatch(rids, ends, new_ids, states, specs, texts)
 
 
-def _output_state(req: Req, counters: tuple[int, int, int]) -> wire.OutputState:
+def _output_state(req: Req, counters: tuple[int, int, int, int]) -> wire.OutputState:
     """``req``'s counters, finish and unreported logprobs (marked reported)."""
     state = wire.OutputState(*counters, finish_reason=req.finish_reason)
     if req.beam_score is not None:

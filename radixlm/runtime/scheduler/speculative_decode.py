@@ -50,6 +50,7 @@ from radixlm.runtime.scheduler.scheduler_state import SchedulerState
 from radixlm.runtime.scheduler.step_batches import StepBatches
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.speculative.draft_proposer import DraftProposer
+from radixlm.runtime.speculative.draft_model_proposer import DraftModelProposer
 from radixlm.runtime.speculative.ngram_proposer import NgramProposer
 
 
@@ -68,6 +69,9 @@ class SpeculativeDecode:
         self.sampler = sampler
         self.proposer = proposer
         self.max_batch_size = max_batch_size
+
+    def close(self) -> None:
+        self.proposer.close()
 
     def wants_host(self, reqs: list[Req]) -> bool:
         """Whether the next decode step of ``reqs`` might speculate: it must then wait for
@@ -139,6 +143,7 @@ class SpeculativeDecode:
         for req, draft, slots, keep in zip(reqs, drafts, listed, kept):
             self.memory.give_back(req, slots, keep)
             self.proposer.observe(req, len(draft), keep - 1)
+            req.spec_verify_ct += bool(draft)
             stats.spec_drafted_requests += bool(draft)
             stats.spec_draft_tokens += len(draft)
             stats.spec_accepted_tokens += keep - 1
@@ -217,9 +222,12 @@ def build_speculation(args: ServerArgs, state: SchedulerState, memory: RequestMe
         return None
     if memory.window is not None:  # (kv_pool_layout keeps the plain pool for speculation)
         raise ValueError("speculative decoding needs the plain KV pool, not the hybrid one")
-    tree = None if args.speculative_ngram_disable_radix_tree else memory.tree_cache
-    proposer = NgramProposer(tree, args.speculative_num_draft_tokens,
-                             args.speculative_ngram_min_match_window_size,
-                             args.speculative_ngram_max_match_window_size)
+    max_draft = args.speculative_num_draft_tokens - 1  # (the verify checks the last token too)
+    if args.speculative_algorithm == "STANDALONE":
+        proposer = DraftModelProposer.build(args, runner, max_draft)
+    else:
+        tree = None if args.speculative_ngram_disable_radix_tree else memory.tree_cache
+        proposer = NgramProposer(tree, max_draft, args.speculative_ngram_min_match_window_size,
+                                 args.speculative_ngram_max_match_window_size)
     return SpeculativeDecode(state, memory, runner, batches, sampling_step, sampler,
                              proposer, args.speculative_disable_by_batch_size)

@@ -43,6 +43,9 @@ class DraftProposer(Protocol):
         """The verify pass's hidden states (T, H) and, per request, the rows of the tokens
         it kept (for proposers that draft from the target's hidden states)."""
 
+    def close(self) -> None:
+        """Releases what the proposer holds (a draft model's runner)."""
+
 
 @dataclass
 class DraftLength:

@@ -99,6 +99,9 @@ class NgramProposer:
                      kept_rows: list[list[int]]) -> None:
         """(n-grams read no hidden states)"""
 
+    def close(self) -> None:
+        """(nothing to release)"""
+
     def _state(self, req: Req) -> RequestDrafts:
         if req.drafting is None:
             req.drafting = RequestDrafts(DraftLength(self.max_draft),

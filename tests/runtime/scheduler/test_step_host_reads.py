@@ -7,8 +7,8 @@ where they were made and records every read of them and every pageable upload, w
 call site. The workload touches every path of a step: prompt and output logprobs, sampled
 and penalized rows, a grammar mask, chunked prefill, a cached prefix (whole pages), two
 requests caching the same tokens (their duplicates freed), requests that end inside a page,
-in the plain loop and with overlap (the worker's thread runs under the guard too), and a
-windowed model (Gemma 2's local layers on the hybrid pool) past its window."""
+in the plain loop and with overlap (the worker's thread runs under the guard too), with
+speculative decoding's verify steps, and a windowed model (Gemma 2's local layers on the hybrid pool) past its window."""
 
 from __future__ import annotations
 
@@ -32,6 +32,14 @@ CONFIGS = {
     "overlap-page4": {**OVERLAP, "page_size": 4},
     "evicting-page4": {**PLAIN, "page_size": 4, "max_total_tokens": 96},
     "no-cache": {**OVERLAP, "page_size": 4, "disable_radix_cache": True},
+    # speculative decoding: verify steps (n-gram drafts), rejected draft slots given back
+    "speculative-page4": {**PLAIN, "page_size": 4, "speculative_algorithm": "NGRAM",
+                          "speculative_ngram_min_match_window_size": 1},
+    "speculative-overlap-page1": {**OVERLAP, "page_size": 1, "speculative_algorithm": "NGRAM",
+                                  "speculative_ngram_min_match_window_size": 1},
+    # a draft model (the tiny model drafting for itself): draft passes, then verify steps
+    "speculative-draft-page4": {**PLAIN, "page_size": 4, "speculative_algorithm": "STANDALONE",
+                                "draft_self": True},
     # Gemma 2's local layers on the hybrid pool: windows released as requests run
     "windowed-page4": {**OVERLAP, "page_size": 4, "architecture": "Gemma2ForCausalLM"},
 }
@@ -54,6 +62,8 @@ def guarded(tiny_model_dir):
         if name not in built:
             options = {"max_total_tokens": 2048, **CONFIGS[name]}
             path = str(tiny_model_dir(options.pop("architecture", "LlamaForCausalLM")))
+            if options.pop("draft_self", False):
+                options["speculative_draft_model_path"] = path
             args = ServerArgs(path, dtype="float32", num_threads=1, chunked_prefill_size=32,
                               **options)
             with guard:  # recording is off: it only marks what is made on the device
@@ -148,6 +158,12 @@ def test_steps_read_back_only_the_declared_values(guarded, name):
                   if "overlap" in name else
                   "radixlm/runtime/scheduler/sampling_step.py:SamplingStep._sample")
     assert token_read in sites, "the guard missed the step's token read"
+    if "speculative" in name:
+        assert stats.spec_verify_steps > 0, "no verify step ran: the workload proposed nothing"
+        assert "radixlm/runtime/scheduler/speculative_decode.py:SpeculativeDecode._accept" in sites
+    if "draft" in name:
+        assert ("radixlm/runtime/speculative/draft_model_proposer.py:DraftModelProposer._argmax"
+                in sites)
     assert LOGPROB_READ in sites
     assert_pool_idle(scheduler.server_info())
     SITES_SEEN[name] = sites
