@@ -16,7 +16,8 @@ stop token therefore runs one step too many; that step's token is discarded. Its
 slot is allocated like any other and freed with the request, so no slot is lost.
 
 The host's turn comes back for what a step ahead cannot do: admission (an extend step),
-retraction, an abort, a step that may verify draft tokens (speculative decoding); the step in flight is drained first and the plain loop runs.
+retraction, an abort, a step that may verify draft tokens (speculative decoding); the step
+in flight is drained first and the plain loop runs.
 Logprobs are computed on the worker with the tokens; seeds and ``min_new_tokens`` read the
 positions the ``SamplingBatch`` records itself.
 

@@ -49,8 +49,8 @@ from radixlm.runtime.scheduler.sampling_step import SamplingStep
 from radixlm.runtime.scheduler.scheduler_state import SchedulerState
 from radixlm.runtime.scheduler.step_batches import StepBatches
 from radixlm.runtime.server_args import ServerArgs
-from radixlm.runtime.speculative.draft_proposer import DraftProposer
 from radixlm.runtime.speculative.draft_model_proposer import DraftModelProposer
+from radixlm.runtime.speculative.draft_proposer import DraftProposer
 from radixlm.runtime.speculative.ngram_proposer import NgramProposer
 
 

@@ -8,7 +8,8 @@ call site. The workload touches every path of a step: prompt and output logprobs
 and penalized rows, a grammar mask, chunked prefill, a cached prefix (whole pages), two
 requests caching the same tokens (their duplicates freed), requests that end inside a page,
 in the plain loop and with overlap (the worker's thread runs under the guard too), with
-speculative decoding's verify steps, and a windowed model (Gemma 2's local layers on the hybrid pool) past its window."""
+speculative decoding's verify steps (n-gram drafts, a draft model's passes), and a windowed
+model (Gemma 2's local layers on the hybrid pool) past its window."""
 
 from __future__ import annotations
 
