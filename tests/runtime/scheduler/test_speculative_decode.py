@@ -39,7 +39,7 @@ SMALL_POOL = {"max_total_tokens": 1024, "max_running_requests": 64,
 NUM_PROMPTS = 200
 VOCAB = 300
 COUNTERS = ("spec_verify_steps", "spec_drafted_requests", "spec_draft_tokens",
-            "spec_accepted_tokens", "retractions")
+            "spec_accepted_tokens", "retractions", "overlapped_steps")
 
 
 def repeating_prompt(seed: int) -> list[int]:
@@ -275,6 +275,22 @@ def test_overlap_scheduling_with_speculation_gives_the_tokens_of_plain_decoding(
     assert_drafts_accepted_and_rejected(since(spec, before))
 
 
+@pytest.mark.xfail(strict=True, reason="NgramProposer.may_propose stays True for a request "
+                   "whose n-gram lookups find nothing (DraftLength changes only on observe "
+                   "with a non-empty draft), so wants_host holds back overlap at every step "
+                   "although no draft ever comes")
+def test_overlap_still_runs_ahead_for_requests_that_never_get_a_draft(scheduler_for):
+    prompts, _ = workload(6, 17)
+    params = [sampled(700 + i, 48) for i in range(len(prompts))]  # n-grams never match
+    expected = outputs(run_alone(scheduler_for(**PLAIN), prompts, params))
+    spec = fresh(scheduler_for(**SPEC, disable_overlap_schedule=False))
+    before = counters(spec)
+    assert outputs(run_alone(spec, prompts, params)) == expected
+    delta = since(spec, before)
+    assert delta["spec_drafted_requests"] == 0, delta
+    assert delta["overlapped_steps"] > 0, delta
+
+
 def test_requests_retracted_while_speculating_give_the_tokens_of_plain_decoding(
         scheduler_for):
     rng = random.Random(9)
@@ -378,13 +394,13 @@ def test_seeded_sampling_in_one_batch_gives_the_tokens_of_plain_decoding(schedul
 @pytest.mark.xfail(strict=True, reason=BATCH_VIEW_BUG)
 def test_greedy_requests_with_penalties_in_one_batch_give_the_tokens_of_plain_decoding(
         scheduler_for):
-    prompts, _ = workload(16, 16)
-    params = [greedy(32, frequency_penalty=0.5, presence_penalty=0.2,
-                     repetition_penalty=[1.0, 1.2][i % 2]) for i in range(len(prompts))]
+    """The batch runs twice: the second time its drafts come from the tree, the very tokens
+    of the first run, which are accepted position after position."""
+    prompts = workload(60, 12)[0][:8]
+    params = [greedy(32, frequency_penalty=0.5) for _ in prompts]
     expected = outputs(run_alone(scheduler_for(**PLAIN), prompts, params))
     spec = fresh(scheduler_for(**SPEC))
-    assert outputs(run_alone(spec, prompts, params)) == expected
-    fresh(spec)
+    run(spec, prompts, params)
     before = counters(spec)
     got = outputs(run(spec, prompts, params))
     assert since(spec, before)["spec_accepted_tokens"] > 0
