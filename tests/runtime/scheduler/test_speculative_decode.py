@@ -24,9 +24,11 @@ from tiny_models import reference_model
 from workloads import greedy, sampled
 
 from radixlm.kv_cache.allocator import pages_for
+from radixlm.models.default_model import default_model_path
 from radixlm.runtime import messages as wire
 from radixlm.runtime.sampling.sampling_params import SamplingParams
-from radixlm.runtime.scheduler.scheduler_process import make_req
+from radixlm.runtime.scheduler.scheduler_process import build_scheduler, make_req
+from radixlm.runtime.server_args import ServerArgs
 
 # One thread and no kernel chosen by timing: both schedulers of a comparison then compute
 # the same float32 sums (greedy ties between them could otherwise flip).
@@ -137,6 +139,25 @@ def test_greedy_requests_in_one_batch_give_the_tokens_of_plain_decoding(schedule
     expected = outputs(run(scheduler_for(**PLAIN), prompts, params))
     spec = fresh(scheduler_for(**SPEC))
     before = counters(spec)
+    assert outputs(run(spec, prompts, params, check_kv=True)) == expected
+    assert_drafts_accepted_and_rejected(since(spec, before))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("architecture", "kv", "tied"), [
+    ("Qwen2ForCausalLM", "gqa", False), ("Qwen3ForCausalLM", "gqa", False),
+    ("MistralForCausalLM", "mqa", False), ("LlamaForCausalLM", "mha", True)])
+def test_greedy_outputs_of_other_tiny_models_equal_plain_decoding(scheduler_for, architecture,
+                                                                   kv, tied):
+    prompts, params = workload(NUM_PROMPTS, 18)
+    model = (architecture, kv, tied)
+    plain = scheduler_for(*model, **PLAIN)
+    expected = outputs(run_alone(plain, prompts, params))
+    assert outputs(run(plain, prompts, params)) == expected
+    spec = fresh(scheduler_for(*model, **SPEC))
+    before = counters(spec)
+    assert outputs(run_alone(spec, prompts, params)) == expected
+    fresh(spec)
     assert outputs(run(spec, prompts, params, check_kv=True)) == expected
     assert_drafts_accepted_and_rejected(since(spec, before))
 
@@ -531,3 +552,44 @@ def test_the_engine_with_ngram_speculation_returns_what_it_returns_without(engin
     assert info["avg_spec_accept_length"] > 1.0
     stats = info["stats"]
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+
+
+# The default model ---------------------------------------------------------------------------
+
+QUOTED = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a "
+          "lantern, a notebook and a flask of tea. From the gallery he could see the fishing "
+          "boats returning to the harbour, their sails folded and their decks piled with nets.")
+DEFAULT_MODEL_PROMPTS = [
+    f"Copy the following text exactly.\n\nText: {QUOTED}\n\nCopy: ",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.default_model
+def test_the_default_model_quotes_with_drafts_accepted_and_the_tokens_of_plain_decoding():
+    path = str(default_model_path())
+    schedulers = [build_scheduler(ServerArgs(path, dtype="float32", max_total_tokens=4096,
+                                             **options), path) for options in (PLAIN, SPEC)]
+    try:
+        plain, spec = schedulers
+        tokenizer = plain.sampling_step.tokenizer
+        prompts = [tokenizer.encode(text) for text in DEFAULT_MODEL_PROMPTS]
+        params = [greedy(64) for _ in prompts]
+        expected = outputs(run_alone(plain, prompts, params))
+        before = counters(spec)
+        assert outputs(run(spec, prompts[:1], params[:1])) == expected[:1]
+        quoting = since(spec, before)
+        # A quote: most drafts are the prompt's own tokens, accepted.
+        assert 1 + quoting["spec_accepted_tokens"] / quoting["spec_drafted_requests"] > 1.5
+        assert outputs(run_alone(spec, prompts, params)) == expected
+        assert outputs(run(spec, prompts, params)) == expected
+        for scheduler in schedulers:
+            info = scheduler.server_info()
+            assert info["free_kv_tokens"] + info["cache_tokens"] == info["max_total_tokens"]
+            assert info["cache_protected_tokens"] == 0
+    finally:
+        for scheduler in schedulers:
+            scheduler.shutdown()
