@@ -166,12 +166,13 @@ class SpeculativeDecode:
             chosen = self.sampler.argmax(logits).tolist()  # the step's one wait
         kept, wanted, offset = [], [], 0
         for req, draft in zip(reqs, drafts):
-            row_view = None if batch.is_plain_greedy() else batch.select([req])
             for position in range(len(draft) + 1):
                 row = offset + position
-                if row_view is None:
+                if batch.is_plain_greedy():
                     token = chosen[row]
                 else:  # the row's settings, as a decode step applies them at this position
+                    # (a view copies the row's state: taken afresh after each token)
+                    row_view = batch.select([req])
                     drawn = self.sampler.sample(logits[row : row + 1], row_view)
                     row_view.record_sampled(drawn)
                     token = int(drawn.item())  # this position's wait

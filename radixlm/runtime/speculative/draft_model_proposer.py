@@ -99,7 +99,7 @@ class DraftModelProposer:
         wanted, ends = [], []
         for req, budget in zip(reqs, budgets):
             state = self._state(req)
-            want = min(state.length.next(), budget)
+            want = min(state.length.next(len(req.output_ids)), budget)
             behind = req.kv_len - state.kv_len
             if behind + 1 > self.catch_up_tokens:  # catch up only (no draft this step)
                 want, end = 0, state.kv_len + self.catch_up_tokens
@@ -127,7 +127,7 @@ class DraftModelProposer:
         return drafts
 
     def may_propose(self, req: Req) -> bool:
-        return req.drafting is None or req.drafting.length.may_draft()
+        return req.drafting is None or req.drafting.length.may_draft(len(req.output_ids))
 
     def observe(self, req: Req, proposed: int, accepted: int) -> None:
         self._state(req).length.observe(proposed, accepted)

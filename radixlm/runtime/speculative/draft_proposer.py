@@ -24,8 +24,9 @@ import torch
 from radixlm.runtime.request import Req
 
 PROBE_EVERY = 16
-"""Steps a request whose draft length fell to zero decodes plainly before it tries a
-one-token draft again (open-ended text stops paying for drafts, but a quote may begin)."""
+"""Output tokens a request whose draft length fell to zero (or whose last lookup found no
+draft) decodes plainly before it looks up a draft again (open-ended text stops paying for
+drafts, but a quote may begin)."""
 
 
 class DraftProposer(Protocol):
@@ -49,32 +50,43 @@ class DraftProposer(Protocol):
 
 @dataclass
 class DraftLength:
-    """How many tokens to draft for one request next (invariant: ``0 <= length <= limit``).
+    """How many tokens to draft for one request next (invariant: ``0 <= length <= limit``),
+    with the request's output length as its clock.
 
     A fully accepted draft lengthens the next by one; a partly accepted one sets it to one
     more than was accepted; a draft rejected at its first token halves it. At zero the
-    request drafts nothing, but for a one-token probe every ``PROBE_EVERY`` steps."""
+    request looks up nothing, but for a one-token probe every ``PROBE_EVERY`` output tokens.
+    ``may_draft`` (asked before a step that overlap scheduling could run ahead) also says
+    no after a lookup that found nothing, until the next probe: a request that never gets
+    a draft does not hold the host back at every step."""
 
     limit: int
     length: int = -1
-    idle_steps: int = 0
+    found: bool = True
+    """Whether the last lookup found a draft."""
+    looked_at: int = 0
+    """The output length at the last lookup."""
 
     def __post_init__(self) -> None:
         if self.length < 0:
             self.length = self.limit
 
-    def next(self) -> int:
-        """The draft length for this step (counting an idle step at zero)."""
+    def next(self, position: int) -> int:
+        """The draft length to look up at output length ``position`` (0: no lookup)."""
         if self.length > 0:
+            self.looked_at = position
             return self.length
-        self.idle_steps += 1
-        if self.idle_steps >= PROBE_EVERY:
-            self.idle_steps = 0
+        if position - self.looked_at >= PROBE_EVERY:
+            self.looked_at = position
             return 1
         return 0
 
-    def may_draft(self) -> bool:
-        return self.length > 0 or self.idle_steps + 1 >= PROBE_EVERY
+    def may_draft(self, position: int) -> bool:
+        return (self.length > 0 and self.found) or position - self.looked_at >= PROBE_EVERY
+
+    def note_found(self, found: bool) -> None:
+        """What the lookup ``next`` asked for found."""
+        self.found = found
 
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed == 0:

@@ -85,12 +85,16 @@ class NgramProposer:
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         drafts = []
         for req, budget in zip(reqs, budgets):
-            wanted = min(self._length(req).next(), budget)
-            drafts.append(self._draft(req, wanted) if wanted > 0 else [])
+            length = self._length(req)
+            wanted = min(length.next(len(req.output_ids)), budget)
+            draft = self._draft(req, wanted) if wanted > 0 else []
+            if wanted > 0:
+                length.note_found(bool(draft))
+            drafts.append(draft)
         return drafts
 
     def may_propose(self, req: Req) -> bool:
-        return self._length(req).may_draft()
+        return self._length(req).may_draft(len(req.output_ids))
 
     def observe(self, req: Req, proposed: int, accepted: int) -> None:
         self._length(req).observe(proposed, accepted)
