@@ -101,56 +101,69 @@ def test_an_index_grown_step_by_step_proposes_what_one_built_at_once_does(
 
 def test_a_draft_length_starts_at_its_limit_and_full_acceptance_lengthens_it_to_the_limit():
     length = DraftLength(limit=6)
-    assert length.next() == 6
+    assert length.next(0) == 6
     length.length = 2
     length.observe(2, 2)
-    assert length.next() == 3
-    for _ in range(10):
-        length.observe(length.next(), length.next())
-    assert length.next() == 6  # never above the limit
+    assert length.next(3) == 3
+    for position in range(4, 14):
+        proposed = length.next(position)
+        length.observe(proposed, proposed)
+    assert length.next(14) == 6  # never above the limit
 
 
 def test_a_partly_accepted_draft_sets_the_length_to_one_more_than_accepted():
     length = DraftLength(limit=6)
     length.observe(6, 2)
-    assert length.next() == 3
+    assert length.next(3) == 3
     length.observe(3, 1)
-    assert length.next() == 2
+    assert length.next(5) == 2
 
 
 def test_drafts_rejected_at_their_first_token_halve_the_length_down_to_zero():
     length = DraftLength(limit=8)
-    seen = []
+    seen, position = [], 0
     while length.length > 0:
-        proposed = length.next()
+        proposed = length.next(position)
         seen.append(proposed)
         length.observe(proposed, 0)
+        position += 1
     assert seen == [8, 4, 2, 1]
-    assert length.length == 0
+    assert length.next(position) == 0 and not length.may_draft(position)
 
 
 def test_an_empty_draft_changes_nothing():
     length = DraftLength(limit=4)
     length.observe(0, 0)
-    assert length.next() == 4
+    assert length.next(0) == 4
 
 
-def test_at_zero_a_one_token_probe_comes_every_probe_every_steps():
+def test_at_zero_a_one_token_probe_comes_every_probe_every_output_tokens():
     length = DraftLength(limit=4, length=0)
+    looked_at = 0
     for round_ in range(3):
-        steps = []
-        for _ in range(PROBE_EVERY):
-            steps.append((length.may_draft(), length.next()))
-        # may_draft says yes exactly before the probe step.
+        steps = [(length.may_draft(p), length.next(p))
+                 for p in range(looked_at + 1, looked_at + PROBE_EVERY + 1)]
+        # may_draft says yes exactly before the probe.
         assert steps == [(False, 0)] * (PROBE_EVERY - 1) + [(True, 1)], round_
+        looked_at += PROBE_EVERY
         length.observe(1, 0)  # the probe failed: still zero, the count starts again
         assert length.length == 0
-    assert length.next() == 0
-    for _ in range(PROBE_EVERY - 2):
-        length.next()
-    assert length.next() == 1
+    assert length.next(looked_at + 3) == 0
+    assert length.next(looked_at + PROBE_EVERY + 5) == 1  # (tokens come several at a time)
     length.observe(1, 1)  # an accepted probe brings drafting back
-    assert length.next() == 2 and length.may_draft()
+    assert length.next(looked_at + PROBE_EVERY + 6) == 2 and length.may_draft(0)
+
+
+def test_a_lookup_that_found_nothing_stops_may_draft_until_the_next_probe():
+    length = DraftLength(limit=4)
+    assert length.may_draft(10)
+    assert length.next(10) == 4
+    length.note_found(False)
+    assert [length.may_draft(p) for p in (10, 11, 10 + PROBE_EVERY - 1)] == [False] * 3
+    assert length.may_draft(10 + PROBE_EVERY)
+    assert length.next(11) == 4  # asked anyway (a step not run ahead), it still looks up
+    length.note_found(True)
+    assert length.may_draft(12)
 
 
 # NgramProposer over a real radix tree -------------------------------------------------------
@@ -245,6 +258,19 @@ def test_observed_rejections_shorten_the_request_drafts():
     proposer.observe(req, 1, 0)
     assert proposer.propose([req], [10]) == [[]]
     assert not proposer.may_propose(req)
+
+
+def test_a_request_whose_lookups_find_nothing_may_not_propose_until_its_next_probe():
+    proposer = NgramProposer(None, max_draft=4, min_window=2, max_window=8)
+    req = request(list(range(3, 20)))
+    assert proposer.may_propose(req)  # (nothing looked up yet)
+    assert proposer.propose([req], [10]) == [[]]
+    assert not proposer.may_propose(req)
+    req.output_ids += list(range(30, 30 + PROBE_EVERY))
+    assert proposer.may_propose(req)
+    req.output_ids += [3, 4]  # now (3, 4) occurred before
+    assert proposer.propose([req], [10]) == [[5, 6, 7, 8]]
+    assert proposer.may_propose(req)
 
 
 def test_after_verify_ignores_hidden_states():
