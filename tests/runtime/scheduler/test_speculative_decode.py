@@ -354,6 +354,47 @@ def test_a_repeated_request_drafts_from_the_tree_its_first_run_left(scheduler_fo
         assert lengths[1] == lengths[0], lengths
 
 
+DRAFT_CONFIGS = {
+    "page-1": {},
+    "page-4-chunked": {"page_size": 4, "chunked_prefill_size": 16},
+    "retraction": SMALL_POOL,
+    "overlap": {"disable_overlap_schedule": False},
+}
+
+
+@pytest.mark.parametrize("config", list(DRAFT_CONFIGS))
+@pytest.mark.parametrize("draft_seed", [None, 1], ids=["self-draft", "random-draft"])
+def test_draft_model_speculation_gives_the_tokens_of_plain_decoding(scheduler_for,
+                                                                    tiny_model_dir,
+                                                                    draft_seed, config):
+    """STANDALONE: a draft model that agrees with the target (itself) or almost never (another
+    random model of its vocabulary), under pages, chunks, retraction and overlap; greedy
+    requests with stops and seeded ones with every setting, in one batch."""
+    draft = tiny_model_dir() if draft_seed is None else tiny_model_dir(seed=draft_seed)
+    prompts, params = workload(48, 20)
+    rng = random.Random(20)
+    params = [dict(p) for p in params]
+    for i in range(0, 48, 4):
+        params[i + 1] = {**params[i + 1], "stop_token_ids": [rng.randrange(3, VOCAB)]}
+        params[i + 2] = sampled(2000 + i, 24, **SAMPLED[(i // 4) % len(SAMPLED)])
+    expected = outputs(run_alone(scheduler_for(**PLAIN), prompts, params))
+    options = {**BASE, "speculative_algorithm": "STANDALONE",
+               "speculative_draft_model_path": str(draft), "speculative_num_steps": 3,
+               "speculative_disable_by_batch_size": 512, **DRAFT_CONFIGS[config]}
+    spec = fresh(scheduler_for(**options))
+    before = counters(spec)
+    check_kv = config != "overlap"
+    assert outputs(run(spec, prompts, params, check_kv=check_kv)) == expected
+    delta = since(spec, before)
+    assert delta["spec_verify_steps"] > 0 and delta["spec_draft_tokens"] > 0, delta
+    if draft_seed is None:
+        assert delta["spec_accepted_tokens"] > 0.5 * delta["spec_draft_tokens"], delta
+    else:
+        assert delta["spec_accepted_tokens"] < 0.5 * delta["spec_draft_tokens"], delta
+    if config == "retraction":
+        assert delta["retractions"] > 0, delta
+
+
 # Sampling ------------------------------------------------------------------------------------
 
 
@@ -524,23 +565,33 @@ class FailingAttribute:
         return failing
 
 
+FAULTS = {  # where a verify step fails: (algorithm, the speculation's component, method, call)
+    "forward": ("NGRAM", "runner", "forward", 2),  # slots allocated, nothing computed
+    "logits": ("NGRAM", "runner", "compute_logits", 2),  # every draft token's KV written
+    "append": ("NGRAM", "sampling_step", "append_tokens", 3),  # some tokens appended
+    "draft-pass": ("STANDALONE", "proposer.runner", "forward", 3),  # the draft model's
+    "draft-verify": ("STANDALONE", "runner", "forward", 2),
+}
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize(("component", "method", "call"), [
-    ("runner", "forward", 2),  # slots allocated, nothing computed
-    ("runner", "compute_logits", 2),  # the KV of every draft token written
-    ("sampling_step", "append_tokens", 3),  # some of a request's tokens appended
-])
+@pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_failed_verify_step_leaks_no_slot_and_the_scheduler_serves_on(
-        scheduler_for, page_size, component, method, call):
+        scheduler_for, tiny_model_dir, page_size, fault):
     """As the scheduler's process handles a failed step: every request aborted. Their KV,
     draft slots included, goes back; the same requests then run as without speculation."""
+    algorithm, component, method, call = FAULTS[fault]
     prompts, params = workload(8, 19)
     expected = outputs(run(scheduler_for(**PLAIN), prompts, params))
-    spec = fresh(scheduler_for(**SPEC, page_size=page_size))
-    speculation = spec.speculation
-    real = getattr(speculation, component)
-    fault = FailingAttribute(real, method, call)
-    setattr(speculation, component, fault)
+    options = {**SPEC, "speculative_algorithm": algorithm, "page_size": page_size}
+    if algorithm == "STANDALONE":
+        options |= {"speculative_draft_model_path": str(tiny_model_dir()),
+                    "speculative_num_steps": 3}
+    spec = fresh(scheduler_for(**options))
+    *path, name = ["speculation", *component.split(".")]
+    owner = functools.reduce(getattr, path, spec)
+    real = getattr(owner, name)
+    setattr(owner, name, FailingAttribute(real, method, call))
     reqs = [scheduler_req(spec, p, s) for p, s in zip(prompts, params)]
     for req in reqs:
         spec.add_request(req)
@@ -550,7 +601,7 @@ def test_a_failed_verify_step_leaks_no_slot_and_the_scheduler_serves_on(
                 spec.step()
                 assert_kv_accounted(spec)
     finally:
-        setattr(speculation, component, real)
+        setattr(owner, name, real)
     for req in spec.requests():
         spec.abort(req, "internal error")
     assert all(req.finished for req in reqs)
