@@ -1,10 +1,12 @@
 """Speculative decoding's exactness (radixlm/runtime/scheduler/speculative_decode.py): with
-n-gram drafts (from the request's own tokens and from the radix tree) verified in one pass,
-greedy and seeded outputs equal those of decoding without speculation, token for token,
-alone and batched, under stops, logprobs, grammars, chunked prefill, pages of four tokens,
-overlap and retraction; unseeded sampling keeps the target's distribution (a chi-square
-test against transformers' probabilities); and the KV of rejected draft tokens is given back
-at once (checked between every two steps).
+n-gram drafts (from the request's own tokens and from the radix tree) or a draft model's
+(STANDALONE: the target itself, or another random model that is almost never right) verified
+in one pass, greedy and seeded outputs equal those of decoding without speculation, token
+for token, alone and batched, under stops, logprobs, grammars, n > 1, chunked prefill, pages
+of four tokens, overlap and retraction; unseeded sampling keeps the target's distribution (a
+chi-square test against transformers' probabilities); the KV of rejected draft tokens is
+given back at once (checked between every two steps), and a verify or draft pass that fails
+leaks nothing.
 
 Random tiny models rarely repeat themselves, so the prompts here repeat a random span two or
 three times: n-gram drafts then fire, some are accepted and some rejected, which each test
@@ -478,16 +480,35 @@ def exact_distribution(directory, prompt: list[int], length: int) -> dict[tuple,
     return found
 
 
-def test_unseeded_sampling_keeps_the_target_distribution(scheduler_for, tiny_model_dir):
-    """Chi-square of the first three output tokens of many unseeded samples against their
-    exact probabilities: the drafts (from the tree the earlier samples filled, and from the
-    prompt's repeats) change how many positions a pass checks, never what comes out."""
-    from scipy.stats import chi2
+def chi_square_p_value(statistic: float, degrees: int) -> float:
+    """P(X >= statistic) for X chi-square with ``degrees`` degrees of freedom: the upper
+    regularized incomplete gamma function Q(degrees / 2, statistic / 2)."""
+    return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
 
+
+def test_the_chi_square_p_value_matches_known_quantiles():
+    # The 95th and 99.9th percentiles of chi-square with 1, 10 and 26 degrees of freedom.
+    for statistic, degrees, upper in [(3.841, 1, 0.05), (18.307, 10, 0.05),
+                                      (54.052, 26, 0.001)]:
+        assert chi_square_p_value(statistic, degrees) == pytest.approx(upper, rel=1e-3)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "self-draft"])
+def test_unseeded_sampling_keeps_the_target_distribution(scheduler_for, tiny_model_dir,
+                                                         proposer):
+    """Chi-square of the first three output tokens of many unseeded samples against their
+    exact probabilities: the drafts (n-grams: from the tree the earlier samples filled and
+    the prompt's repeats; or the target's own greedy tokens, from itself as draft model)
+    change how many positions a pass checks, never what comes out."""
     prompt = repeating_prompt(13)
     length = 3
     exact = exact_distribution(tiny_model_dir(), prompt, length)
-    spec = fresh(scheduler_for(**{**SPEC, "speculative_disable_by_batch_size": 64}))
+    options = {**SPEC, "speculative_disable_by_batch_size": 64}
+    if proposer == "self-draft":  # each draft the target's own most likely token
+        options |= {"speculative_algorithm": "STANDALONE", "speculative_num_steps": 2,
+                    "speculative_draft_model_path": str(tiny_model_dir())}
+    spec = fresh(scheduler_for(**options))
     before = counters(spec)
     params = {"temperature": 1.0, "top_k": TOP_K, "max_new_tokens": length,
               "ignore_eos": True}
@@ -513,7 +534,7 @@ def test_unseeded_sampling_keeps_the_target_distribution(scheduler_for, tiny_mod
         stat += (rest_seen - rest_expected) ** 2 / rest_expected
         cells += 1
     assert cells >= 8
-    assert chi2.sf(stat, cells - 1) > 1e-4, (stat, cells)
+    assert chi_square_p_value(stat, cells - 1) > 1e-4, (stat, cells)
 
 
 # KV ------------------------------------------------------------------------------------------
