@@ -84,7 +84,8 @@ class PrefixCache(ABC):
     def continuation(self, key: Sequence[int], max_tokens: int,
                      extra_key: str | None = None) -> list[int]:
         """Up to ``max_tokens`` tokens cached right after the whole of ``key`` (a draft
-        for speculative decoding); [] where no cached sequence extends ``key``. Changes
+        for speculative decoding); [] where no cached sequence extends ``key``, and for an
+        empty ``key``. Changes
         nothing: no split, no access time. A cache that keeps nothing finds nothing."""
         return []
 

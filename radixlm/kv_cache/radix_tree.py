@@ -135,6 +135,8 @@ class RadixCache(PrefixCache):
         """The tokens after the whole (unaligned) ``key``, down the most recently used
         branch wherever the tree forks (``PrefixCache.continuation``)."""
         key = self._key_tuple(key)
+        if not key:  # no context: nothing follows it in particular (nor in a namespace)
+            return []
         node, pos = self.root, 0
         while pos < len(key):
             child = self._child_starting(node, key, pos, extra_key)

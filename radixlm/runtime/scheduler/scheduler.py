@@ -188,9 +188,11 @@ class Scheduler:
         """Ends the decode step in flight, if any (``Overlap.drain``)."""
         self.overlap.drain()
 
-    def abort(self, req: Req, message: str = "aborted") -> None:
+    def abort(self, req: Req, message: str = "aborted", cache: bool = True) -> None:
         """Ends ``req`` at once, freeing its KV; a no-op for a finished request. A beam
-        search's member ends its whole search (the caller reports every member)."""
+        search's member ends its whole search (the caller reports every member).
+        ``cache`` False (after a failed step, which may have left KV unwritten): a running
+        request's own KV is freed, not cached."""
         if req.finished:
             return
         state = self.state
@@ -211,7 +213,10 @@ class Scheduler:
             else:
                 state.running.remove(req)
                 state.sampling_batch.remove([req])
-            self._release(req)
+            if cache or req.beam is not None:  # (a beam group frees a failed step itself)
+                self._release(req)
+            else:
+                self.memory.discard(req)
         req.finish_reason = finish_abort(message)
 
     def flush_cache(self) -> bool:

@@ -166,8 +166,8 @@ class SchedulerLoop:
                     raise RuntimeError(lost) from err
                 logger.exception("scheduler step failed")
                 stepped = self.scheduler.requests()
-                for req in stepped:
-                    self.scheduler.abort(req, f"internal error: {err}")
+                for req in stepped:  # (their KV may be half written: none is cached)
+                    self.scheduler.abort(req, f"internal error: {err}", cache=False)
             self._report(stepped)
 
     def _check_ranks(self) -> None:

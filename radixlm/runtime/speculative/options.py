@@ -38,8 +38,8 @@ def check_speculative_options(args) -> None:
                "(token-tree drafts are not built: chains only)")
     low = args.speculative_ngram_min_match_window_size
     high = args.speculative_ngram_max_match_window_size
-    _check_int("speculative_ngram_min_match_window_size", low, 1, 64)
-    _check_int("speculative_ngram_max_match_window_size", high, 1, 64)
+    _check_int("speculative_ngram_min_match_window_size", low, 1, 64, required=True)
+    _check_int("speculative_ngram_max_match_window_size", high, 1, 64, required=True)
     if low > high:
         raise ValueError(f"speculative_ngram_min_match_window_size ({low}) is above "
                          f"speculative_ngram_max_match_window_size ({high})")
@@ -84,9 +84,10 @@ def _fill_step_counts(args) -> None:
     args.speculative_num_steps, args.speculative_num_draft_tokens = steps, tokens
 
 
-def _check_int(name: str, value, low: int, high: int | None, why: str = "") -> None:
-    """None passes (unset); else an integer in low..high (no upper bound: None)."""
-    if value is None:
+def _check_int(name: str, value, low: int, high: int | None, why: str = "",
+               required: bool = False) -> None:
+    """An integer in low..high (no upper bound: None), or None where not ``required``."""
+    if value is None and not required:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (
             high is not None and value > high):

@@ -66,9 +66,6 @@ def test_a_disabling_batch_size_below_one_or_not_an_integer_is_refused(size):
         ServerArgs(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=size)
 
 
-@pytest.mark.xfail(strict=True, reason="check_speculative_options lets an unset (None) window "
-                   "through _check_int, then compares it with the other: a TypeError, not a "
-                   "ValueError naming the option")
 def test_a_window_set_to_none_is_refused_by_name():
     with pytest.raises(ValueError, match="speculative_ngram_min_match_window_size"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=None)
