@@ -9,8 +9,9 @@ request has: penalties, grammar mask, seed, thinking budget) and appended (stop 
 While it equals the draft token at that position, the next position's distribution is the
 target's too and the request goes on. It stops at the first token that differs from the
 draft (that token is kept: the target chose it), at its end (a stop, its budget), where
-jump-forward appended tokens after it, or after the token following its last draft token.
-One pass thus gives a request 1 .. k + 1 tokens.
+jump-forward appended tokens after it (the tokens it forced then wait for the next step, as
+after any jump), or after the token following its last draft token. One pass thus gives a
+request 1 .. k + 1 tokens.
 
 Exactness. Every token is the one the request's sampler chooses given the tokens before it,
 as a decode step chooses it; the draft only decides how many positions one pass checks.
@@ -180,9 +181,11 @@ class SpeculativeDecode:
                 self.sampling_step.append_tokens([req], [token], batch)
                 if req.logprobs is not None:
                     wanted.append((req, row, token))
-                if (req.finished or position == len(draft) or token != draft[position]
-                        or len(req.output_ids) > outputs + 1):  # (jump-forward appended)
-                    kept.append(position + 1)
+                guessed = position < len(draft) and token == draft[position]
+                jumped = len(req.output_ids) > outputs + 1  # jump-forward appended tokens
+                if req.finished or not guessed or jumped:
+                    # After a jump the draft's token, if it was this one, has its KV too.
+                    kept.append(position + 1 + (jumped and guessed))
                     break
             offset += len(draft) + 1
         if wanted:
