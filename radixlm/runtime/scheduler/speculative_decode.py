@@ -1,9 +1,10 @@
 """Speculative decode steps: draft tokens verified in one forward pass over the paged KV.
 
-A decode step where some running request has a draft (``runtime/speculative``) runs as one
-extend pass instead: each request is extended by its last token and its k draft tokens (k = 0
-for a request without one, which the pass decodes as usual), so the pass computes k + 1
-next-token distributions for it. Then, position by position, the request's next token is
+A decode step where some running request has a draft (``runtime/speculative``) checks it in
+the same one forward pass: each request runs its last token and its k draft tokens (k = 0
+for a request without one, which the pass decodes as usual), as k + 1 rows of a decode batch
+(``StepBatches.verify``: row j at position ``kv_len + j``, seeing the rows before it), so
+the pass computes k + 1 next-token distributions for it. Then, position by position, the request's next token is
 chosen exactly as a decode step would choose it there (the sampler with every setting the
 request has: penalties, grammar mask, seed, thinking budget) and appended (stop checks).
 While it equals the draft token at that position, the next position's distribution is the
@@ -21,9 +22,9 @@ probability min(1, p(x) / q(x)) = p(x), else draw from max(p - q, 0) normalised,
 without x): the token drawn from p equals x with probability p(x) and is any other y with
 probability p(y), exactly the rule's outcome. N-gram and tree drafts are such tokens. A
 seeded request draws each position's uniform from (its seed, its output position), so its
-tokens are the same with speculation as without. (Numerically, the verify pass is a prompt
-pass: in half precision its logits may differ from a one-row decode pass's in the last bits,
-as a chunked or recomputed prompt's do.)
+tokens are the same with speculation as without. (Numerically, the verify pass is a decode
+pass of more rows than a plain step's: where a product's kernel depends on its number of
+rows, the logits may differ in the last bits, as those of a batch do from a lone request's.)
 
 KV. The pass writes the KV of all k + 1 tokens; each request keeps the slots of the tokens it
 kept (its last token and the accepted drafts) and gives the rest back at once
@@ -128,7 +129,7 @@ class SpeculativeDecode:
         new_ids = [[req.output_ids[-1], *draft] for req, draft in zip(reqs, drafts)]
         listed: list[list[int]] = []
         try:
-            batch = self.batches.extend(reqs, new_ids, listed)
+            batch = self.batches.verify(reqs, new_ids, listed)
             hidden = self.runner.forward(batch)
             state.stats.forward_steps += 1
             state.note_kv_peak(self.memory)

@@ -37,19 +37,11 @@ class StepBatches:
         shared = shared_prefixes(reqs) if self.state.beam_groups else None
         return self.runner.make_decode_batch(inputs, slots, kv_lens, shared)
 
-    def extend(self, reqs: list[Req], new_ids: list[list[int]],
-               listed: list[list[int]] | None = None) -> ForwardBatch:
-        """Allocates KV for each request's new tokens and builds the extend batch.
-        ``listed``: gets each request's slots as host integers (a speculative verify step,
-        which gives back those of rejected tokens)."""
+    def extend(self, reqs: list[Req], new_ids: list[list[int]]) -> ForwardBatch:
+        """Allocates KV for each request's new tokens and builds the extend batch."""
         input_ids, positions, slots, prefix_lens, extend_lens = [], [], [], [], []
         for req, ids in zip(reqs, new_ids):
-            if listed is None:
-                slots.append(self.memory.alloc(req, len(ids)))
-            else:
-                req_slots, host_slots = self.memory.alloc_listed(req, len(ids))
-                slots.append(req_slots)
-                listed.append(host_slots)
+            slots.append(self.memory.alloc(req, len(ids)))
             input_ids += ids
             positions += range(req.kv_len, req.kv_len + len(ids))
             prefix_lens.append(req.kv_len)
@@ -58,3 +50,26 @@ class StepBatches:
         return self.runner.make_forward_batch(
             ForwardMode.EXTEND, input_ids, positions, torch.cat(slots),
             [r.req_pool_idx for r in reqs], prefix_lens, extend_lens)
+
+    def verify(self, reqs: list[Req], new_ids: list[list[int]],
+               listed: list[list[int]]) -> ForwardBatch:
+        """A speculative verify step's batch, in decode form: one row per checked token (a
+        request's last token, then its draft), row j of a request at position
+        ``kv_len + j`` attending to the request's tokens up to it. Every backend's decode
+        step stores a layer's new K/V for all rows before any row attends, so the rows of
+        one request see each other's KV as an extend's tokens do; and the step runs the
+        decode path (on CPUs the fused decode layers, on GPUs its graphs where they fit),
+        which costs little more for a few rows than for one. ``listed`` gets each
+        request's slots as host integers (``RequestMemory.give_back`` returns the
+        rejected ones)."""
+        input_ids, positions, rows, slots = [], [], [], []
+        for req, ids in zip(reqs, new_ids):
+            req_slots, host_slots = self.memory.alloc_listed(req, len(ids))
+            slots.append(req_slots)
+            listed.append(host_slots)
+            input_ids += ids
+            positions += range(req.kv_len, req.kv_len + len(ids))
+            rows += [req.req_pool_idx] * len(ids)
+            req.kv_len += len(ids)
+        inputs = self.runner.decode_inputs(input_ids, positions, rows)
+        return self.runner.make_decode_batch(inputs, torch.cat(slots), positions)
