@@ -4,9 +4,10 @@ A decode step where some running request has a draft (``runtime/speculative``) c
 the same one forward pass: each request runs its last token and its k draft tokens (k = 0
 for a request without one, which the pass decodes as usual), as k + 1 rows of a decode batch
 (``StepBatches.verify``: row j at position ``kv_len + j``, seeing the rows before it), so
-the pass computes k + 1 next-token distributions for it. Then, position by position, the request's next token is
-chosen exactly as a decode step would choose it there (the sampler with every setting the
-request has: penalties, grammar mask, seed, thinking budget) and appended (stop checks).
+the pass computes k + 1 next-token distributions for it. Then, position by position, the
+request's next token is chosen exactly as a decode step would choose it there (the sampler
+with every setting the request has: penalties, grammar mask, seed, thinking budget) and
+appended (stop checks).
 While it equals the draft token at that position, the next position's distribution is the
 target's too and the request goes on. It stops at the first token that differs from the
 draft (that token is kept: the target chose it), at its end (a stop, its budget), where
