@@ -262,7 +262,11 @@ class Scheduler:
             if self.overlap.worker is not None and not state.beam_groups:
                 state.in_flight = self.overlap.launch(reqs, previous=None)
                 return []  # its tokens are processed at the next step
-            return self._run_and_process(reqs, self.batches.decode(reqs, known_inputs=True))
+            started = time.perf_counter()
+            stepped = self._run_and_process(reqs, self.batches.decode(reqs, known_inputs=True))
+            if self.speculation is not None:  # what a verify step's rows are weighed against
+                self.speculation.observe_plain_step(len(reqs), time.perf_counter() - started)
+            return stepped
         state.stats.jump_forward_steps += 1
         pending = [r.output_ids[r.kv_len - len(r.input_ids):] for r in reqs]
         return self._extend(reqs, pending)

@@ -39,6 +39,8 @@ accelerator, a wait per position): both declared in ``host_reads.py``.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from radixlm.host_to_device import to_device
@@ -55,6 +57,7 @@ from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.speculative.draft_model_proposer import DraftModelProposer
 from radixlm.runtime.speculative.draft_proposer import DraftProposer
 from radixlm.runtime.speculative.ngram_proposer import NgramProposer
+from radixlm.runtime.speculative.verify_plan import StepCosts, plan_drafts
 
 
 class SpeculativeDecode:
@@ -62,8 +65,11 @@ class SpeculativeDecode:
 
     def __init__(self, state: SchedulerState, memory: RequestMemory, runner: ModelRunner,
                  batches: StepBatches, sampling_step: SamplingStep, sampler: Sampler,
-                 proposer: DraftProposer, max_batch_size: int):
-        """``max_batch_size``: above this many running requests, no step speculates."""
+                 proposer: DraftProposer, max_batch_size: int, timed: bool = True):
+        """``max_batch_size``: above this many running requests, no step speculates.
+        ``timed``: drafts are cut to what pays by the steps' measured costs
+        (``verify_plan``); False (``disable_adaptive_timing``): every draft is checked."""
+        self.costs = StepCosts() if timed else None
         self.state = state
         self.memory = memory
         self.runner = runner
@@ -94,9 +100,16 @@ class SpeculativeDecode:
         for req, draft in zip(reqs, drafts):
             if draft and req.grammar is not None:
                 del draft[_grammar_allows(req, draft):]
+        if self.costs is not None:
+            plan_drafts(drafts, [self.proposer.acceptance_rate(r) for r in reqs], self.costs)
         if not any(drafts):
             return None
         return self._verify(reqs, drafts)
+
+    def observe_plain_step(self, rows: int, seconds: float) -> None:
+        """A plain decode step of ``rows`` requests took ``seconds`` (host time)."""
+        if self.costs is not None and not self.runner.last_pass_was_trial:
+            self.costs.observe(rows, seconds)
 
     # Drafts --------------------------------------------------------------------------------
 
@@ -129,6 +142,7 @@ class SpeculativeDecode:
         state = self.state
         new_ids = [[req.output_ids[-1], *draft] for req, draft in zip(reqs, drafts)]
         listed: list[list[int]] = []
+        started = time.perf_counter()
         try:
             batch = self.batches.verify(reqs, new_ids, listed)
             hidden = self.runner.forward(batch)
@@ -136,6 +150,8 @@ class SpeculativeDecode:
             state.note_kv_peak(self.memory)
             logits = self.runner.compute_logits(hidden)  # (T, V): every position checked
             kept = self._accept(reqs, drafts, logits)
+            if self.costs is not None and not self.runner.last_pass_was_trial:
+                self.costs.observe(len(batch.input_ids), time.perf_counter() - started)
         except BaseException:
             for req, slots in zip(reqs, listed):  # as a failed decode step leaves them
                 self.memory.give_back(req, slots, 1)
@@ -236,4 +252,5 @@ def build_speculation(args: ServerArgs, state: SchedulerState, memory: RequestMe
         proposer = NgramProposer(tree, max_draft, args.speculative_ngram_min_match_window_size,
                                  args.speculative_ngram_max_match_window_size)
     return SpeculativeDecode(state, memory, runner, batches, sampling_step, sampler,
-                             proposer, args.speculative_disable_by_batch_size)
+                             proposer, args.speculative_disable_by_batch_size,
+                             timed=not args.disable_adaptive_timing)

@@ -132,6 +132,9 @@ class DraftModelProposer:
     def observe(self, req: Req, proposed: int, accepted: int) -> None:
         self._state(req).length.observe(proposed, accepted)
 
+    def acceptance_rate(self, req: Req) -> float:
+        return self._state(req).length.rate
+
     def after_verify(self, reqs: list[Req], hidden: torch.Tensor,
                      kept_rows: list[list[int]]) -> None:
         """(a draft model reads no hidden states of the target)"""

@@ -29,6 +29,10 @@ draft) decodes plainly before it looks up a draft again (open-ended text stops p
 drafts, but a quote may begin)."""
 
 
+RATE_DECAY = 0.7
+"""Weight of the past in a request's acceptance rate, per verify step."""
+
+
 class DraftProposer(Protocol):
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         """Each request's draft tokens, at most its budget (0: none)."""
@@ -38,6 +42,9 @@ class DraftProposer(Protocol):
 
     def observe(self, req: Req, proposed: int, accepted: int) -> None:
         """``accepted`` of the ``proposed`` draft tokens were the target's."""
+
+    def acceptance_rate(self, req: Req) -> float:
+        """The chance that ``req``'s next draft token is accepted, as seen so far."""
 
     def after_verify(self, reqs: list[Req], hidden: torch.Tensor,
                      kept_rows: list[list[int]]) -> None:
@@ -66,6 +73,10 @@ class DraftLength:
     """Whether the last lookup found a draft."""
     looked_at: int = 0
     """The output length at the last lookup."""
+    successes: float = 1.0
+    trials: float = 2.0
+    """Draft tokens accepted, and checked up to the first rejection, decayed by
+    ``RATE_DECAY`` a verify (a prior of one in two)."""
 
     def __post_init__(self) -> None:
         if self.length < 0:
@@ -88,9 +99,16 @@ class DraftLength:
         """What the lookup ``next`` asked for found."""
         self.found = found
 
+    @property
+    def rate(self) -> float:
+        """The per-token acceptance rate: accepted / checked."""
+        return self.successes / self.trials
+
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
+        self.successes = RATE_DECAY * self.successes + accepted
+        self.trials = RATE_DECAY * self.trials + accepted + (accepted < proposed)
         if accepted == proposed:
             self.length = min(self.limit, max(self.length, proposed) + 1)
         elif accepted > 0:

@@ -99,6 +99,9 @@ class NgramProposer:
     def observe(self, req: Req, proposed: int, accepted: int) -> None:
         self._length(req).observe(proposed, accepted)
 
+    def acceptance_rate(self, req: Req) -> float:
+        return self._length(req).rate
+
     def after_verify(self, reqs: list[Req], hidden: torch.Tensor,
                      kept_rows: list[list[int]]) -> None:
         """(n-grams read no hidden states)"""
