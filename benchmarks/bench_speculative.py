@@ -31,7 +31,8 @@ prompt ids, greedy: ``Llama`` without a draft model and with
 ``LlamaPromptLookupDecoding(num_pred_tokens=k)`` for each ``--llama-pred-tokens`` k.
 
 Extra tables: the batch size where speculation stops paying (``--crossover-workloads``,
-batches 1, 2, 4, 8, 16, tree engine); ``speculative_num_draft_tokens`` 2 and 8 at batch 1
+batches 1, 2, 4, 8, 16, tree engine); ``speculative_num_draft_tokens`` (SGLang's count: the
+last token included, default 5) 3 and 9 at batch 1
 (``--draft-workload``); with ``--float32``, batch 1 in float32.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_speculative.py [--quick]
@@ -54,6 +55,8 @@ from pathlib import Path
 SYSTEMS = ("plain", "tree", "own")
 CROSSOVER_BATCHES = (2, 8)
 """Batches run only for the crossover table (1, 4 and 16 come from the main one)."""
+DEFAULT_DRAFT_TOKENS = 5
+"""``speculative_num_draft_tokens``' default for NGRAM (radixlm/runtime/speculative/options.py)."""
 STATS = ("spec_verify_steps", "spec_drafted_requests", "spec_draft_tokens",
          "spec_accepted_tokens")
 
@@ -440,7 +443,8 @@ def tables(summary: dict, args, names: list[str]) -> str:
     lines += ["", f"### speculative_num_draft_tokens at batch 1 ({args.draft_workload}, tree "
               "engine)", "", "| draft tokens | decode speedup | accepted length | mismatches |",
               "|---|---|---|---|"]
-    for k, system in sorted([(4, "tree"), *((k, f"tree k={k}") for k in args.draft_tokens)]):
+    for k, system in sorted([(DEFAULT_DRAFT_TOKENS, "tree"),
+                             *((k, f"tree k={k}") for k in args.draft_tokens)]):
         s = get(args.draft_workload, 1, system)
         lines.append(f"| {k} | {fmt(s.get('speedup'), '.2f', 'x')} | {fmt(s.get('accept'))} "
                      f"| {mism(s) if s else '-'} |")
@@ -467,8 +471,8 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=None)
     parser.add_argument("--crossover-workloads", nargs="+", default=["quote_doc", "open_chat"])
     parser.add_argument("--draft-workload", default="quote_doc")
-    parser.add_argument("--draft-tokens", type=int, nargs="*", default=[2, 8],
-                        help="speculative_num_draft_tokens besides 4, at batch 1")
+    parser.add_argument("--draft-tokens", type=int, nargs="*", default=[3, 9],
+                        help="speculative_num_draft_tokens besides the default, at batch 1")
     parser.add_argument("--float32", action="store_true", help="batch 1 in float32 too")
     parser.add_argument("--gguf", default=None, help="a GGUF of the default model (llama.cpp)")
     parser.add_argument("--llama-pred-tokens", type=int, nargs="+", default=[2, 10],
