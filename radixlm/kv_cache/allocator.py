@@ -90,11 +90,7 @@ class TokenToKVPoolAllocator:
         page = self.page_size
         if num_tokens == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device), last_slot
-        in_page = 0
-        if last_slot >= 0 and page > 1:
-            in_page = min(page - (last_slot % page + 1), num_tokens)
-        rest = num_tokens - in_page
-        pages = self._take_pages(-(-rest // page))
+        in_page, rest, pages = self._extension(last_slot, num_tokens)
         last = last_slot + in_page if rest == 0 else pages[-1] * page + (rest - 1) % page
         if in_page == 0:
             return self._page_slots(pages)[:num_tokens], last
@@ -111,13 +107,19 @@ class TokenToKVPoolAllocator:
         """``extend``'s slots as host integers (for a caller that may give the tail back:
         ``free_tail``); the same slots ``extend`` would hand out."""
         page = self.page_size
+        in_page, rest, pages = self._extension(last_slot, num_tokens)
+        fresh = [p * page + offset for p in pages for offset in range(page)][:rest]
+        return [*range(last_slot + 1, last_slot + 1 + in_page), *fresh]
+
+    def _extension(self, last_slot: int, num_tokens: int) -> tuple[int, int, list[int]]:
+        """Where ``num_tokens`` tokens after the one at ``last_slot`` go: how many fit in
+        its page's free slots, how many are left, and the fresh pages taken for those."""
+        page = self.page_size
         in_page = 0
         if last_slot >= 0 and page > 1:
             in_page = min(page - (last_slot % page + 1), num_tokens)
         rest = num_tokens - in_page
-        pages = self._take_pages(-(-rest // page)) if rest else []
-        fresh = [p * page + offset for p in pages for offset in range(page)][:rest]
-        return [*range(last_slot + 1, last_slot + 1 + in_page), *fresh]
+        return in_page, rest, self._take_pages(-(-rest // page)) if rest else []
 
     def free_tail(self, slots: list[int], keep: int) -> None:
         """Gives back ``slots[keep:]`` of a sequence's latest ``extend_listed`` slots (they

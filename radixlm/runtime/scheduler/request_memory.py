@@ -82,33 +82,29 @@ class RequestMemory:
         # any page stands for the prefix's (no device read); no prefix: none yet.
         req.last_slot = self.page_size - 1 if len(prefix) else -1
 
-    def alloc(self, req: Req, num_tokens: int) -> torch.Tensor:
-        """Slots for the request's next ``num_tokens`` tokens, evicting from the cache if needed."""
+    def alloc(self, req: Req, num_tokens: int, listed: list[int] | None = None
+              ) -> torch.Tensor:
+        """Slots for the request's next ``num_tokens`` tokens, evicting from the cache if
+        needed. ``listed``: extended by them as host integers too (a speculative verify
+        step, which gives back those of rejected draft tokens: ``give_back``)."""
         self._make_room(pages_for(num_tokens, self.page_size))
         try:
-            slots, last_slot = self.allocator.extend(req.last_slot, num_tokens)
+            if listed is None:
+                slots, last_slot = self.allocator.extend(req.last_slot, num_tokens)
+            else:
+                found = self.allocator.extend_listed(req.last_slot, num_tokens)
+                listed += found
+                slots = to_device(found, torch.int64, self.req_to_token.device)
+                last_slot = found[-1] if found else req.last_slot
         except OutOfKVSlots as err:
             raise OutOfKVSlots(f"{err}; the scheduler's reservation was wrong") from err
         self.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + num_tokens] = slots
         req.last_slot = last_slot  # the caller advances req.kv_len
         return slots
 
-    def alloc_listed(self, req: Req, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
-        """``alloc``'s slots, also as host integers: for a speculative verify step, which
-        gives back those of rejected draft tokens (``give_back``)."""
-        self._make_room(pages_for(num_tokens, self.page_size))
-        try:
-            listed = self.allocator.extend_listed(req.last_slot, num_tokens)
-        except OutOfKVSlots as err:
-            raise OutOfKVSlots(f"{err}; the scheduler's reservation was wrong") from err
-        slots = to_device(listed, torch.int64, self.req_to_token.device)
-        self.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + num_tokens] = slots
-        req.last_slot = listed[-1]  # the caller advances req.kv_len
-        return slots, listed
-
     def give_back(self, req: Req, listed: list[int], keep: int) -> None:
         """Frees all but the first ``keep`` (>= 1) of ``listed``, the request's latest
-        ``alloc_listed`` slots (whose tokens it has in ``kv_len``): their KV is of tokens it
+        ``alloc`` slots, listed (whose tokens it has in ``kv_len``): their KV is of tokens it
         did not keep. ``kv_len`` goes back by as many."""
         if not 1 <= keep <= len(listed):
             raise ValueError(f"give_back keeps 1..{len(listed)} slots, got {keep}")

@@ -181,13 +181,14 @@ class SpeculativeDecode:
         """Appends each request's tokens, position by position (see the module), and
         returns how many positions each kept (its appended sampled tokens)."""
         batch = self.state.sampling_batch
-        if batch.is_plain_greedy():
+        plain = batch.is_plain_greedy()
+        if plain:
             chosen = self.sampler.argmax(logits).tolist()  # the step's one wait
         kept, wanted, offset = [], [], 0
         for req, draft in zip(reqs, drafts):
             for position in range(len(draft) + 1):
                 row = offset + position
-                if batch.is_plain_greedy():
+                if plain:
                     token = chosen[row]
                 else:  # the row's settings, as a decode step applies them at this position
                     # (a view copies the row's state: taken afresh after each token)

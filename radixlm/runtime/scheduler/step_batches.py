@@ -64,9 +64,8 @@ class StepBatches:
         rejected ones)."""
         input_ids, positions, rows, slots = [], [], [], []
         for req, ids in zip(reqs, new_ids):
-            req_slots, host_slots = self.memory.alloc_listed(req, len(ids))
-            slots.append(req_slots)
-            listed.append(host_slots)
+            listed.append([])
+            slots.append(self.memory.alloc(req, len(ids), listed[-1]))
             input_ids += ids
             positions += range(req.kv_len, req.kv_len + len(ids))
             rows += [req.req_pool_idx] * len(ids)

@@ -1,4 +1,4 @@
-"""Tests of ``RequestMemory.alloc_listed`` and ``give_back``
+"""Tests of ``RequestMemory.alloc`` listing its slots and ``give_back``
 (radixlm/runtime/scheduler/request_memory.py), a speculative verify step's KV: a request
 extended by its last token and a draft keeps the slots of the tokens it kept, gives the rest
 back at once, and the conservation invariant (free + cached + held == pool) holds after every
@@ -60,7 +60,8 @@ def test_a_verify_step_keeps_the_kept_tokens_slots_and_gives_back_the_rest(page_
         for _ in range(8):
             draft = rng.randint(0, 6)
             before = row_of[req.req_pool_idx, : req.kv_len].tolist()
-            slots, listed = memory.alloc_listed(req, 1 + draft)
+            listed = []
+            slots = memory.alloc(req, 1 + draft, listed)
             assert slots.tolist() == listed
             req.kv_len += 1 + draft
             assert row_of[req.req_pool_idx, : req.kv_len].tolist() == before + listed
@@ -81,7 +82,8 @@ def test_a_failed_pass_giving_back_every_draft_slot_leaves_the_request_as_before
     memory = make_memory(page_size)
     req = start(memory, list(range(3, 9)))
     free, kv_len = memory.allocator.available_size(), req.kv_len
-    _, listed = memory.alloc_listed(req, 6)
+    listed = []
+    memory.alloc(req, 6, listed)
     req.kv_len += 6
     memory.give_back(req, listed, 1)
     # Only the last token's slot stays: as after a plain decode step's allocation.
@@ -95,7 +97,8 @@ def test_a_failed_pass_giving_back_every_draft_slot_leaves_the_request_as_before
 def test_give_back_keeps_one_to_all_of_the_listed_slots():
     memory = make_memory(1)
     req = start(memory, [3, 4, 5])
-    _, listed = memory.alloc_listed(req, 3)
+    listed = []
+    memory.alloc(req, 3, listed)
     req.kv_len += 3
     for keep in (0, 4):
         with pytest.raises(ValueError, match="keeps 1..3"):

@@ -595,6 +595,24 @@ FAULTS = {  # where a verify step fails: (algorithm, the speculation's component
 }
 
 
+def step_until_injected_failure(spec, reqs, check_kv: bool = False) -> None:
+    """Adds ``reqs`` and steps ``spec`` until the injected failure is raised (checking the
+    KV accounts between steps where ``check_kv``)."""
+    for req in reqs:
+        spec.add_request(req)
+    with pytest.raises(Injected):
+        for _ in range(1000):
+            spec.step()
+            if check_kv:
+                assert_kv_accounted(spec)
+
+
+def abort_after_failure(spec) -> None:
+    """Aborts every request as the scheduler's process does after a failed step."""
+    for req in spec.requests():
+        spec.abort(req, "internal error", cache=False)
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_failed_verify_step_leaks_no_slot_and_the_scheduler_serves_on(
@@ -614,17 +632,11 @@ def test_a_failed_verify_step_leaks_no_slot_and_the_scheduler_serves_on(
     real = getattr(owner, name)
     setattr(owner, name, FailingAttribute(real, method, call))
     reqs = [scheduler_req(spec, p, s) for p, s in zip(prompts, params)]
-    for req in reqs:
-        spec.add_request(req)
     try:
-        with pytest.raises(Injected):
-            for _ in range(1000):
-                spec.step()
-                assert_kv_accounted(spec)
+        step_until_injected_failure(spec, reqs, check_kv=True)
     finally:
         setattr(owner, name, real)
-    for req in spec.requests():  # as the scheduler's process does after a failed step
-        spec.abort(req, "internal error", cache=False)
+    abort_after_failure(spec)
     assert all(req.finished for req in reqs)
     info = spec.server_info()
     assert info["free_kv_tokens"] + info["cache_tokens"] == info["max_total_tokens"]
@@ -641,16 +653,11 @@ def test_a_verify_pass_that_failed_before_computing_caches_no_unwritten_kv(sched
     real = speculation.runner
     speculation.runner = FailingAttribute(real, "forward", 2)
     reqs = [scheduler_req(spec, p, greedy(30)) for p in prompts]
-    for req in reqs:
-        spec.add_request(req)
     try:
-        with pytest.raises(Injected):
-            for _ in range(1000):
-                spec.step()
+        step_until_injected_failure(spec, reqs)
     finally:
         speculation.runner = real
-    for req in spec.requests():  # as the scheduler's process does after a failed step
-        spec.abort(req, "internal error", cache=False)
+    abort_after_failure(spec)
     follow = [req.all_ids() + [5, 6] for req in reqs]  # the next turn of each conversation
     params = [greedy(10) for _ in follow]
     expected = outputs(run(fresh(scheduler_for(**PLAIN)), follow, params))
