@@ -1,0 +1,500 @@
+"""The disk tier (L3) of the hierarchical prefix cache: KV blocks in files that outlive the server.
+
+A block is the KV of ``block_tokens`` consecutive tokens (a multiple of the pool's page
+size): one tensor per per-slot buffer of the pool, in the order of ``layer_buffers()``,
+each (block_tokens, *slot_shape) of the pool's dtype. It is keyed by a chained hash over
+the whole prefix up to its end,
+
+    key_{-1} = H(identity fingerprint, extra_key)      key_i = H(key_{i-1}, tokens of block i)
+
+so a restarted server finds a prompt's blocks by hashing the prompt (``block_keys``),
+without any index of its own on disk. Each block is one safetensors file ``<key>.safetensors``
+whose metadata holds the format version, the ``StoreIdentity``, the block's tokens, its key
+and a checksum of the payload. Files are never unpickled; they are read back as untrusted
+input.
+
+Invariants:
+- a file is indexed only if its header names this format version, this identity and the
+  key of its file name; files of another identity or version are left alone, never read;
+- a read returns tensors only after every check passed (key, identity, the caller's tokens,
+  tensor names, shapes, dtypes, checksum); a file failing one is deleted and the read misses;
+- a block file appears only whole: it is written to ``<key>.<tag>.tmp`` beside it, fsynced
+  and renamed over the final name, so a crash leaves at most a temp file, which the next
+  start-up of the same identity deletes (one live store per identity and directory);
+- ``bytes_used`` (the sum of indexed file sizes) plus the bytes of writes under way never
+  exceeds ``capacity_bytes``: a write first evicts least-recently-used blocks;
+- ``write`` never raises for an I/O failure (disk full, read-only, permissions): it returns
+  False, logs one warning per kind of failure and interval, and removes its temp file.
+
+Recency is kept in memory (an ordered index, oldest first) and persisted as file mtimes,
+which order the index at start-up; a read touches its file's mtime. The index is guarded by
+one lock, so reads and writes may run in a worker thread while the scheduler asks
+``contains`` and ``longest_prefix``; files are read and written outside the lock, and only
+deleted under it (so an eviction never races a write of the same key into the index).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+logger = logging.getLogger(__name__)
+
+FORMAT_NAME = "radixlm-kv-block"
+FORMAT_VERSION = "1"
+BLOCK_SUFFIX = ".safetensors"
+TEMP_SUFFIX = ".tmp"
+_KEY_PATTERN = re.compile(r"[0-9a-f]{64}")
+_WARNING_INTERVAL_S = 60.0
+
+
+def _digest(*parts: bytes) -> hashlib.blake2b:
+    h = hashlib.blake2b(digest_size=32)
+    for part in parts:
+        h.update(struct.pack("<Q", len(part)))  # length-prefixed: no two part lists collide
+        h.update(part)
+    return h
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreIdentity:
+    """What a block's bytes depend on; a store never uses blocks of another identity.
+
+    ``dtype`` is a torch dtype name ("bfloat16"); ``buffer_shapes`` holds one per-slot shape
+    per buffer of the pool, in ``layer_buffers()`` order; ``tokenizer`` is any string that
+    changes when the token ids would (a hash of tokenizer.json, say).
+    """
+
+    model: str
+    dtype: str
+    page_size: int
+    block_tokens: int
+    buffer_shapes: tuple[tuple[int, ...], ...]
+    tokenizer: str
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"dtype must name a torch dtype ('bfloat16'), got {self.dtype!r}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.block_tokens < 1 or self.block_tokens % self.page_size:
+            raise ValueError(f"block_tokens must be a positive multiple of page_size "
+                             f"({self.page_size}), got {self.block_tokens}")
+        if not self.buffer_shapes:
+            raise ValueError("buffer_shapes must list at least one buffer")
+        shapes = tuple(tuple(int(d) for d in shape) for shape in self.buffer_shapes)
+        if any(d < 1 for shape in shapes for d in shape):
+            raise ValueError(f"buffer_shapes must be positive, got {shapes}")
+        object.__setattr__(self, "buffer_shapes", shapes)
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+
+    @classmethod
+    def of_pool(cls, pool, *, model: str, tokenizer: str, page_size: int, block_tokens: int,
+                tp_rank: int = 0, tp_size: int = 1) -> StoreIdentity:
+        """The identity of blocks cut from ``pool`` (with ``dtype`` and ``layer_buffers()``)."""
+        return cls(model=model, dtype=str(pool.dtype).removeprefix("torch."),
+                   page_size=page_size, block_tokens=block_tokens,
+                   buffer_shapes=tuple(tuple(b.shape[1:]) for b in pool.layer_buffers()),
+                   tokenizer=tokenizer, tp_rank=tp_rank, tp_size=tp_size)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def canonical_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    def fingerprint(self) -> str:
+        return _digest(self.canonical_json().encode()).hexdigest()
+
+
+def chained_block_keys(fingerprint: str, block_tokens: int, tokens: Sequence[int],
+                       extra_key: str | None) -> list[str]:
+    """The key of every full block of ``tokens`` (see the module docstring)."""
+    chain = _digest(json.dumps([fingerprint, extra_key]).encode()).digest()
+    keys = []
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        block = tokens[start:start + block_tokens]
+        h = _digest(chain, struct.pack(f"<{block_tokens}q", *block))
+        chain = h.digest()
+        keys.append(h.hexdigest())
+    return keys
+
+
+def payload_checksum(buffers: Sequence[torch.Tensor]) -> str:
+    """A hash over the raw bytes of each tensor, any dtype (bfloat16 included)."""
+    h = hashlib.blake2b(digest_size=32)
+    for t in buffers:
+        raw = t.contiguous().view(torch.uint8).reshape(-1).numpy()
+        h.update(struct.pack("<Q", raw.nbytes))
+        h.update(raw.data)
+    return h.hexdigest()
+
+
+def _header_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file's bytes; ValueError if it is unreadable."""
+    if len(data) < 8:
+        raise ValueError("shorter than a safetensors header")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len > len(data) - 8:
+        raise ValueError("header runs past the end of the file")
+    header = json.loads(data[8:8 + header_len])
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(metadata, dict):
+        raise ValueError("no metadata in the header")
+    return metadata
+
+
+class CorruptBlock(Exception):
+    """A block file that failed a check; the message says which."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DiskKVStoreStats:
+    files: int
+    bytes_used: int
+    bytes_written: int
+    bytes_read: int
+    reads: int
+    read_hits: int
+    write_failures: int
+    corrupt_deleted: int
+
+
+class _WarningLimiter:
+    """Logs a warning of a kind at most once per interval, then how many were held back."""
+
+    def __init__(self, interval_s: float = _WARNING_INTERVAL_S):
+        self._interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._interval_s:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        self._last[kind] = now
+        suffix = f" ({held} more like it held back)" if held else ""
+        logger.warning(message + suffix, *args)
+
+
+class DiskKVStore:
+    """Blocks of KV under ``directory``, at most ``capacity_bytes`` of files, of one identity.
+
+    Opening raises OSError only if the directory cannot be created or listed. After
+    ``close`` every lookup misses and every write is refused (returns False), so a worker
+    thread finishing a write after shutdown does no harm.
+    """
+
+    def __init__(self, directory: str | os.PathLike, identity: StoreIdentity, capacity_bytes: int):
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
+        self.directory = Path(directory)
+        self.identity = identity
+        self.capacity_bytes = capacity_bytes
+        self._identity_json = identity.canonical_json()
+        self._fingerprint = identity.fingerprint()
+        self._temp_tag = self._fingerprint[:16]
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, oldest first
+        self._bytes_used = 0
+        self._bytes_reserved = 0
+        self._counters = dict.fromkeys(
+            ("bytes_written", "bytes_read", "reads", "read_hits", "write_failures",
+             "corrupt_deleted"), 0)
+        self._warnings = _WarningLimiter()
+        self._closed = False
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._load_index()
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike, identity: StoreIdentity,
+             capacity_bytes: int) -> DiskKVStore:
+        return cls(directory, identity, capacity_bytes)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._index.clear()
+
+    def __enter__(self) -> DiskKVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- lookups ---------------------------------------------------------------------------
+
+    def block_keys(self, tokens: Sequence[int], extra_key: str | None) -> list[str]:
+        """One key per full block of ``tokens``; a trailing partial block has none."""
+        return chained_block_keys(self._fingerprint, self.identity.block_tokens, tokens, extra_key)
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def longest_prefix(self, tokens: Sequence[int], extra_key: str | None) -> int:
+        """How many leading full blocks of ``tokens`` are stored (up to the first missing)."""
+        keys = self.block_keys(tokens, extra_key)
+        with self._lock:
+            for n, key in enumerate(keys):
+                if key not in self._index:
+                    return n
+            return len(keys)
+
+    def stats(self) -> DiskKVStoreStats:
+        with self._lock:
+            return DiskKVStoreStats(files=len(self._index), bytes_used=self._bytes_used,
+                                    **self._counters)
+
+    def path_of(self, key: str) -> Path:
+        if not _KEY_PATTERN.fullmatch(key):
+            raise ValueError(f"a block key is 64 lowercase hex digits, got {key!r}")
+        return self.directory / (key + BLOCK_SUFFIX)
+
+    # ---- write -----------------------------------------------------------------------------
+
+    def write(self, key: str, tokens_of_block: Sequence[int], buffers: list[torch.Tensor]) -> bool:
+        """Stores a block; True if it is stored (now or already). Raises ValueError for
+        inputs that do not fit the identity; never raises OSError."""
+        path = self.path_of(key)
+        tokens = self._check_tokens(tokens_of_block)
+        self._check_buffers(buffers)
+        with self._lock:
+            if key in self._index:  # content-addressed: the stored block is this one
+                self._index.move_to_end(key)
+                return True
+            if self._closed:
+                return False
+        cpu_buffers = [t.detach().to("cpu").contiguous() for t in buffers]
+        metadata = {
+            "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
+            "identity": self._identity_json, "key": key, "tokens": json.dumps(tokens),
+            "checksum": payload_checksum(cpu_buffers),
+        }
+        data = save_safetensors({f"buffer_{i}": t for i, t in enumerate(cpu_buffers)}, metadata)
+        with self._lock:
+            if key in self._index or self._closed:  # written meanwhile by another thread
+                return not self._closed
+            if len(data) > self.capacity_bytes:
+                self._counters["write_failures"] += 1
+                self._warnings.warn("too_large", "disk KV store: a block of %d bytes exceeds "
+                                    "the capacity, %d bytes", len(data), self.capacity_bytes)
+                return False
+            while self._index and (self._bytes_used + self._bytes_reserved + len(data)
+                                   > self.capacity_bytes):
+                self._remove_locked(next(iter(self._index)))
+            if self._bytes_used + self._bytes_reserved + len(data) > self.capacity_bytes:
+                self._counters["write_failures"] += 1  # other writes under way hold the room
+                return False
+            self._bytes_reserved += len(data)
+        stored = self._write_file_atomically(path, data)
+        with self._lock:
+            self._bytes_reserved -= len(data)
+            if not stored:
+                self._counters["write_failures"] += 1
+            elif not self._closed:
+                self._bytes_used += len(data) - self._index.pop(key, 0)
+                self._index[key] = len(data)
+                self._counters["bytes_written"] += len(data)
+        return stored
+
+    def _check_tokens(self, tokens_of_block: Sequence[int]) -> list[int]:
+        tokens = [int(t) for t in tokens_of_block]
+        if len(tokens) != self.identity.block_tokens:
+            raise ValueError(f"a block holds block_tokens={self.identity.block_tokens} tokens, "
+                             f"got {len(tokens)}")
+        return tokens
+
+    def _check_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        shapes = self.identity.buffer_shapes
+        if len(buffers) != len(shapes):
+            raise ValueError(f"expected {len(shapes)} buffers (one per pool buffer), "
+                             f"got {len(buffers)}")
+        for i, (t, shape) in enumerate(zip(buffers, shapes)):
+            expected = (self.identity.block_tokens, *shape)
+            if tuple(t.shape) != expected:
+                raise ValueError(f"buffer {i} has shape {tuple(t.shape)}, expected {expected}")
+            if t.dtype != self.identity.torch_dtype:
+                raise ValueError(f"buffer {i} has dtype {t.dtype}, "
+                                 f"expected {self.identity.torch_dtype}")
+
+    def _write_file_atomically(self, path: Path, data: bytes) -> bool:
+        temp = path.with_name(f"{path.stem}.{self._temp_tag}-{secrets.token_hex(4)}{TEMP_SUFFIX}")
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temp, path)
+            return True
+        except OSError as e:
+            kind = errno.errorcode.get(e.errno, "OSError") if e.errno else type(e).__name__
+            self._warnings.warn(f"write:{kind}", "disk KV store: cannot write to %s (%s: %s); "
+                                "the block is not stored, serving goes on", self.directory,
+                                kind, e.strerror or e)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            return False
+
+    # ---- read and delete -------------------------------------------------------------------
+
+    def read(self, key: str, tokens_of_block: Sequence[int]) -> list[torch.Tensor] | None:
+        """The block's buffers (CPU tensors), or None if it is not stored or fails a check."""
+        path = self.path_of(key)
+        tokens = self._check_tokens(tokens_of_block)
+        with self._lock:
+            self._counters["reads"] += 1
+            size = self._index.get(key)
+        if size is None:
+            return None
+        try:
+            with open(path, "rb") as f:  # a file that changed size is never read into memory
+                data = f.read() if os.fstat(f.fileno()).st_size == size else None
+        except OSError as e:  # vanished, or unreadable: either way no longer a block
+            self._warnings.warn("read", "disk KV store: cannot read %s (%s)", path, e)
+            with self._lock:
+                self._remove_locked(key)
+            return None
+        try:
+            if data is None:
+                raise CorruptBlock("its size changed since it was indexed")
+            buffers = self._verified_buffers(data, key, tokens)
+        except CorruptBlock as e:
+            logger.warning("disk KV store: deleting corrupt block %s: %s", path.name, e)
+            with self._lock:
+                self._counters["corrupt_deleted"] += 1
+                self._remove_locked(key)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # persists recency for the next start-up
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+            self._counters["read_hits"] += 1
+            self._counters["bytes_read"] += len(data)
+        return buffers
+
+    def _verified_buffers(self, data: bytes, key: str, tokens: list[int]) -> list[torch.Tensor]:
+        try:
+            metadata = _header_metadata(data)
+            tensors = load_safetensors(data)
+        except Exception as e:  # safetensors raises its own error types on malformed input
+            raise CorruptBlock(f"unreadable ({e})") from None
+        checks = (("format", FORMAT_NAME), ("format_version", FORMAT_VERSION),
+                  ("identity", self._identity_json), ("key", key), ("tokens", json.dumps(tokens)))
+        for field, expected in checks:
+            if metadata.get(field) != expected:
+                raise CorruptBlock(f"its {field} is not the expected one")
+        names = [f"buffer_{i}" for i in range(len(self.identity.buffer_shapes))]
+        if sorted(tensors) != sorted(names):
+            raise CorruptBlock(f"holds tensors {sorted(tensors)}, expected {names}")
+        buffers = [tensors[name] for name in names]
+        for i, (t, shape) in enumerate(zip(buffers, self.identity.buffer_shapes)):
+            expected = (self.identity.block_tokens, *shape)
+            if tuple(t.shape) != expected or t.dtype != self.identity.torch_dtype:
+                raise CorruptBlock(f"buffer {i} is {t.dtype} {tuple(t.shape)}")
+        if metadata.get("checksum") != payload_checksum(buffers):
+            raise CorruptBlock("payload checksum mismatch")
+        return buffers
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._remove_locked(key)
+
+    def _remove_locked(self, key: str) -> None:
+        if key in self._index:
+            self._bytes_used -= self._index.pop(key)
+        try:
+            os.unlink(self.path_of(key))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._warnings.warn("delete", "disk KV store: cannot delete %s (%s)", key, e)
+
+    # ---- start-up --------------------------------------------------------------------------
+
+    def _load_index(self) -> None:
+        """Indexes this identity's block files by header, oldest mtime first; deletes this
+        identity's temp files and the block files whose header is unreadable or misnamed."""
+        found: list[tuple[int, str, int]] = []  # (mtime_ns, key, size)
+        counts = dict.fromkeys(("temp", "corrupt", "foreign"), 0)
+        for entry in os.scandir(self.directory):
+            key = entry.name.removesuffix(BLOCK_SUFFIX)
+            if entry.name.endswith(TEMP_SUFFIX):
+                verdict = "temp" if f".{self._temp_tag}-" in entry.name else "skip"
+            elif not entry.name.endswith(BLOCK_SUFFIX) or not _KEY_PATTERN.fullmatch(key):
+                verdict = "skip"
+            else:
+                try:
+                    with safe_open(entry.path, framework="pt") as f:
+                        verdict = self._header_verdict(f.metadata() or {}, key)
+                    stat = entry.stat()
+                except Exception:  # safetensors raises its own error types on a bad header
+                    verdict = "corrupt"
+            if verdict == "ours":
+                found.append((stat.st_mtime_ns, key, stat.st_size))
+            elif verdict == "foreign":
+                counts["foreign"] += 1
+            elif verdict != "skip":
+                counts[verdict] += _unlink_quietly(entry.path)
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self._bytes_used += size
+        while self._bytes_used > self.capacity_bytes:
+            self._remove_locked(next(iter(self._index)))
+        self._counters["corrupt_deleted"] = counts["corrupt"]
+        if counts["foreign"]:
+            logger.warning("disk KV store %s: ignoring %d block files of another identity or "
+                           "format version (neither read nor deleted)", self.directory,
+                           counts["foreign"])
+        if counts["corrupt"] or counts["temp"]:
+            logger.warning("disk KV store %s: deleted %d unreadable block files and %d temp "
+                           "files of interrupted writes", self.directory, counts["corrupt"],
+                           counts["temp"])
+
+    def _header_verdict(self, metadata: dict[str, str], key: str) -> str:
+        """"ours", "foreign" (another identity or format version: left alone) or "corrupt"."""
+        if metadata.get("format") != FORMAT_NAME:
+            return "corrupt"
+        if (metadata.get("format_version") != FORMAT_VERSION
+                or metadata.get("identity") != self._identity_json):
+            return "foreign"
+        return "ours" if metadata.get("key") == key else "corrupt"
+
+
+def _unlink_quietly(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError as e:
+        logger.warning("disk KV store: cannot delete %s (%s)", path, e)
+        return False
