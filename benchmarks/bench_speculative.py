@@ -196,6 +196,10 @@ def build_engines(args, path: str) -> dict:
     for k in args.draft_tokens:
         options[f"tree k={k}"] = {**ngram, "speculative_num_draft_tokens": k,
                                   "max_total_tokens": 8192}
+    for breadth in args.bfs_breadths:
+        options[f"tree bfs={breadth}"] = {
+            **tokens, **ngram, "speculative_ngram_max_bfs_breadth": breadth,
+            "speculative_num_draft_tokens": args.bfs_draft_tokens}
     if args.float32:
         options["float32 plain"] = {"dtype": "float32", "max_total_tokens": 8192}
         options["float32 tree"] = {**ngram, "dtype": "float32", "max_total_tokens": 8192}
@@ -209,6 +213,8 @@ def plan(args, names: list[str]) -> list[tuple[str, int, list[str]]]:
         for batch in sorted({*args.batches, *(CROSSOVER_BATCHES if workload in
                                               args.crossover_workloads else ())}):
             systems = list(SYSTEMS) if batch in args.batches else ["plain", "tree"]
+            if batch in args.batches:
+                systems += [f"tree bfs={b}" for b in args.bfs_breadths]
             if args.llama_only:
                 systems = []
             if batch == 1:
@@ -343,6 +349,19 @@ def tables(summary: dict, args, names: list[str]) -> str:
         s = get(args.draft_workload, 1, system)
         lines.append(f"| {k} | {fmt(s.get('speedup'), '.2f', 'x')} | {fmt(s.get('accept'))} "
                      f"| {mism(s) if s else '-'} |")
+    if args.bfs_breadths:
+        trees = [f"tree bfs={b}" for b in args.bfs_breadths]
+        lines += ["", f"### Token trees (speculative_num_draft_tokens={args.bfs_draft_tokens}) "
+                  "against chains: decode speedup (accepted length)", "",
+                  "| workload | batch | chains | " + " | ".join(trees) + " |",
+                  "|---" * (3 + len(trees)) + "|"]
+        for workload in names:
+            for b in args.batches:
+                row = [get(workload, b, system) for system in ("tree", *trees)]
+                if any(row):
+                    lines.append(f"| {workload} | {b} | " + " | ".join(
+                        f"{fmt(r.get('speedup'), '.2f', 'x')} ({fmt(r.get('accept'))})"
+                        for r in row) + " |")
     if args.float32:
         lines += ["", "### Batch 1 in float32", "",
                   "| workload | plain decode tok/s | tree: decode speedup | accepted length "
@@ -364,10 +383,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--workloads", nargs="+", default=None)
-    parser.add_argument("--crossover-workloads", nargs="+", default=["quote_doc", "open_chat"])
+    parser.add_argument("--crossover-workloads", nargs="*", default=["quote_doc", "open_chat"])
     parser.add_argument("--draft-workload", default="quote_doc")
     parser.add_argument("--draft-tokens", type=int, nargs="*", default=[3, 9],
                         help="speculative_num_draft_tokens besides the default, at batch 1")
+    parser.add_argument("--bfs-breadths", type=int, nargs="*", default=[4],
+                        help="speculative_ngram_max_bfs_breadth of token-tree systems")
+    parser.add_argument("--bfs-draft-tokens", type=int, default=9,
+                        help="speculative_num_draft_tokens of the token-tree systems")
     parser.add_argument("--float32", action="store_true", help="batch 1 in float32 too")
     parser.add_argument("--gguf", default=None, help="a GGUF of the default model (llama.cpp)")
     parser.add_argument("--llama-pred-tokens", type=int, nargs="+", default=[2, 10],

@@ -84,9 +84,17 @@ class PrefixCache(ABC):
     def continuation(self, key: Sequence[int], max_tokens: int,
                      extra_key: str | None = None) -> list[int]:
         """Up to ``max_tokens`` tokens cached right after the whole of ``key`` (a draft
-        for speculative decoding); [] where no cached sequence extends ``key``, and for an
-        empty ``key``. Changes
-        nothing: no split, no access time. A cache that keeps nothing finds nothing."""
+        for speculative decoding), down the most recently used branch where cached
+        sequences fork; [] where no cached sequence extends ``key``, and for an empty
+        ``key``. Changes nothing: no split, no access time."""
+        found = self.continuations(key, max_tokens, 1, extra_key)
+        return found[0] if found else []
+
+    def continuations(self, key: Sequence[int], max_tokens: int, max_branches: int,
+                      extra_key: str | None = None) -> list[list[int]]:
+        """Up to ``max_branches`` distinct continuations of ``key`` as ``continuation``
+        finds one, most recently used first (a draft's token tree). A cache that keeps
+        nothing finds nothing."""
         return []
 
     @abstractmethod

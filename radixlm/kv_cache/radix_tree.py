@@ -130,16 +130,21 @@ class RadixCache(PrefixCache):
         indices = torch.cat(values) if values else self._empty()
         return MatchResult(indices=indices, last_node=node)
 
-    def continuation(self, key: Sequence[int], max_tokens: int,
-                     extra_key: str | None = None) -> list[int]:
-        """The tokens after the whole (unaligned) ``key``, down the most recently used
-        branch wherever the tree forks (``PrefixCache.continuation``)."""
+    def continuations(self, key: Sequence[int], max_tokens: int, max_branches: int,
+                      extra_key: str | None = None) -> list[list[int]]:
+        """Up to ``max_branches`` distinct continuations of the whole (unaligned) ``key``,
+        each up to ``max_tokens`` tokens, most recently used first: where the tree forks
+        below ``key``, each branch (in order of last use) gives one (a draft's token tree).
+        [] where nothing follows ``key`` (``PrefixCache.continuations``)."""
         key = self._key_tuple(key)
-        if not key:  # no context: nothing follows it in particular (nor in a namespace)
+        if not key or max_tokens <= 0:  # no context: nothing follows it in particular
             return []
         node, pos = self.root, 0
         while pos < len(key):
-            child = self._child_starting(node, key, pos, extra_key)
+            if len(key) - pos < self.page_size:  # it ends inside a page: every child
+                return self._branches_after_head(node, key[pos:], max_tokens, max_branches,
+                                                 extra_key)
+            child = node.children.get(self._child_key(node, key, pos, extra_key))
             if child is None:
                 return []
             edge, remaining = child.key, len(key) - pos
@@ -147,31 +152,43 @@ class RadixCache(PrefixCache):
                 if key[pos:] != edge[:remaining]:
                     return []
                 found = list(edge[remaining : remaining + max_tokens])
-                return self._follow(child, found, max_tokens)
+                return self._branches(child, found, max_tokens, max_branches)
             if key[pos : pos + len(edge)] != edge:
                 return []
             node, pos = child, pos + len(edge)
-        return self._follow(node, [], max_tokens)
+        return self._branches(node, [], max_tokens, max_branches)
 
-    def _child_starting(self, node: TreeNode, key: tuple[int, ...], pos: int,
-                        extra_key: str | None) -> TreeNode | None:
-        """The child of ``node`` whose edge can hold ``key[pos:]``'s next tokens (by its
-        first page; a key that ends inside a page: the latest-used child it begins)."""
-        if len(key) - pos >= self.page_size:
-            return node.children.get(self._child_key(node, key, pos, extra_key))
-        head = key[pos:]
+    def _branches_after_head(self, node: TreeNode, head: tuple[int, ...], max_tokens: int,
+                             max_branches: int, extra_key: str | None) -> list[list[int]]:
+        """The branches of the children of ``node`` whose edges begin with ``head`` (less
+        than a page), latest-used child first."""
         found = [child for child in node.children.values()
                  if child.key[: len(head)] == head
                  and (node is not self.root or child.extra_key == extra_key)]
-        return max(found, key=lambda child: child.last_access_time, default=None)
+        branches: list[list[int]] = []
+        for child in sorted(found, key=lambda child: child.last_access_time, reverse=True):
+            rest = list(child.key[len(head) : len(head) + max_tokens])
+            branches += self._branches(child, rest, max_tokens, max_branches - len(branches))
+            if len(branches) >= max_branches:
+                break
+        return branches
 
     @staticmethod
-    def _follow(node: TreeNode, found: list[int], max_tokens: int) -> list[int]:
-        """``found`` lengthened by the edges below ``node``, latest-used child first."""
-        while len(found) < max_tokens and node.children:
-            node = max(node.children.values(), key=lambda child: child.last_access_time)
-            found += node.key[: max_tokens - len(found)]
-        return found
+    def _branches(node: TreeNode, found: list[int], max_tokens: int,
+                  max_branches: int) -> list[list[int]]:
+        """``found`` lengthened by the edges below ``node``, one list per branch (depth
+        first, latest-used child first), at most ``max_branches``; none empty."""
+        branches: list[list[int]] = []
+        stack = [(node, found)]
+        while stack and len(branches) < max_branches:
+            node, found = stack.pop()
+            if len(found) >= max_tokens or not node.children:
+                if found:
+                    branches.append(found)
+                continue
+            for child in sorted(node.children.values(), key=lambda c: c.last_access_time):
+                stack.append((child, found + list(child.key[: max_tokens - len(found)])))
+        return branches
 
     def insert(
         self, key: Sequence[int], indices: torch.Tensor, extra_key: str | None = None

@@ -190,6 +190,9 @@ class ServerArgs:
     """Longest suffix of a request's tokens that an n-gram draft is matched on."""
     speculative_ngram_disable_radix_tree: bool = False
     """N-gram drafts from the requests' own tokens only, not from the radix tree."""
+    speculative_ngram_max_bfs_breadth: int = 1
+    """Branches of an n-gram draft: above 1, token trees of up to
+    ``speculative_num_draft_tokens - 1`` nodes; 1: chains (SGLang's name)."""
     speculative_disable_by_batch_size: int | None = None
     """Running requests above which decode steps do not speculate (None:
     ``speculative/options``)."""

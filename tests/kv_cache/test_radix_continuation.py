@@ -221,3 +221,41 @@ def test_a_continuation_is_the_rest_of_some_cached_sequence_extending_the_key(pa
             assert any(c[:i] == key and list(c[i : i + max_tokens]) == found
                        for c in cached if len(c) > i), (key, found)
     assert snapshot(cache) == before
+
+
+# Several branches (a draft's token tree) ---------------------------------------------------
+
+
+def test_continuations_give_each_branch_below_the_key_latest_used_first():
+    allocator, cache = make_cache()
+    put(allocator, cache, [1, 2, 3, 4, 5, 6])
+    put(allocator, cache, [1, 2, 3, 7, 8])
+    put(allocator, cache, [1, 2, 9])
+    assert cache.continuations([1, 2], 10, 5) == [[9], [3, 7, 8], [3, 4, 5, 6]]
+    assert cache.continuations([1, 2], 2, 5) == [[9], [3, 7], [3, 4]]
+    assert cache.continuations([1, 2], 10, 2) == [[9], [3, 7, 8]]
+    assert cache.continuations([1], 3, 5) == [[2, 9], [2, 3, 7], [2, 3, 4]]
+    assert cache.continuations([1, 2, 3, 4, 5, 6], 4, 5) == []
+    assert cache.continuations([5], 4, 5) == []
+    assert cache.continuation([1, 2], 10) == [9]  # the first of them
+
+
+def test_continuations_change_nothing_and_keep_to_their_namespace():
+    allocator, cache = make_cache()
+    put(allocator, cache, [1, 2, 3], ns="a")
+    put(allocator, cache, [1, 2, 4], ns="b")
+    before = snapshot(cache)
+    assert cache.continuations([1], 5, 5, extra_key="a") == [[2, 3]]
+    assert cache.continuations([1], 5, 5) == []
+    assert snapshot(cache) == before
+    assert NoPrefixCache(allocator).continuations([1], 5, 5) == []
+
+
+def test_a_key_ending_inside_a_page_continues_into_every_child_it_begins():
+    allocator, cache = make_cache(page_size=2)
+    put(allocator, cache, [1, 2, 3, 4, 5, 6])
+    put(allocator, cache, [1, 2, 3, 7, 8, 9])  # pages (3, 4) and (3, 7): siblings
+    put(allocator, cache, [1, 2, 5, 5])
+    assert cache.continuations([1, 2, 3], 10, 5) == [[7, 8, 9], [4, 5, 6]]
+    assert cache.continuations([1, 2, 3], 10, 1) == [[7, 8, 9]]
+    assert cache.continuation([1, 2, 3], 2) == [7, 8]

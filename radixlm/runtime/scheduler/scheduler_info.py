@@ -28,6 +28,8 @@ class SchedulerStats:
     """Requests verified with a draft, summed over those steps."""
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_branch_tokens: int = 0
+    """Accepted draft tokens off a token tree's main chain (they count in the above too)."""
 
 
 def describe(scheduler) -> dict:

@@ -15,13 +15,21 @@ jump-forward appended tokens after it (the tokens it forced then wait for the ne
 after any jump), or after the token following its last draft token. One pass thus gives a
 request 1 .. k + 1 tokens.
 
+Token trees (``draft_tree.Draft``, n-gram drafts with ``speculative_ngram_max_bfs_breadth``
+above 1): every node is a row, at its depth's position, seeing the request's tokens and its
+own ancestors only (``StepBatches.verify``); the request follows the tree, going on from the
+child that holds the token it chose, and stops where no child does. It keeps its path's KV:
+where the path leaves the main chain, the path's KV is first copied to the slots of the
+positions the request keeps (``_keep_paths``).
+
 Exactness. Every token is the one the request's sampler chooses given the tokens before it,
 as a decode step chooses it; the draft only decides how many positions one pass checks.
 Greedy outputs are those of decoding without speculation. For sampled requests this is the
 standard rejection rule for a draft that is a single token (q one-hot at x: accept with
 probability min(1, p(x) / q(x)) = p(x), else draw from max(p - q, 0) normalised, which is p
 without x): the token drawn from p equals x with probability p(x) and is any other y with
-probability p(y), exactly the rule's outcome. N-gram and tree drafts are such tokens. A
+probability p(y), exactly the rule's outcome. N-gram drafts are such tokens, and in a
+token tree the token drawn from p picks at most one child, with the same outcome. A
 seeded request draws each position's uniform from (its seed, its output position), so its
 tokens are the same with speculation as without. (Numerically, the verify pass is a decode
 pass of more rows than a plain step's: where a product's kernel depends on its number of
@@ -45,6 +53,7 @@ import torch
 
 from radixlm.host_to_device import to_device
 from radixlm.kv_cache.allocator import pages_for
+from radixlm.kv_cache.memory_pool import copy_slots
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.logprobs import LogprobCopy
@@ -56,6 +65,7 @@ from radixlm.runtime.scheduler.step_batches import StepBatches
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.speculative.draft_model_proposer import DraftModelProposer
 from radixlm.runtime.speculative.draft_proposer import DraftProposer
+from radixlm.runtime.speculative.draft_tree import Draft
 from radixlm.runtime.speculative.ngram_proposer import NgramProposer
 from radixlm.runtime.speculative.verify_plan import StepCosts, plan_drafts
 
@@ -99,7 +109,7 @@ class SpeculativeDecode:
         self._fit_in_memory(reqs, drafts)
         for req, draft in zip(reqs, drafts):
             if draft and req.grammar is not None:
-                del draft[_grammar_allows(req, draft):]
+                draft.keep(_grammar_allows(req, draft))
         if self.costs is not None:
             plan_drafts(drafts, [self.proposer.acceptance_rate(r) for r in reqs], self.costs)
         if not any(drafts):
@@ -120,9 +130,10 @@ class SpeculativeDecode:
         return [max(0, min(r.output_limit - len(r.output_ids), context - r.seq_len) - 1)
                 for r in reqs]
 
-    def _fit_in_memory(self, reqs: list[Req], drafts: list[list[int]]) -> None:
+    def _fit_in_memory(self, reqs: list[Req], drafts: list[Draft]) -> None:
         """Shortens the longest drafts until the pass's KV fits what the pool can give
-        (the caller made room for one token each)."""
+        (the caller made room for one token each), and the trees' other branches until
+        their rows fit the free request rows (``StepBatches.verify``)."""
         page = self.memory.page_size
 
         def need() -> int:
@@ -134,39 +145,52 @@ class SpeculativeDecode:
             longest = max(drafts, key=len)
             if not longest:
                 return
-            longest.pop()
+            longest.truncate(len(longest) - 1)
+        free_rows = self.memory.req_to_token_pool.available_size()
+        for draft in drafts:
+            branches = draft.branch_starts()
+            if len(branches) > free_rows:
+                draft.truncate(branches[free_rows])
+            free_rows -= min(free_rows, len(branches))
 
     # The pass ------------------------------------------------------------------------------
 
-    def _verify(self, reqs: list[Req], drafts: list[list[int]]) -> list[Req]:
+    def _verify(self, reqs: list[Req], drafts: list[Draft]) -> list[Req]:
         state = self.state
-        new_ids = [[req.output_ids[-1], *draft] for req, draft in zip(reqs, drafts)]
         listed: list[list[int]] = []
+        branch_rows: list[int] = []
         started = time.perf_counter()
         try:
-            batch = self.batches.verify(reqs, new_ids, listed)
+            batch = self.batches.verify(reqs, drafts, listed, branch_rows)
             hidden = self.runner.forward(batch)
             state.stats.forward_steps += 1
             state.note_kv_peak(self.memory)
             logits = self.runner.compute_logits(hidden)  # (T, V): every position checked
-            kept = self._accept(reqs, drafts, logits)
+            paths = self._accept(reqs, drafts, logits)
             if self.costs is not None and not self.runner.last_pass_was_trial:
                 self.costs.observe(len(batch.input_ids), time.perf_counter() - started)
         except BaseException:
             for req, slots in zip(reqs, listed):  # as a failed decode step leaves them
                 self.memory.give_back(req, slots, 1)
             raise
+        finally:
+            for row in branch_rows:
+                self.memory.req_to_token_pool.free(row)
+        self._keep_paths(listed, paths)
         stats = state.stats
         stats.spec_verify_steps += 1
         rows, offset = [], 0
-        for req, draft, slots, keep in zip(reqs, drafts, listed, kept):
-            self.memory.give_back(req, slots, keep)
-            self.proposer.observe(req, len(draft), keep - 1)
+        for req, draft, slots, path in zip(reqs, drafts, listed, paths):
+            self.memory.give_back(req, slots, len(path) + 1)
+            main = draft.main_length
+            self.proposer.observe(req, main, min(len(path), main))
             req.spec_verify_ct += bool(draft)
             stats.spec_drafted_requests += bool(draft)
             stats.spec_draft_tokens += len(draft)
-            stats.spec_accepted_tokens += keep - 1
-            rows.append(list(range(offset, offset + keep)))
+            stats.spec_accepted_tokens += len(path)
+            stats.spec_accepted_branch_tokens += sum(
+                node != depth for depth, node in enumerate(path))
+            rows.append([offset, *(offset + 1 + node for node in path)])
             offset += len(draft) + 1
         self.proposer.after_verify(reqs, hidden, rows)
         finished = [req for req in reqs if req.finished]
@@ -176,18 +200,19 @@ class SpeculativeDecode:
         state.sampling_batch.remove(finished)
         return reqs
 
-    def _accept(self, reqs: list[Req], drafts: list[list[int]],
-                logits: torch.Tensor) -> list[int]:
-        """Appends each request's tokens, position by position (see the module), and
-        returns how many positions each kept (its appended sampled tokens)."""
+    def _accept(self, reqs: list[Req], drafts: list[Draft],
+                logits: torch.Tensor) -> list[list[int]]:
+        """Appends each request's tokens, position by position down its draft (see the
+        module), and returns each request's path: the draft nodes whose KV it keeps."""
         batch = self.state.sampling_batch
         plain = batch.is_plain_greedy()
         if plain:
             chosen = self.sampler.argmax(logits).tolist()  # the step's one wait
-        kept, wanted, offset = [], [], 0
+        paths, wanted, offset = [], [], 0
         for req, draft in zip(reqs, drafts):
-            for position in range(len(draft) + 1):
-                row = offset + position
+            node, path = -1, []  # node -1: the request's last token
+            while True:
+                row = offset + 1 + node
                 if plain:
                     token = chosen[row]
                 else:  # the row's settings, as a decode step applies them at this position
@@ -200,16 +225,35 @@ class SpeculativeDecode:
                 self.sampling_step.append_tokens([req], [token], batch)
                 if req.logprobs is not None:
                     wanted.append((req, row, token))
-                guessed = position < len(draft) and token == draft[position]
+                node = draft.child(node, token)
                 jumped = len(req.output_ids) > outputs + 1  # jump-forward appended tokens
-                if req.finished or not guessed or jumped:
+                if node is not None and (jumped or not req.finished):
                     # After a jump the draft's token, if it was this one, has its KV too.
-                    kept.append(position + 1 + (jumped and guessed))
+                    path.append(node)
+                if req.finished or node is None or jumped:
                     break
+            paths.append(path)
             offset += len(draft) + 1
         if wanted:
             self._add_logprobs(wanted, logits)
-        return kept
+        return paths
+
+    def _keep_paths(self, listed: list[list[int]], paths: list[list[int]]) -> None:
+        """Moves each request's kept KV to the first slots of its pass: the node at depth
+        d of its path to slot ``d`` of its ``listed`` (its position ``kv_len + d`` in its
+        row). A main-chain path is there already; a path down another branch of a tree
+        copies its nodes' KV there (every layer), and ``listed`` is reordered to match."""
+        sources, targets = [], []
+        for slots, path in zip(listed, paths):
+            for depth, node in enumerate(path, 1):
+                if node + 1 != depth:
+                    sources.append(slots[node + 1])
+                    targets.append(slots[depth])
+        if not sources:
+            return
+        device = self.memory.req_to_token.device
+        copy_slots(self.runner.kv_pool, to_device(sources, torch.int64, device),
+                   to_device(targets, torch.int64, device))
 
     def _add_logprobs(self, wanted: list[tuple[Req, int, int]], logits: torch.Tensor) -> None:
         """Each kept token's logprob entry (and top alternatives) from its position's
@@ -223,18 +267,21 @@ class SpeculativeDecode:
             [(req, i) for i, (req, _, _) in enumerate(wanted)], found)
 
 
-def _grammar_allows(req: Req, draft: list[int]) -> int:
-    """How many leading tokens of ``draft`` the request's grammar accepts after its output
-    (its matcher is left as it was)."""
+def _grammar_allows(req: Req, draft: Draft) -> list[bool]:
+    """Which nodes of ``draft`` the request's grammar accepts after its output, with their
+    ancestors (its matcher is left as it was)."""
     matcher = req.grammar
-    accepted = 0
-    for token in draft:
-        if matcher.is_terminated() or not matcher.accept_token(token):
-            break
-        accepted += 1
-    if accepted:
-        matcher.rollback(accepted)
-    return accepted
+    allowed = []
+    for node in range(len(draft)):
+        path, accepted = draft.path(node), 0
+        for step in path:
+            if matcher.is_terminated() or not matcher.accept_token(draft.tokens[step]):
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        allowed.append(accepted == len(path))
+    return allowed
 
 
 def build_speculation(args: ServerArgs, state: SchedulerState, memory: RequestMemory,
@@ -251,7 +298,8 @@ def build_speculation(args: ServerArgs, state: SchedulerState, memory: RequestMe
     else:
         tree = None if args.speculative_ngram_disable_radix_tree else memory.tree_cache
         proposer = NgramProposer(tree, max_draft, args.speculative_ngram_min_match_window_size,
-                                 args.speculative_ngram_max_match_window_size)
+                                 args.speculative_ngram_max_match_window_size,
+                                 args.speculative_ngram_max_bfs_breadth)
     return SpeculativeDecode(state, memory, runner, batches, sampling_step, sampler,
                              proposer, args.speculative_disable_by_batch_size,
                              timed=not args.disable_adaptive_timing)

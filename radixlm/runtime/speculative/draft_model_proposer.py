@@ -41,6 +41,7 @@ from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.request import Req
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.speculative.draft_proposer import DraftLength
+from radixlm.runtime.speculative.draft_tree import Draft
 
 CATCH_UP_TOKENS = 1024
 """Most tokens of one request's draft KV catch-up in one step (a long prompt's is spread
@@ -95,7 +96,7 @@ class DraftModelProposer:
         runner.req_to_token_pool = target.req_to_token_pool  # the target's rows
         return cls(runner, target_slots, max_draft)
 
-    def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Req], budgets: list[int]) -> list[Draft]:
         wanted, ends = [], []
         for req, budget in zip(reqs, budgets):
             state = self._state(req)
@@ -110,7 +111,7 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in reqs]
         first = [i for i, req in enumerate(reqs) if ends[i] > req.drafting.kv_len]
         if not first:
-            return drafts
+            return [Draft() for _ in reqs]
         tokens = self._catch_up_pass([reqs[i] for i in first], [ends[i] for i in first],
                                      [wanted[i] > 0 for i in first])
         for i, token in zip(first, tokens):
@@ -124,7 +125,7 @@ class DraftModelProposer:
                                        step)
             for i, token in zip(going, tokens):
                 drafts[i].append(token)
-        return drafts
+        return [Draft.chain(draft) for draft in drafts]
 
     def may_propose(self, req: Req) -> bool:
         return req.drafting is None or req.drafting.length.may_draft(len(req.output_ids))

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from radixlm.runtime.request import Req
+from radixlm.runtime.speculative.draft_tree import Draft
 
 PROBE_EVERY = 16
 """Output tokens a request whose draft length fell to zero (or whose last lookup found no
@@ -34,8 +35,9 @@ RATE_DECAY = 0.7
 
 
 class DraftProposer(Protocol):
-    def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
-        """Each request's draft tokens, at most its budget (0: none)."""
+    def propose(self, reqs: list[Req], budgets: list[int]) -> list[Draft]:
+        """Each request's draft (``draft_tree.Draft``: a chain, or a token tree), none
+        deeper than its budget (0: none)."""
 
     def may_propose(self, req: Req) -> bool:
         """Whether ``req`` might get a draft at its next step."""

@@ -28,20 +28,21 @@ import torch
 from radixlm.kv_cache.base import PrefixCache
 from radixlm.runtime.request import Req
 from radixlm.runtime.speculative.draft_proposer import DraftLength
+from radixlm.runtime.speculative.draft_tree import Draft
 
 
 class NgramIndex:
     """Where each n-gram (``min_n <= n <= max_n`` tokens) of one growing token sequence
-    last ended, indexed as the sequence grows (invariant: every n-gram ending before the
-    sequence's last position seen by ``propose`` is indexed; the sequence's own suffix is
-    not, so a lookup finds an earlier occurrence)."""
+    last ended (its latest ``keep`` ends), indexed as the sequence grows (invariant: every
+    n-gram ending before the sequence's last position seen by ``propose`` is indexed; the
+    sequence's own suffix is not, so a lookup finds an earlier occurrence)."""
 
-    def __init__(self, min_n: int, max_n: int):
+    def __init__(self, min_n: int, max_n: int, keep: int = 1):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram windows need 1 <= min <= max, got {min_n}, {max_n}")
-        self.min_n, self.max_n = min_n, max_n
+        self.min_n, self.max_n, self.keep = min_n, max_n, keep
         self.tokens: list[int] = []
-        self._ends: dict[tuple[int, ...], int] = {}
+        self._ends: dict[tuple[int, ...], list[int]] = {}  # oldest first
         self._indexed = 0  # n-grams ending at positions below this are indexed
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -51,17 +52,35 @@ class NgramIndex:
     def propose(self, max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of the
         longest suffix of the sequence that occurred before; [] when none did."""
+        found = self.propose_branches(max_tokens, 1)
+        return found[0] if found else []
+
+    def propose_branches(self, max_tokens: int, max_branches: int) -> list[list[int]]:
+        """Up to ``max_branches`` distinct continuations (each up to ``max_tokens``) of
+        the sequence's suffix: after the longest suffix that occurred before, latest
+        occurrence first, then after shorter suffixes' occurrences."""
+        self._index()
         tokens, ends = self.tokens, self._ends
         length = len(tokens)
-        for end in range(max(self._indexed, self.min_n), length):
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                ends[tuple(tokens[end - n : end])] = end
-        self._indexed = max(self._indexed, length)
+        branches: list[list[int]] = []
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            end = ends.get(tuple(tokens[length - n :]))
-            if end is not None:
-                return tokens[end : end + max_tokens]
-        return []
+            for end in reversed(ends.get(tuple(tokens[length - n :]), ())):
+                branch = tokens[end : end + max_tokens]
+                if branch not in branches:
+                    branches.append(branch)
+                    if len(branches) == max_branches:
+                        return branches
+        return branches
+
+    def _index(self) -> None:
+        tokens, ends, keep = self.tokens, self._ends, self.keep
+        for end in range(max(self._indexed, self.min_n), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                found = ends.setdefault(tuple(tokens[end - n : end]), [])
+                found.append(end)
+                if len(found) > keep:
+                    del found[0]
+        self._indexed = max(self._indexed, len(tokens))
 
 
 @dataclass
@@ -76,18 +95,21 @@ class NgramProposer:
     """The ``DraftProposer`` of ``--speculative-algorithm NGRAM`` (see the module)."""
 
     def __init__(self, tree: PrefixCache | None, max_draft: int, min_window: int,
-                 max_window: int):
-        """``tree`` None: drafts come from the requests' own tokens only."""
+                 max_window: int, max_breadth: int = 1):
+        """``tree`` None: drafts come from the requests' own tokens only. ``max_breadth``
+        above 1: token trees of up to that many branches, ``max_draft`` nodes and as many
+        levels as the request's ``DraftLength``."""
         self.tree = tree
         self.max_draft = max_draft
         self.min_window, self.max_window = min_window, max_window
+        self.max_breadth = max_breadth
 
-    def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Req], budgets: list[int]) -> list[Draft]:
         drafts = []
         for req, budget in zip(reqs, budgets):
             length = self._length(req)
             wanted = min(length.next(len(req.output_ids)), budget)
-            draft = self._draft(req, wanted) if wanted > 0 else []
+            draft = self._draft(req, wanted) if wanted > 0 else Draft()
             if wanted > 0:
                 length.note_found(bool(draft))
             drafts.append(draft)
@@ -111,22 +133,28 @@ class NgramProposer:
 
     def _state(self, req: Req) -> RequestDrafts:
         if req.drafting is None:
-            req.drafting = RequestDrafts(DraftLength(self.max_draft),
-                                         NgramIndex(self.min_window, self.max_window))
+            req.drafting = RequestDrafts(
+                DraftLength(self.max_draft),
+                NgramIndex(self.min_window, self.max_window, self.max_breadth))
         return req.drafting
 
     def _length(self, req: Req) -> DraftLength:
         return self._state(req).length
 
-    def _draft(self, req: Req, wanted: int) -> list[int]:
+    def _draft(self, req: Req, wanted: int) -> Draft:
+        """A chain of ``wanted`` tokens (from the tree, else the request's own tokens) or,
+        with ``max_breadth`` above 1, a tree of ``wanted`` levels and up to ``max_draft``
+        nodes: the branches of both sources, the tree's first."""
+        breadth, branches = self.max_breadth, []
         if self.tree is not None:
-            draft = self.tree.continuation(req.all_ids(), wanted, req.extra_key)
-            if draft:
-                return draft
+            branches = self.tree.continuations(req.all_ids(), wanted, breadth, req.extra_key)
+            if branches and breadth == 1:
+                return Draft.chain(branches[0])
         index = self._state(req).index
         seen, prompt = len(index.tokens), len(req.input_ids)
         if seen < prompt:
             index.extend(req.input_ids[seen:])
             seen = prompt
         index.extend(req.output_ids[seen - prompt :])
-        return index.propose(wanted)
+        branches += index.propose_branches(wanted, breadth - len(branches))
+        return Draft.from_branches(branches, self.max_draft)

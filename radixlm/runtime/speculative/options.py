@@ -3,8 +3,9 @@
 Option names and meanings are SGLang's where SGLang has them: ``--speculative-algorithm``,
 ``--speculative-num-draft-tokens`` (the tokens one request's verify pass checks, its last
 token included: k draft tokens + 1), ``--speculative-num-steps`` (a draft model's steps per
-verify, k), ``--speculative-eagle-topk`` (1: chains), ``--speculative-draft-model-path`` and
-the n-gram match windows of SGLang's earlier releases; vLLM's for turning speculation off
+verify, k), ``--speculative-eagle-topk`` (1: chains), ``--speculative-draft-model-path``,
+``--speculative-ngram-max-bfs-breadth`` (an n-gram token tree's branches) and the n-gram
+match windows of SGLang's earlier releases; vLLM's for turning speculation off
 above a batch size (``disable_by_batch_size``).
 """
 
@@ -35,7 +36,10 @@ def check_speculative_options(args) -> None:
                MAX_DRAFT_TOKENS)
     _check_int("speculative_num_steps", args.speculative_num_steps, 1, MAX_DRAFT_TOKENS - 1)
     _check_int("speculative_eagle_topk", args.speculative_eagle_topk, 1, 1,
-               "(token-tree drafts are not built: chains only)")
+               "(EAGLE heads are not served; n-gram token trees: "
+               "speculative_ngram_max_bfs_breadth)")
+    _check_int("speculative_ngram_max_bfs_breadth", args.speculative_ngram_max_bfs_breadth,
+               1, MAX_DRAFT_TOKENS, required=True)
     low = args.speculative_ngram_min_match_window_size
     high = args.speculative_ngram_max_match_window_size
     _check_int("speculative_ngram_min_match_window_size", low, 1, 64, required=True)
@@ -53,6 +57,9 @@ def check_speculative_options(args) -> None:
             raise ValueError("speculative_algorithm STANDALONE needs "
                              "speculative_draft_model_path (a small model with the same "
                              "tokenizer)")
+        if args.speculative_ngram_max_bfs_breadth != 1:
+            raise ValueError("speculative_ngram_max_bfs_breadth applies to "
+                             "speculative_algorithm NGRAM (a draft model drafts chains)")
         if args.tp_size > 1:
             raise ValueError("speculative_algorithm STANDALONE and tensor parallelism "
                              "(tp_size > 1) do not combine yet")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import bisect
 
+from radixlm.runtime.speculative.draft_tree import Draft
+
 COST_DECAY = 0.2
 """Weight of a new measurement in a rows count's running cost."""
 
@@ -54,17 +56,17 @@ class StepCosts:
         return self.seconds[low] + share * (self.seconds[high] - self.seconds[low])
 
 
-def plan_drafts(drafts: list[list[int]], rates: list[float], costs: StepCosts) -> None:
-    """Cuts ``drafts`` (in place) to the tokens that maximise the step's expected tokens
-    per second (``rates``: each request's per-token acceptance rate). Without a measured
-    cost for a plain step of these requests, the drafts stay as they are."""
+def plan_drafts(drafts: list[Draft], rates: list[float], costs: StepCosts) -> None:
+    """Cuts ``drafts`` (in place) to the nodes that maximise the step's expected tokens per
+    second (``rates``: each request's per-token acceptance rate). Without a measured cost
+    for a plain step of these requests, the drafts stay as they are."""
     base = len(drafts)
     plain = costs.estimate(base)
     if plain is None or plain <= 0:
         return
-    candidates = sorted(((rate ** (j + 1), i) for i, (draft, rate) in
-                         enumerate(zip(drafts, rates)) for j in range(len(draft))),
-                        reverse=True)  # each request's in order: rate ** j falls with j
+    candidates = sorted(((chance, i) for i, (draft, rate) in enumerate(zip(drafts, rates))
+                         for chance in node_chances(draft, rate)),
+                        reverse=True)  # each request's in order: its chances only fall
     best, best_count, expected = base / plain, 0, float(base)
     for count, (chance, _) in enumerate(candidates, 1):
         expected += chance
@@ -75,4 +77,24 @@ def plan_drafts(drafts: list[list[int]], rates: list[float], costs: StepCosts) -
     for _, i in candidates[:best_count]:
         kept[i] += 1
     for draft, keep in zip(drafts, kept):
-        del draft[keep:]
+        draft.truncate(keep)
+
+
+def node_chances(draft: Draft, rate: float) -> list[float]:
+    """The chance that each node of ``draft`` is accepted, made non-increasing in node
+    order (so that the best nodes of a draft are always a first part of it, which
+    ``Draft.truncate`` keeps): ``rate ** depth`` on the main chain; a node of another
+    branch, leaving the chain at depth f, ``rate ** (f - 1) * (1 - rate) / 2`` times
+    ``rate`` per node below f (the chain's guess failed there, and the branch's is one of
+    several)."""
+    chances: list[float] = []
+    main, depths = draft.main_length, draft.depths()
+    fork_depth: dict[int, int] = {}
+    for node, parent in enumerate(draft.parents):
+        if node < main:
+            chance = rate ** depths[node]
+        else:
+            fork = fork_depth[node] = fork_depth.get(parent, depths[node])
+            chance = rate ** (fork - 1) * (1 - rate) / 2 * rate ** (depths[node] - fork)
+        chances.append(min(chance, chances[-1]) if chances else chance)
+    return chances

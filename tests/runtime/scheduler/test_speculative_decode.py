@@ -37,13 +37,23 @@ from radixlm.runtime.server_args import ServerArgs
 BASE = {"num_threads": 1, "disable_adaptive_timing": True, "chunked_prefill_step_ms": None}
 PLAIN = {**BASE}
 SPEC = {**BASE, "speculative_algorithm": "NGRAM", "speculative_disable_by_batch_size": 512}
+TREE = {**SPEC, "speculative_ngram_max_bfs_breadth": 4, "speculative_num_draft_tokens": 9}
 SMALL_POOL = {"max_total_tokens": 1024, "max_running_requests": 64,
               "init_new_token_ratio": 0.01, "min_new_token_ratio": 0.01,
               "new_token_ratio_decay": 0.5}
 NUM_PROMPTS = 200
 VOCAB = 300
 COUNTERS = ("spec_verify_steps", "spec_drafted_requests", "spec_draft_tokens",
-            "spec_accepted_tokens", "retractions", "overlapped_steps")
+            "spec_accepted_tokens", "spec_accepted_branch_tokens", "retractions",
+            "overlapped_steps")
+
+
+@pytest.fixture(params=["chain", "tree"])
+def spec_options(request) -> dict:
+    """The n-gram proposer's options: chains, or token trees of up to 4 branches and 8
+    nodes (their branches' rows, ``StepBatches.verify``, and their paths' KV, moved where
+    a path leaves the main chain: ``SpeculativeDecode._keep_paths``)."""
+    return SPEC if request.param == "chain" else TREE
 
 
 def repeating_prompt(seed: int) -> list[int]:
@@ -126,20 +136,20 @@ def outputs(reqs) -> list[tuple[list[int], dict | None]]:
 # Greedy: the outputs of plain decoding -------------------------------------------------------
 
 
-def test_greedy_requests_alone_give_the_tokens_of_plain_decoding(scheduler_for):
+def test_greedy_requests_alone_give_the_tokens_of_plain_decoding(scheduler_for, spec_options):
     prompts, params = workload(NUM_PROMPTS, 1)
     expected = outputs(run_alone(scheduler_for(**PLAIN), prompts, params))
-    spec = fresh(scheduler_for(**SPEC))
+    spec = fresh(scheduler_for(**spec_options))
     before = counters(spec)
     assert outputs(run_alone(spec, prompts, params)) == expected
     assert_drafts_accepted_and_rejected(since(spec, before))
     assert spec.server_info()["avg_spec_accept_length"] > 1.0
 
 
-def test_greedy_requests_in_one_batch_give_the_tokens_of_plain_decoding(scheduler_for):
+def test_greedy_requests_in_one_batch_give_the_tokens_of_plain_decoding(scheduler_for, spec_options):
     prompts, params = workload(NUM_PROMPTS, 2)
     expected = outputs(run(scheduler_for(**PLAIN), prompts, params))
-    spec = fresh(scheduler_for(**SPEC))
+    spec = fresh(scheduler_for(**spec_options))
     before = counters(spec)
     assert outputs(run(spec, prompts, params, check_kv=True)) == expected
     assert_drafts_accepted_and_rejected(since(spec, before))
@@ -149,14 +159,14 @@ def test_greedy_requests_in_one_batch_give_the_tokens_of_plain_decoding(schedule
 @pytest.mark.parametrize(("architecture", "kv", "tied"), [
     ("Qwen2ForCausalLM", "gqa", False), ("Qwen3ForCausalLM", "gqa", False),
     ("MistralForCausalLM", "mqa", False), ("LlamaForCausalLM", "mha", True)])
-def test_greedy_outputs_of_other_tiny_models_equal_plain_decoding(scheduler_for, architecture,
+def test_greedy_outputs_of_other_tiny_models_equal_plain_decoding(scheduler_for, spec_options, architecture,
                                                                    kv, tied):
     prompts, params = workload(NUM_PROMPTS, 18)
     model = (architecture, kv, tied)
     plain = scheduler_for(*model, **PLAIN)
     expected = outputs(run_alone(plain, prompts, params))
     assert outputs(run(plain, prompts, params)) == expected
-    spec = fresh(scheduler_for(*model, **SPEC))
+    spec = fresh(scheduler_for(*model, **spec_options))
     before = counters(spec)
     assert outputs(run_alone(spec, prompts, params)) == expected
     fresh(spec)
@@ -165,7 +175,7 @@ def test_greedy_outputs_of_other_tiny_models_equal_plain_decoding(scheduler_for,
 
 
 def test_stop_tokens_stop_strings_eos_and_budgets_end_requests_as_without_drafts(
-        scheduler_for):
+        scheduler_for, spec_options):
     """Stops chosen from the plain outputs themselves, so that they fire in the middle of
     what a draft would have covered."""
     prompts, params = workload(60, 3)
@@ -189,18 +199,18 @@ def test_stop_tokens_stop_strings_eos_and_budgets_end_requests_as_without_drafts
             stopped.append(greedy(32, ignore_eos=False, stop_token_ids=[tokens[9]]))
     expected = outputs(run_alone(plain, prompts, stopped))
     assert sum(reason["type"] == "stop" for _, reason in expected) >= 30
-    spec = fresh(scheduler_for(**SPEC))
+    spec = fresh(scheduler_for(**spec_options))
     before = counters(spec)
     assert outputs(run_alone(spec, prompts, stopped)) == expected
     assert outputs(run(spec, prompts, stopped, check_kv=True)) == expected
     assert_drafts_accepted_and_rejected(since(spec, before))
 
 
-def test_output_logprobs_equal_plain_decoding_and_one_per_token(scheduler_for):
+def test_output_logprobs_equal_plain_decoding_and_one_per_token(scheduler_for, spec_options):
     prompts, params = workload(40, 4)
     fields = {"return_logprob": True, "top_logprobs_num": 3}
     expected = run(scheduler_for(**PLAIN), prompts, params, **fields)
-    spec = fresh(scheduler_for(**SPEC))
+    spec = fresh(scheduler_for(**spec_options))
     before = counters(spec)
     got = run(spec, prompts, params, **fields)
     assert_drafts_accepted_and_rejected(since(spec, before))
@@ -227,7 +237,7 @@ SCHEMA = ('{"type": "array", "items": {"enum": ["red", "green", "blue"]}, '
 @pytest.mark.parametrize("constraint", [{"regex": REGEX}, {"json_schema": SCHEMA}],
                          ids=["regex", "json"])
 @pytest.mark.parametrize("jump_forward", [False, True], ids=["token-by-token", "jump-forward"])
-def test_constrained_requests_give_the_tokens_of_plain_decoding(scheduler_for, constraint,
+def test_constrained_requests_give_the_tokens_of_plain_decoding(scheduler_for, spec_options, constraint,
                                                                  jump_forward):
     """Grammars whose outputs repeat themselves (drafts from the output): drafts are cut
     where the grammar refuses them. (With jump-forward, forced text ends a pass where it is
@@ -238,7 +248,7 @@ def test_constrained_requests_give_the_tokens_of_plain_decoding(scheduler_for, c
     options = {"disable_jump_forward": not jump_forward}
     expected = outputs(run(scheduler_for(**PLAIN, **options), prompts, params))
     assert sum(reason["type"] == "stop" for _, reason in expected) >= 8
-    spec = fresh(scheduler_for(**SPEC, **options))
+    spec = fresh(scheduler_for(**spec_options, **options))
     before = counters(spec)
     assert outputs(run(spec, prompts, params)) == expected
     if not jump_forward:
@@ -257,10 +267,10 @@ def n_samples(scheduler, prompt: list[int], sampling: dict) -> list:
     return reqs
 
 
-def test_the_samples_of_an_n_request_give_the_tokens_of_plain_decoding(scheduler_for):
+def test_the_samples_of_an_n_request_give_the_tokens_of_plain_decoding(scheduler_for, spec_options):
     prompts, _ = workload(12, 6)
     results = []
-    for options in (PLAIN, SPEC):
+    for options in (PLAIN, spec_options):
         scheduler = fresh(scheduler_for(**options))
         before = counters(scheduler)
         reqs = []
@@ -278,20 +288,20 @@ def test_the_samples_of_an_n_request_give_the_tokens_of_plain_decoding(scheduler
     pytest.param({"page_size": 4}, id="page-size-4"),
     pytest.param({"page_size": 4, "chunked_prefill_size": 16}, id="page-size-4-chunked"),
 ])
-def test_chunked_prefill_and_pages_give_the_tokens_of_plain_decoding(scheduler_for, options):
+def test_chunked_prefill_and_pages_give_the_tokens_of_plain_decoding(scheduler_for, spec_options, options):
     prompts, params = workload(80, 7)
     expected = outputs(run(scheduler_for(**PLAIN), prompts, params))
-    spec = fresh(scheduler_for(**SPEC, **options))
+    spec = fresh(scheduler_for(**spec_options, **options))
     before = counters(spec)
     assert outputs(run(spec, prompts, params, check_kv=True)) == expected
     assert outputs(run_alone(spec, prompts[:20], params[:20])) == expected[:20]
     assert_drafts_accepted_and_rejected(since(spec, before))
 
 
-def test_overlap_scheduling_with_speculation_gives_the_tokens_of_plain_decoding(scheduler_for):
+def test_overlap_scheduling_with_speculation_gives_the_tokens_of_plain_decoding(scheduler_for, spec_options):
     prompts, params = workload(80, 8)
     expected = outputs(run(scheduler_for(**PLAIN), prompts, params))
-    spec = fresh(scheduler_for(**SPEC, disable_overlap_schedule=False))
+    spec = fresh(scheduler_for(**spec_options, disable_overlap_schedule=False))
     before = counters(spec)
     assert outputs(run(spec, prompts, params)) == expected
     assert outputs(run_alone(spec, prompts[:20], params[:20])) == expected[:20]
@@ -311,12 +321,12 @@ def test_overlap_still_runs_ahead_for_requests_that_never_get_a_draft(scheduler_
 
 
 def test_requests_retracted_while_speculating_give_the_tokens_of_plain_decoding(
-        scheduler_for):
+        scheduler_for, spec_options):
     rng = random.Random(9)
     prompts = [repeating_prompt(90_000 + i) for i in range(150)]
     params = [greedy(rng.randint(1, 48)) for _ in prompts]
     expected = outputs(run(scheduler_for(**PLAIN), prompts, params))
-    spec = fresh(scheduler_for(**SPEC, **SMALL_POOL))
+    spec = fresh(scheduler_for(**spec_options, **SMALL_POOL))
     before = counters(spec)
     assert outputs(run(spec, prompts, params, check_kv=True)) == expected
     delta = since(spec, before)
@@ -417,25 +427,25 @@ def seeded_workload() -> tuple[list[list[int]], list[dict]]:
     return prompts + prompts, params
 
 
-def test_seeded_sampling_alone_gives_the_tokens_of_plain_decoding(scheduler_for):
+def test_seeded_sampling_alone_gives_the_tokens_of_plain_decoding(scheduler_for, spec_options):
     """A seeded request draws each position from (its seed, its position): the tokens do
     not depend on how many positions one pass checks."""
     prompts, params = seeded_workload()
     expected = outputs(run_alone(scheduler_for(**PLAIN), prompts, params))
-    spec = fresh(scheduler_for(**SPEC))
+    spec = fresh(scheduler_for(**spec_options))
     before = counters(spec)
     assert outputs(run_alone(spec, prompts, params)) == expected
     assert_drafts_accepted_and_rejected(since(spec, before))
 
 
-def test_seeded_sampling_in_one_batch_gives_the_tokens_of_plain_decoding(scheduler_for):
+def test_seeded_sampling_in_one_batch_gives_the_tokens_of_plain_decoding(scheduler_for, spec_options):
     prompts, params = seeded_workload()
     half = len(prompts) // 2
     plain = scheduler_for(**PLAIN)
     expected = outputs(run(plain, prompts[:half], params[:half]))
     expected += outputs(run(plain, prompts[half:], params[half:]))
     assert outputs(run_alone(plain, prompts, params)) == expected  # seeds see no batch
-    spec = fresh(scheduler_for(**SPEC))
+    spec = fresh(scheduler_for(**spec_options))
     before = counters(spec)
     got = outputs(run(spec, prompts[:half], params[:half]))
     got += outputs(run(spec, prompts[half:], params[half:]))
@@ -444,13 +454,13 @@ def test_seeded_sampling_in_one_batch_gives_the_tokens_of_plain_decoding(schedul
 
 
 def test_greedy_requests_with_penalties_in_one_batch_give_the_tokens_of_plain_decoding(
-        scheduler_for):
+        scheduler_for, spec_options):
     """The batch runs twice: the second time its drafts come from the tree, the very tokens
     of the first run, which are accepted position after position."""
     prompts = workload(60, 12)[0][:8]
     params = [greedy(32, frequency_penalty=0.5) for _ in prompts]
     expected = outputs(run_alone(scheduler_for(**PLAIN), prompts, params))
-    spec = fresh(scheduler_for(**SPEC))
+    spec = fresh(scheduler_for(**spec_options))
     run(spec, prompts, params)
     before = counters(spec)
     got = outputs(run(spec, prompts, params))
@@ -494,7 +504,7 @@ def test_the_chi_square_p_value_matches_known_quantiles():
         assert chi_square_p_value(statistic, degrees) == pytest.approx(upper, rel=1e-3)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "self-draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "ngram-tree", "self-draft"])
 def test_unseeded_sampling_keeps_the_target_distribution(scheduler_for, tiny_model_dir,
                                                          proposer):
     """Chi-square of the first three output tokens of many unseeded samples against their
@@ -504,7 +514,8 @@ def test_unseeded_sampling_keeps_the_target_distribution(scheduler_for, tiny_mod
     prompt = repeating_prompt(13)
     length = 3
     exact = exact_distribution(tiny_model_dir(), prompt, length)
-    options = {**SPEC, "speculative_disable_by_batch_size": 64}
+    options = {**(TREE if proposer == "ngram-tree" else SPEC),
+               "speculative_disable_by_batch_size": 64}
     if proposer == "self-draft":  # each draft the target's own most likely token
         options |= {"speculative_algorithm": "STANDALONE", "speculative_num_steps": 2,
                     "speculative_draft_model_path": str(tiny_model_dir())}
@@ -537,14 +548,42 @@ def test_unseeded_sampling_keeps_the_target_distribution(scheduler_for, tiny_mod
     assert chi_square_p_value(stat, cells - 1) > 1e-4, (stat, cells)
 
 
+# Token trees -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_path_down_a_side_branch_keeps_its_kv_and_the_tokens_of_plain_decoding(
+        scheduler_for, page_size):
+    """The tree holds a prompt's true continuation and, used later, a wrong one that
+    agrees with it for two tokens: the draft's main chain is the wrong one, and the
+    request's path leaves it for the other branch, whose KV then moves to the positions
+    the request keeps (``_keep_paths``): the tokens after it, computed over that KV, are
+    still those of plain decoding."""
+    rng = random.Random(21)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(21)] for _ in range(6)]
+    params = [greedy(24) for _ in prompts]
+    expected = outputs(run(scheduler_for(**PLAIN), prompts, params))
+    spec = fresh(scheduler_for(**TREE, page_size=page_size))
+    assert outputs(run(spec, prompts, params)) == expected  # caches each true continuation
+    wrong = []
+    for prompt, (tokens, _) in zip(prompts, expected):
+        swapped = (tokens[2] + 1 - 3) % (VOCAB - 3) + 3  # a token other than tokens[2]
+        wrong.append(prompt + tokens[:2] + [swapped] + tokens[3:12])
+    run(spec, wrong, [greedy(1) for _ in wrong])  # now the later-used branch
+    before = counters(spec)
+    assert outputs(run(spec, prompts, params, check_kv=True)) == expected
+    delta = since(spec, before)
+    assert delta["spec_accepted_branch_tokens"] >= len(prompts), delta
+
+
 # KV ------------------------------------------------------------------------------------------
 
 
-def test_rejected_draft_slots_are_freed_at_once_and_the_pool_ends_idle(scheduler_for):
+def test_rejected_draft_slots_are_freed_at_once_and_the_pool_ends_idle(scheduler_for, spec_options):
     """Between every two steps no running request holds a slot beyond its tokens (checked
     by ``run``), and afterwards free + cached == pool with nothing locked."""
     prompts, params = workload(40, 14)
-    spec = fresh(scheduler_for(**SPEC, page_size=4))
+    spec = fresh(scheduler_for(**spec_options, page_size=4))
     before = counters(spec)
     run(spec, prompts, params, check_kv=True)
     for prompt, param in zip(prompts[:10], params[:10]):
@@ -590,6 +629,8 @@ FAULTS = {  # where a verify step fails: (algorithm, the speculation's component
     "forward": ("NGRAM", "runner", "forward", 2),  # slots allocated, nothing computed
     "logits": ("NGRAM", "runner", "compute_logits", 2),  # every draft token's KV written
     "append": ("NGRAM", "sampling_step", "append_tokens", 3),  # some tokens appended
+    "tree-logits": ("TREE", "runner", "compute_logits", 2),  # the branches' rows taken
+    "tree-append": ("TREE", "sampling_step", "append_tokens", 3),
     "draft-pass": ("STANDALONE", "proposer.runner", "forward", 3),  # the draft model's
     "draft-verify": ("STANDALONE", "runner", "forward", 2),
 }
@@ -623,6 +664,8 @@ def test_a_failed_verify_step_leaks_no_slot_and_the_scheduler_serves_on(
     prompts, params = workload(8, 19)
     expected = outputs(run(scheduler_for(**PLAIN), prompts, params))
     options = {**SPEC, "speculative_algorithm": algorithm, "page_size": page_size}
+    if algorithm == "TREE":
+        options |= {**TREE, "speculative_algorithm": "NGRAM"}
     if algorithm == "STANDALONE":
         options |= {"speculative_draft_model_path": str(tiny_model_dir()),
                     "speculative_num_steps": 3}
@@ -638,6 +681,8 @@ def test_a_failed_verify_step_leaks_no_slot_and_the_scheduler_serves_on(
         setattr(owner, name, real)
     abort_after_failure(spec)
     assert all(req.finished for req in reqs)
+    rows = spec.memory.req_to_token_pool
+    assert rows.available_size() == rows.size  # a tree's branch rows went back too
     info = spec.server_info()
     assert info["free_kv_tokens"] + info["cache_tokens"] == info["max_total_tokens"]
     assert info["cache_protected_tokens"] == 0

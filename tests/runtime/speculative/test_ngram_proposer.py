@@ -14,6 +14,7 @@ from radixlm.kv_cache.radix_tree import RadixCache
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.sampling_params import SamplingParams
 from radixlm.runtime.speculative.draft_proposer import PROBE_EVERY, DraftLength
+from radixlm.runtime.speculative.draft_tree import Draft
 from radixlm.runtime.speculative.ngram_proposer import NgramIndex, NgramProposer
 
 
@@ -181,6 +182,10 @@ def cache(allocator: TokenToKVPoolAllocator, tree: RadixCache, key: list[int],
     allocator.free(indices[:kept])
 
 
+def tokens_of(drafts: list[Draft]) -> list[list[int]]:
+    return [draft.tokens for draft in drafts]
+
+
 def request(input_ids: list[int], output_ids: list[int] = (), extra_key: str | None = None
             ) -> Req:
     req = Req("r", list(input_ids), SamplingParams(), extra_key=extra_key)
@@ -196,14 +201,14 @@ def test_the_tree_continuation_is_preferred_to_the_request_own_ngrams():
     allocator, tree = make_tree()
     cache(allocator, tree, CACHED)
     proposer = NgramProposer(tree, max_draft=4, min_window=2, max_window=8)
-    assert proposer.propose([request(PROMPT)], [10]) == [[40, 41, 42, 43]]
+    assert tokens_of(proposer.propose([request(PROMPT)], [10])) == [[40, 41, 42, 43]]
 
 
 def test_the_tree_continues_after_the_output_too():
     allocator, tree = make_tree()
     cache(allocator, tree, CACHED)
     proposer = NgramProposer(tree, max_draft=4, min_window=2, max_window=8)
-    assert proposer.propose([request(PROMPT, [40, 41])], [10]) == [[42, 43, 44, 45]]
+    assert tokens_of(proposer.propose([request(PROMPT, [40, 41])], [10])) == [[42, 43, 44, 45]]
 
 
 def test_without_a_tree_match_the_request_own_ngrams_draft():
@@ -212,7 +217,7 @@ def test_without_a_tree_match_the_request_own_ngrams_draft():
     proposer = NgramProposer(tree, max_draft=4, min_window=2, max_window=8)
     other_namespace = request(PROMPT, extra_key="tenant-b")
     diverged = request(PROMPT, [50])  # nothing cached after PROMPT + [50]
-    assert proposer.propose([other_namespace, diverged], [10, 10]) == [
+    assert tokens_of(proposer.propose([other_namespace, diverged], [10, 10])) == [
         [12, 13, 10, 11], []]
 
 
@@ -220,7 +225,7 @@ def test_a_disabled_tree_leaves_the_request_own_tokens_only():
     allocator, tree = make_tree()
     cache(allocator, tree, CACHED)
     proposer = NgramProposer(None, max_draft=4, min_window=2, max_window=8)
-    assert proposer.propose([request(PROMPT)], [10]) == [[12, 13, 10, 11]]
+    assert tokens_of(proposer.propose([request(PROMPT)], [10])) == [[12, 13, 10, 11]]
 
 
 def test_drafts_keep_each_request_budget_and_the_draft_limit():
@@ -229,34 +234,35 @@ def test_drafts_keep_each_request_budget_and_the_draft_limit():
     proposer = NgramProposer(tree, max_draft=3, min_window=2, max_window=8)
     reqs = [request(PROMPT), request(PROMPT), request(PROMPT), request(PROMPT, [50])]
     drafts = proposer.propose(reqs, [10, 2, 0, 1])
-    assert drafts == [[40, 41, 42], [40, 41], [], []]
+    assert tokens_of(drafts) == [[40, 41, 42], [40, 41], [], []]
     own = NgramProposer(None, max_draft=3, min_window=2, max_window=8)
-    assert own.propose([request(PROMPT), request(PROMPT)], [10, 1]) == [[12, 13, 10], [12]]
+    assert tokens_of(own.propose([request(PROMPT), request(PROMPT)], [10, 1])) == [
+        [12, 13, 10], [12]]
 
 
 def test_the_request_index_follows_its_output_as_it_grows():
     proposer = NgramProposer(None, max_draft=4, min_window=2, max_window=8)
     req = request([1, 2, 3, 4, 5])
-    assert proposer.propose([req], [10]) == [[]]
+    assert tokens_of(proposer.propose([req], [10])) == [[]]
     req.output_ids += [9, 1, 2]
-    assert proposer.propose([req], [10]) == [[3, 4, 5, 9]]
+    assert tokens_of(proposer.propose([req], [10])) == [[3, 4, 5, 9]]
     req.output_ids += [3, 4, 7]
-    assert proposer.propose([req], [10]) == [[]]
+    assert tokens_of(proposer.propose([req], [10])) == [[]]
     req.output_ids += [3]  # (7, 3) new; (3,) alone is under the window
-    assert proposer.propose([req], [10]) == [[]]
+    assert tokens_of(proposer.propose([req], [10])) == [[]]
     req.output_ids += [4]  # (3, 4): latest occurrence followed by 7
-    assert proposer.propose([req], [10]) == [[7, 3, 4]]
+    assert tokens_of(proposer.propose([req], [10])) == [[7, 3, 4]]
 
 
 def test_observed_rejections_shorten_the_request_drafts():
     proposer = NgramProposer(None, max_draft=4, min_window=2, max_window=8)
     req = request(PROMPT)
-    assert proposer.propose([req], [10]) == [[12, 13, 10, 11]]
+    assert tokens_of(proposer.propose([req], [10])) == [[12, 13, 10, 11]]
     proposer.observe(req, 4, 0)
-    assert proposer.propose([req], [10]) == [[12, 13]]
+    assert tokens_of(proposer.propose([req], [10])) == [[12, 13]]
     proposer.observe(req, 2, 0)
     proposer.observe(req, 1, 0)
-    assert proposer.propose([req], [10]) == [[]]
+    assert tokens_of(proposer.propose([req], [10])) == [[]]
     assert not proposer.may_propose(req)
 
 
@@ -264,12 +270,12 @@ def test_a_request_whose_lookups_find_nothing_may_not_propose_until_its_next_pro
     proposer = NgramProposer(None, max_draft=4, min_window=2, max_window=8)
     req = request(list(range(3, 20)))
     assert proposer.may_propose(req)  # (nothing looked up yet)
-    assert proposer.propose([req], [10]) == [[]]
+    assert tokens_of(proposer.propose([req], [10])) == [[]]
     assert not proposer.may_propose(req)
     req.output_ids += list(range(30, 30 + PROBE_EVERY))
     assert proposer.may_propose(req)
     req.output_ids += [3, 4]  # now (3, 4) occurred before
-    assert proposer.propose([req], [10]) == [[5, 6, 7, 8]]
+    assert tokens_of(proposer.propose([req], [10])) == [[5, 6, 7, 8]]
     assert proposer.may_propose(req)
 
 
@@ -277,4 +283,45 @@ def test_after_verify_ignores_hidden_states():
     proposer = NgramProposer(None, max_draft=4, min_window=2, max_window=8)
     req = request(PROMPT)
     proposer.after_verify([req], torch.zeros(3, 8), [[0, 1, 2]])
-    assert proposer.propose([req], [10]) == [[12, 13, 10, 11]]
+    assert tokens_of(proposer.propose([req], [10])) == [[12, 13, 10, 11]]
+
+
+# Token trees (max_breadth > 1) ----------------------------------------------------------------
+
+
+def test_the_index_finds_the_continuations_of_several_earlier_occurrences():
+    tokens = [1, 2, 7, 8, 1, 2, 9, 9, 3, 1, 2, 5, 1, 2]
+    index = NgramIndex(2, 8, keep=3)
+    index.extend(tokens)
+    assert index.propose_branches(2, 4) == [[5, 1], [9, 9], [7, 8]]  # latest first
+    assert index.propose(2) == [5, 1]
+    assert index.propose_branches(2, 1) == [[5, 1]]
+    kept_one = NgramIndex(2, 8)
+    kept_one.extend(tokens)
+    assert kept_one.propose_branches(2, 4) == [[5, 1]]  # keep=1: the latest end only
+
+
+def test_a_tree_draft_holds_the_tree_branches_then_the_request_own():
+    allocator, tree = make_tree()
+    cache(allocator, tree, CACHED)
+    cache(allocator, tree, PROMPT + [40, 41, 60, 61])  # a fork after 40 41, now the latest
+    proposer = NgramProposer(tree, max_draft=10, min_window=2, max_window=8, max_breadth=3)
+    (draft,) = proposer.propose([request(PROMPT)], [10])
+    # Main chain: the latest branch of the tree; then its other branch, then own n-grams,
+    # filled level by level until the 10 nodes are taken.
+    assert draft.tokens[: draft.main_length] == [40, 41, 60, 61]
+    assert draft.tokens == [40, 41, 60, 61, 42, 43, 12, 13, 10, 11]
+    assert draft.parents == [-1, 0, 1, 2, 1, 4, -1, 6, 7, 8]
+
+
+def test_a_tree_is_as_deep_as_the_draft_length_and_keeps_its_node_budget():
+    allocator, tree = make_tree()
+    cache(allocator, tree, CACHED)
+    cache(allocator, tree, PROMPT + [40, 41, 60, 61])
+    proposer = NgramProposer(tree, max_draft=5, min_window=2, max_window=8, max_breadth=3)
+    req = request(PROMPT)
+    proposer._length(req).length = 3  # its draft length fell to three after rejections
+    (draft,) = proposer.propose([req], [10])
+    assert draft.tokens == [40, 41, 60, 12, 13] and max(draft.depths()) == 3
+    (draft,) = proposer.propose([request(PROMPT)], [2])  # the request's budget: 2 levels
+    assert draft.tokens == [40, 41, 12, 13]

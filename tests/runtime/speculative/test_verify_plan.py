@@ -11,6 +11,7 @@ from runtime_checks import run_to_completion, scheduler_req
 from workloads import greedy
 
 from radixlm.runtime.speculative.draft_proposer import DraftLength
+from radixlm.runtime.speculative.draft_tree import Draft
 from radixlm.runtime.speculative.verify_plan import COST_DECAY, StepCosts, plan_drafts
 
 
@@ -19,6 +20,14 @@ def costs_of(table: dict[int, float]) -> StepCosts:
     for rows, seconds in table.items():
         costs.observe(rows, seconds)
     return costs
+
+
+def chains(lists: list[list[int]]) -> list[Draft]:
+    return [Draft.chain(tokens) for tokens in lists]
+
+
+def tokens(drafts: list[Draft]) -> list[list[int]]:
+    return [draft.tokens for draft in drafts]
 
 
 def test_costs_are_running_averages_interpolated_and_optimistic_above():
@@ -31,38 +40,38 @@ def test_costs_are_running_averages_interpolated_and_optimistic_above():
 
 
 def test_without_a_measured_plain_step_every_draft_stays():
-    drafts = [[1, 2, 3], [4]]
+    drafts = chains([[1, 2, 3], [4]])
     plan_drafts(drafts, [0.01, 0.01], costs_of({8: 0.1}))
-    assert drafts == [[1, 2, 3], [4]]
+    assert tokens(drafts) == [[1, 2, 3], [4]]
 
 
 def test_drafts_likely_accepted_are_kept_where_rows_are_cheap():
     costs = costs_of({1: 0.030, 4: 0.039, 16: 0.063})  # a CPU's few-row kernels
-    drafts = [[1, 2, 3]]
+    drafts = chains([[1, 2, 3]])
     plan_drafts(drafts, [0.9], costs)
-    assert drafts == [[1, 2, 3]]
+    assert tokens(drafts) == [[1, 2, 3]]
 
 
 def test_drafts_unlikely_accepted_are_dropped_and_the_step_decodes_plainly():
     costs = costs_of({1: 0.030, 4: 0.039})
-    drafts = [[1, 2, 3]]
+    drafts = chains([[1, 2, 3]])
     plan_drafts(drafts, [0.05], costs)
-    assert drafts == [[]]
+    assert tokens(drafts) == [[]]
 
 
 def test_a_batch_keeps_the_likely_drafts_and_drops_the_unlikely_ones():
     costs = costs_of({4: 0.040, 8: 0.046, 16: 0.080})
-    drafts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    drafts = chains([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]])
     plan_drafts(drafts, [0.95, 0.9, 0.1, 0.05], costs)
     assert [len(d) for d in drafts] == [3, 3, 0, 0]
-    assert drafts[0] == [1, 2, 3]  # a draft is cut at its end, never in its middle
+    assert drafts[0].tokens == [1, 2, 3]  # a draft is cut at its end, never in its middle
 
 
 def test_where_every_row_costs_as_much_as_a_step_nothing_pays():
     costs = costs_of({n: 0.010 * n for n in range(1, 20)})  # rows cost linearly
-    drafts = [[1, 2], [3, 4]]
+    drafts = chains([[1, 2], [3, 4]])
     plan_drafts(drafts, [0.8, 0.8], costs)
-    assert drafts == [[], []]
+    assert tokens(drafts) == [[], []]
 
 
 def test_the_acceptance_rate_follows_what_was_accepted():
