@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
 from radixlm.kv_cache.disk_kv_store import (
     BLOCK_SUFFIX,
@@ -358,9 +359,28 @@ while True:
 """
 
 
+def half_written_files(directory: Path, seconds: float) -> list[str]:
+    """Watches ``directory`` for ``seconds``: the block files seen that do not parse as whole
+    safetensors files (a write seen half done)."""
+    seen = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for path in directory.glob("*" + BLOCK_SUFFIX):
+            try:
+                data = path.read_bytes()  # once open, the file reads whole even if evicted
+            except FileNotFoundError:
+                continue  # evicted between the listing and the open
+            try:
+                load(data)
+            except Exception as e:  # safetensors' own error types
+                seen.append(f"{path.name}: {e}")
+        time.sleep(0.002)
+    return seen
+
+
 def test_kill_9_during_writes_leaves_only_whole_blocks(tmp_path):
     identity = make_identity(block_tokens=64, buffer_shapes=((8, 128),) * 4)  # 1 MiB blocks
-    fields = json.dumps({**json.loads(identity.canonical_json())})
+    fields = identity.canonical_json()
     capacity, n_blocks = 6 << 20, 10  # fewer than n_blocks fit: every write writes
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -371,7 +391,7 @@ def test_kill_9_during_writes_leaves_only_whole_blocks(tmp_path):
              str(round_)], stdout=subprocess.PIPE, env=env, cwd=REPO_ROOT)
         try:
             assert writer.stdout.readline().strip() == b"ready"
-            threading.Event().wait(rng.uniform(0.05, 0.4))
+            assert half_written_files(tmp_path, rng.uniform(0.05, 0.4)) == []
         finally:
             writer.send_signal(signal.SIGKILL)
             writer.wait()
