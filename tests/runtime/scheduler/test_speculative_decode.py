@@ -146,7 +146,8 @@ def test_greedy_requests_alone_give_the_tokens_of_plain_decoding(scheduler_for, 
     assert spec.server_info()["avg_spec_accept_length"] > 1.0
 
 
-def test_greedy_requests_in_one_batch_give_the_tokens_of_plain_decoding(scheduler_for, spec_options):
+def test_greedy_requests_in_one_batch_give_the_tokens_of_plain_decoding(
+        scheduler_for, spec_options):
     prompts, params = workload(NUM_PROMPTS, 2)
     expected = outputs(run(scheduler_for(**PLAIN), prompts, params))
     spec = fresh(scheduler_for(**spec_options))
@@ -159,8 +160,8 @@ def test_greedy_requests_in_one_batch_give_the_tokens_of_plain_decoding(schedule
 @pytest.mark.parametrize(("architecture", "kv", "tied"), [
     ("Qwen2ForCausalLM", "gqa", False), ("Qwen3ForCausalLM", "gqa", False),
     ("MistralForCausalLM", "mqa", False), ("LlamaForCausalLM", "mha", True)])
-def test_greedy_outputs_of_other_tiny_models_equal_plain_decoding(scheduler_for, spec_options, architecture,
-                                                                   kv, tied):
+def test_greedy_outputs_of_other_tiny_models_equal_plain_decoding(
+        scheduler_for, spec_options, architecture, kv, tied):
     prompts, params = workload(NUM_PROMPTS, 18)
     model = (architecture, kv, tied)
     plain = scheduler_for(*model, **PLAIN)
@@ -237,8 +238,8 @@ SCHEMA = ('{"type": "array", "items": {"enum": ["red", "green", "blue"]}, '
 @pytest.mark.parametrize("constraint", [{"regex": REGEX}, {"json_schema": SCHEMA}],
                          ids=["regex", "json"])
 @pytest.mark.parametrize("jump_forward", [False, True], ids=["token-by-token", "jump-forward"])
-def test_constrained_requests_give_the_tokens_of_plain_decoding(scheduler_for, spec_options, constraint,
-                                                                 jump_forward):
+def test_constrained_requests_give_the_tokens_of_plain_decoding(
+        scheduler_for, spec_options, constraint, jump_forward):
     """Grammars whose outputs repeat themselves (drafts from the output): drafts are cut
     where the grammar refuses them. (With jump-forward, forced text ends a pass where it is
     appended, and the requests rarely reach a step where every one has a single token
@@ -288,7 +289,8 @@ def test_the_samples_of_an_n_request_give_the_tokens_of_plain_decoding(scheduler
     pytest.param({"page_size": 4}, id="page-size-4"),
     pytest.param({"page_size": 4, "chunked_prefill_size": 16}, id="page-size-4-chunked"),
 ])
-def test_chunked_prefill_and_pages_give_the_tokens_of_plain_decoding(scheduler_for, spec_options, options):
+def test_chunked_prefill_and_pages_give_the_tokens_of_plain_decoding(
+        scheduler_for, spec_options, options):
     prompts, params = workload(80, 7)
     expected = outputs(run(scheduler_for(**PLAIN), prompts, params))
     spec = fresh(scheduler_for(**spec_options, **options))
@@ -298,7 +300,8 @@ def test_chunked_prefill_and_pages_give_the_tokens_of_plain_decoding(scheduler_f
     assert_drafts_accepted_and_rejected(since(spec, before))
 
 
-def test_overlap_scheduling_with_speculation_gives_the_tokens_of_plain_decoding(scheduler_for, spec_options):
+def test_overlap_scheduling_with_speculation_gives_the_tokens_of_plain_decoding(
+        scheduler_for, spec_options):
     prompts, params = workload(80, 8)
     expected = outputs(run(scheduler_for(**PLAIN), prompts, params))
     spec = fresh(scheduler_for(**spec_options, disable_overlap_schedule=False))
@@ -438,7 +441,8 @@ def test_seeded_sampling_alone_gives_the_tokens_of_plain_decoding(scheduler_for,
     assert_drafts_accepted_and_rejected(since(spec, before))
 
 
-def test_seeded_sampling_in_one_batch_gives_the_tokens_of_plain_decoding(scheduler_for, spec_options):
+def test_seeded_sampling_in_one_batch_gives_the_tokens_of_plain_decoding(
+        scheduler_for, spec_options):
     prompts, params = seeded_workload()
     half = len(prompts) // 2
     plain = scheduler_for(**PLAIN)
