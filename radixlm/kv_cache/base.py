@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,16 @@ class PrefixCache(ABC):
         finds one, most recently used first (a draft's token tree). A cache that keeps
         nothing finds nothing."""
         return []
+
+    def load_back(self, key: Sequence[int], extra_key: str | None = None) -> int:
+        """Brings into the cache, from lower tiers, KV that continues the cached prefix of
+        ``key``; returns how many tokens the prefix grew by. A cache of one tier: 0."""
+        return 0
+
+    def prefetch(self, key: Sequence[int], extra_key: str | None = None) -> Future | None:
+        """Starts bringing KV of ``key`` from the slowest tier nearer (``load_back`` then
+        finds it); a future that is done when it is, or None: nothing to wait for."""
+        return None
 
     @abstractmethod
     def reset(self) -> None: ...

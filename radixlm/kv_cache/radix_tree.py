@@ -24,7 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from sortedcontainers import SortedKeyList
@@ -93,6 +93,9 @@ class RadixCache(PrefixCache):
             )
         self.allocator = allocator
         self.page_size = page_size
+        self.on_evict: Callable[[TreeNode], None] | None = None
+        """Called with each leaf ``evict`` is about to free, while its path is still in
+        the tree (``prefix_of``): a lower tier keeps its KV (``hierarchical_cache.py``)."""
         self.reset()
 
     def reset(self) -> None:
@@ -129,6 +132,22 @@ class RadixCache(PrefixCache):
         values = [child.value for child in path]
         indices = torch.cat(values) if values else self._empty()
         return MatchResult(indices=indices, last_node=node)
+
+    def cached_length(self, key: Sequence[int], extra_key: str | None = None) -> int:
+        """How many leading tokens of ``key`` ``match_prefix`` would find (page-aligned),
+        changing nothing: no split, no access time."""
+        key = self._aligned(key)
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(node, key, pos, extra_key))
+            if child is None:
+                break
+            n = self._common_len(child.key, key, pos)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
 
     def continuations(self, key: Sequence[int], max_tokens: int, max_branches: int,
                       extra_key: str | None = None) -> list[list[int]]:
@@ -265,6 +284,8 @@ class RadixCache(PrefixCache):
         freed = 0
         while freed < num_tokens and self._evict_queue:
             leaf = self._evict_queue.pop(0)
+            if self.on_evict is not None:
+                self.on_evict(leaf)
             parent = leaf.parent
             del parent.children[self._child_key(parent, leaf.key, 0, leaf.extra_key)]
             self.allocator.free(leaf.value)
@@ -274,6 +295,16 @@ class RadixCache(PrefixCache):
             if parent is not self.root and parent.lock_ref == 0 and not parent.children:
                 self._evict_queue.add(parent)
         return freed
+
+    def prefix_of(self, node: TreeNode) -> tuple[tuple[int, ...], torch.Tensor]:
+        """The tokens from the root down to the end of ``node`` and their slots."""
+        keys, values = [], []
+        while node.parent is not None:
+            keys.append(node.key)
+            values.append(node.value)
+            node = node.parent
+        tokens = tuple(token for key in reversed(keys) for token in key)
+        return tokens, torch.cat(values[::-1]) if values else self._empty()
 
     def evictable_size(self) -> int:
         return self._evictable_tokens

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,9 @@ class Req:
     drafting: Any = None
     """A speculative proposer's state for this request (``runtime/speculative``; typed
     loosely, as for ``beam``), None without speculation."""
+    kv_prefetch: Future | None = None
+    """The hierarchical cache's read of this request's prompt blocks from disk, while it
+    runs (``Admission``: the request waits, others go on)."""
     cumulative_logprob: float | None = None
     beam_score: float | None = None
     """A finished beam hypothesis's summed logprobs and length-normalised score."""

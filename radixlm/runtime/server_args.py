@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from radixlm.runtime.hicache_options import check_hicache_options
 from radixlm.runtime.speculative.options import check_speculative_options
 
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
@@ -88,6 +89,24 @@ class ServerArgs:
     """Tokens per KV cache page: the unit the pool hands out and the prefix cache matches."""
     disable_radix_cache: bool = False
     """Compute every prompt in full (the baseline the prefix cache is measured against)."""
+    enable_hierarchical_cache: bool = False
+    """Keep prefixes the device pool evicts in host memory (and on disk with
+    ``hicache_storage_backend``), and load them back (``kv_cache/hierarchical_cache.py``)."""
+    hicache_ratio: float = 2.0
+    """The host tier's size as a multiple of the device pool's tokens."""
+    hicache_size: int = 0
+    """The host tier's size in GB (0: by ``hicache_ratio``)."""
+    hicache_write_policy: str = "write_back"
+    """``write_back``: prefixes go to the host tier when the device pool evicts them;
+    ``write_through``: as soon as they are cached."""
+    hicache_storage_backend: str | None = None
+    """``file``: a disk tier under ``hicache_storage_dir`` that outlives the server."""
+    hicache_storage_dir: str = "/tmp/hicache"
+    """The disk tier's directory (SGLang's file backend's default)."""
+    hicache_storage_size: float = 16.0
+    """The disk tier's capacity in GB (least recently used blocks go first)."""
+    hicache_block_tokens: int = 32
+    """Tokens of one block of the host and disk tiers (a multiple of ``page_size``)."""
     max_running_requests: int = 64
     """Most requests decoded together in one batch."""
     context_length: int | None = None
@@ -300,6 +319,7 @@ class ServerArgs:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {seconds!r}")
         self._check_parallelism()
         check_speculative_options(self)
+        check_hicache_options(self)
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         _check_positive("max_running_requests", self.max_running_requests)

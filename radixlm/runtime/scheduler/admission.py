@@ -39,6 +39,7 @@ class Admission:
             if not self.handoffs.receive(req):
                 self.state.to_report.append(req)  # it failed: reported at the next step
         else:
+            req.kv_prefetch = self.memory.tree_cache.prefetch(req.match_key(), req.extra_key)
             self.state.waiting.append(req)
 
     def move_compiled(self) -> list[Req]:
@@ -99,11 +100,16 @@ class Admission:
         return not state.running and len(state.waiting) + (state.chunked is not None) <= 1
 
     def _admissible(self, adder: PrefillAdder) -> Iterator[tuple[Req, MatchResult | None]]:
-        """The waiting requests in policy order, but for those ``adder`` admitted already
-        and samples whose leader's prompt is not cached yet (they reuse it once it is)."""
+        """The waiting requests in policy order, but for those ``adder`` admitted already,
+        samples whose leader's prompt is not cached yet (they reuse it once it is) and
+        those whose prompt's KV is still being read from disk."""
         admitted = {id(r) for r in adder.new_reqs}
         for req, match in self.policy.order(self.state.waiting):
             leader = req.prefill_leader
+            if req.kv_prefetch is not None:
+                if not req.kv_prefetch.done():
+                    continue
+                req.kv_prefetch = None
             if id(req) not in admitted and (
                     leader is None or leader.output_ids or leader.finished) and (
                     req.beam is None or req.beam.complete):

@@ -56,8 +56,10 @@ class RequestMemory:
 
     def match_and_lock(self, req: Req, match: MatchResult | None = None) -> None:
         """Locks the request's cached prefix: ``match``, a match of ``req.match_key()`` made
-        since the tree last changed, or else one made here."""
-        if match is None:
+        since the tree last changed, or else one made here (after a hierarchical cache
+        loaded what its lower tiers hold of the prompt: ``PrefixCache.load_back``)."""
+        loaded = self.tree_cache.load_back(req.match_key(), req.extra_key)
+        if match is None or loaded:
             match = self.tree_cache.match_prefix(req.match_key(), req.extra_key)
         req.prefix_indices = match.indices
         req.last_node = match.last_node

@@ -134,6 +134,9 @@ class Scheduler:
         self.handoffs.close()
         if self.speculation is not None:
             self.speculation.close()
+        close_cache = getattr(self.memory.tree_cache, "close", None)
+        if close_cache is not None:
+            close_cache()
         self.runner.close()
 
     def is_idle(self) -> bool:

@@ -29,6 +29,7 @@ from radixlm.runtime.grammar.jump_forward import JumpForward
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.request import LogprobRequest, Req, finish_abort
 from radixlm.runtime.sampling.sampler import Sampler
+from radixlm.runtime.scheduler.hierarchical_memory import build_hierarchical_cache
 from radixlm.runtime.scheduler.sampling_step import SamplingStep
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.scheduler.windowed_memory import build_request_memory
@@ -62,6 +63,9 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
     memory = build_request_memory(runner.req_to_token_pool, runner.allocator,
                                   None if layout is None else layout.window,
                                   args.disable_radix_cache)
+    if args.enable_hierarchical_cache:
+        memory.tree_cache = build_hierarchical_cache(args, runner, memory.tree_cache,
+                                                     model_path, tokenizer)
     grammar_backend = make_grammar_backend(
         args.grammar_backend, tokenizer, model_config.vocab_size, model_config.eos_token_ids
     )
