@@ -38,13 +38,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import os
-import re
 import secrets
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -56,118 +53,22 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from radixlm.kv_cache.kv_block_format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    KEY_PATTERN,
+    CorruptBlock,
+    StoreIdentity,
+    chained_block_keys,
+    header_metadata,
+    payload_checksum,
+)
+
 logger = logging.getLogger(__name__)
 
-FORMAT_NAME = "radixlm-kv-block"
-FORMAT_VERSION = "1"
 BLOCK_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
-_KEY_PATTERN = re.compile(r"[0-9a-f]{64}")
 _WARNING_INTERVAL_S = 60.0
-
-
-def _digest(*parts: bytes) -> hashlib.blake2b:
-    h = hashlib.blake2b(digest_size=32)
-    for part in parts:
-        h.update(struct.pack("<Q", len(part)))  # length-prefixed: no two part lists collide
-        h.update(part)
-    return h
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StoreIdentity:
-    """What a block's bytes depend on; a store never uses blocks of another identity.
-
-    ``dtype`` is a torch dtype name ("bfloat16"); ``buffer_shapes`` holds one per-slot shape
-    per buffer of the pool, in ``layer_buffers()`` order; ``tokenizer`` is any string that
-    changes when the token ids would (a hash of tokenizer.json, say).
-    """
-
-    model: str
-    dtype: str
-    page_size: int
-    block_tokens: int
-    buffer_shapes: tuple[tuple[int, ...], ...]
-    tokenizer: str
-    tp_rank: int = 0
-    tp_size: int = 1
-
-    def __post_init__(self) -> None:
-        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-            raise ValueError(f"dtype must name a torch dtype ('bfloat16'), got {self.dtype!r}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.block_tokens < 1 or self.block_tokens % self.page_size:
-            raise ValueError(f"block_tokens must be a positive multiple of page_size "
-                             f"({self.page_size}), got {self.block_tokens}")
-        if not self.buffer_shapes:
-            raise ValueError("buffer_shapes must list at least one buffer")
-        shapes = tuple(tuple(int(d) for d in shape) for shape in self.buffer_shapes)
-        if any(d < 1 for shape in shapes for d in shape):
-            raise ValueError(f"buffer_shapes must be positive, got {shapes}")
-        object.__setattr__(self, "buffer_shapes", shapes)
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
-
-    @classmethod
-    def of_pool(cls, pool, *, model: str, tokenizer: str, page_size: int, block_tokens: int,
-                tp_rank: int = 0, tp_size: int = 1) -> StoreIdentity:
-        """The identity of blocks cut from ``pool`` (with ``dtype`` and ``layer_buffers()``)."""
-        return cls(model=model, dtype=str(pool.dtype).removeprefix("torch."),
-                   page_size=page_size, block_tokens=block_tokens,
-                   buffer_shapes=tuple(tuple(b.shape[1:]) for b in pool.layer_buffers()),
-                   tokenizer=tokenizer, tp_rank=tp_rank, tp_size=tp_size)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def canonical_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
-
-    def fingerprint(self) -> str:
-        return _digest(self.canonical_json().encode()).hexdigest()
-
-
-def chained_block_keys(fingerprint: str, block_tokens: int, tokens: Sequence[int],
-                       extra_key: str | None) -> list[str]:
-    """The key of every full block of ``tokens`` (see the module docstring)."""
-    chain = _digest(json.dumps([fingerprint, extra_key]).encode()).digest()
-    keys = []
-    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
-        block = tokens[start:start + block_tokens]
-        h = _digest(chain, struct.pack(f"<{block_tokens}q", *block))
-        chain = h.digest()
-        keys.append(h.hexdigest())
-    return keys
-
-
-def payload_checksum(buffers: Sequence[torch.Tensor]) -> str:
-    """A hash over the raw bytes of each tensor, any dtype (bfloat16 included)."""
-    h = hashlib.blake2b(digest_size=32)
-    for t in buffers:
-        raw = t.contiguous().view(torch.uint8).reshape(-1).numpy()
-        h.update(struct.pack("<Q", raw.nbytes))
-        h.update(raw.data)
-    return h.hexdigest()
-
-
-def _header_metadata(data: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file's bytes; ValueError if it is unreadable."""
-    if len(data) < 8:
-        raise ValueError("shorter than a safetensors header")
-    header_len = int.from_bytes(data[:8], "little")
-    if header_len > len(data) - 8:
-        raise ValueError("header runs past the end of the file")
-    header = json.loads(data[8:8 + header_len])
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(metadata, dict):
-        raise ValueError("no metadata in the header")
-    return metadata
-
-
-class CorruptBlock(Exception):
-    """A block file that failed a check; the message says which."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -272,7 +173,7 @@ class DiskKVStore:
                                     **self._counters)
 
     def path_of(self, key: str) -> Path:
-        if not _KEY_PATTERN.fullmatch(key):
+        if not KEY_PATTERN.fullmatch(key):
             raise ValueError(f"a block key is 64 lowercase hex digits, got {key!r}")
         return self.directory / (key + BLOCK_SUFFIX)
 
@@ -405,7 +306,7 @@ class DiskKVStore:
 
     def _verified_buffers(self, data: bytes, key: str, tokens: list[int]) -> list[torch.Tensor]:
         try:
-            metadata = _header_metadata(data)
+            metadata = header_metadata(data)
             tensors = load_safetensors(data)
         except Exception as e:  # safetensors raises its own error types on malformed input
             raise CorruptBlock(f"unreadable ({e})") from None
@@ -451,7 +352,7 @@ class DiskKVStore:
             key = entry.name.removesuffix(BLOCK_SUFFIX)
             if entry.name.endswith(TEMP_SUFFIX):
                 verdict = "temp" if f".{self._temp_tag}-" in entry.name else "skip"
-            elif not entry.name.endswith(BLOCK_SUFFIX) or not _KEY_PATTERN.fullmatch(key):
+            elif not entry.name.endswith(BLOCK_SUFFIX) or not KEY_PATTERN.fullmatch(key):
                 verdict = "skip"
             else:
                 try:

@@ -43,7 +43,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from radixlm.kv_cache.base import CacheNode, MatchResult, PrefixCache
-from radixlm.kv_cache.disk_kv_store import DiskKVStore, chained_block_keys
+from radixlm.kv_cache.disk_kv_store import DiskKVStore
+from radixlm.kv_cache.kv_block_format import chained_block_keys
 from radixlm.kv_cache.host_kv_blocks import HostKVBlocks
 from radixlm.kv_cache.radix_tree import RadixCache, TreeNode
 

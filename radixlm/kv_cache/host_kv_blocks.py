@@ -18,9 +18,12 @@ Invariants:
   into it) and the disk worker (blocks read from files, blocks read for files) may share it.
 
 Copies between the tiers are issued on the caller's thread: from the device pool with
-``index_select`` and ``copy_``, into it with ``index_copy_`` (on CUDA both are queued on the
-current stream, so a forward pass queued after a load reads the loaded KV without a host
-wait; ``wait_for_copies`` is what a thread that reads the host rows for a file waits on).
+``index_select`` and ``copy_``, into it with the pool's ``write_rows`` (on CUDA both are
+queued on the current stream, in order with the passes before and after them, so a forward
+pass queued after a load reads the loaded KV, and a slot freed after a write-back is
+overwritten only after it was read, without a host wait). The host side waits
+(``wait_for_copies``) only where it touches a row itself: reading one for a file, or
+writing a block from disk into a row whose copies may still be in flight.
 """
 
 from __future__ import annotations
@@ -108,11 +111,14 @@ class HostKVBlocks:
             return True
 
     def put_tensors(self, key: str, tokens: Sequence[int], tensors: list[torch.Tensor]) -> bool:
-        """Stores a block read from elsewhere (the disk tier: CPU tensors, one per buffer)."""
+        """Stores a block read from elsewhere (the disk tier: CPU tensors, one per buffer).
+        The host writes the row itself, so copies still in flight from or to the row it
+        takes (a block just dropped) must land first."""
         with self._lock:
             row = self._claim(key, tokens)
             if row is None:
                 return False
+            self.wait_for_copies()
             for host, tensor in zip(self.buffers, tensors):
                 host[row].copy_(tensor)
             self._bytes_written += self.block_bytes
@@ -148,6 +154,8 @@ class HostKVBlocks:
             for host, device in zip(self.buffers, pool.layer_buffers()):
                 rows = host[row, skip:].to(device.device, non_blocking=True)
                 pool.write_rows(device, slots, rows)
+            if self._copies is not None:
+                self._copies.record()
             self._bytes_loaded += (self.block_tokens - skip) * self.block_bytes \
                 // self.block_tokens
             return True
@@ -162,8 +170,9 @@ class HostKVBlocks:
             return [host[found[0]].clone() for host in self.buffers]
 
     def wait_for_copies(self) -> None:
-        """Waits until the copies from the device pool issued so far have landed (CUDA;
-        a CPU copy is done when issued)."""
+        """Waits until the copies to and from the device pool issued so far have landed
+        (CUDA: they run on the stream that issued them, in order with the passes around
+        them; a CPU copy is done when issued)."""
         if self._copies is not None:
             self._copies.synchronize()
 
