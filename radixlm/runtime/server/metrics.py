@@ -105,3 +105,36 @@ class _RuntimeStateCollector(Collector):
             for rank in info.get("tp_ranks", []):
                 family.add_metric([str(rank["rank"])], rank[key])
             yield family
+        tiers = info.get("hierarchical_cache")
+        if tiers is not None:
+            yield from _tier_gauges(tiers)
+
+
+def _tier_gauges(tiers: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
+    """The hierarchical cache's per-tier occupancy and traffic, labelled by tier."""
+    host, disk = tiers["host"], tiers["disk"] or {}
+    rows = {
+        "radixlm_hicache_tokens": ("Tokens each tier holds",
+                                   {"device": tiers["device_tokens"], "host": host["tokens"],
+                                    "disk": disk.get("files", 0) * tiers["block_tokens"]}),
+        "radixlm_hicache_bytes": ("Bytes each lower tier holds",
+                                  {"host": host["bytes_used"], "disk": disk.get("bytes_used", 0)}),
+        "radixlm_hicache_hit_tokens": ("Prompt tokens each tier supplied",
+                                       {"device": tiers["device_hit_tokens"],
+                                        "host": tiers["host_hit_tokens"],
+                                        "disk": tiers["disk_hit_tokens"]}),
+        "radixlm_hicache_bytes_written": ("Bytes written into each lower tier",
+                                          {"host": host["bytes_written"],
+                                           "disk": disk.get("bytes_written", 0)}),
+        "radixlm_hicache_bytes_loaded": ("Bytes read out of each lower tier",
+                                         {"host": host["bytes_loaded"],
+                                          "disk": disk.get("bytes_read", 0)}),
+        "radixlm_hicache_load_seconds": ("Seconds spent loading from each lower tier",
+                                         {"host": tiers["load_seconds"],
+                                          "disk": tiers["disk_read_seconds"]}),
+    }
+    for name, (help_text, values) in rows.items():
+        family = GaugeMetricFamily(name, help_text, labels=["tier"])
+        for tier, value in values.items():
+            family.add_metric([tier], value)
+        yield family

@@ -189,3 +189,24 @@ def test_a_chunked_body_over_the_limit_is_a_413(live):
     ok = httpx.post(f"{url}/generate", timeout=30,
                     json={"text": "hi", "sampling_params": {"max_new_tokens": 1}})
     assert ok.status_code == 200
+
+
+def test_the_hierarchical_cache_reports_each_tier_in_metrics(live, tmp_path):
+    """Prompts that outgrow a small device pool: the evicted ones come back from the host
+    tier; /metrics reports each tier's tokens, hits and traffic as /server_info does."""
+    url = live(max_total_tokens=256, enable_hierarchical_cache=True, hicache_block_tokens=16,
+               hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "kv"))
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} conversation {i} " * 6 for i in range(6)]
+    for _ in range(2):  # the second round finds the first's KV evicted to the host tier
+        for prompt in prompts:
+            httpx.post(f"{url}/generate", timeout=60,
+                       json={"text": prompt, "sampling_params": greedy(2)}).raise_for_status()
+    text = httpx.get(f"{url}/metrics").text
+    tiers = httpx.get(f"{url}/server_info").json()["hierarchical_cache"]
+    assert tiers["host_hit_tokens"] > 0 and tiers["write_backs"] > 0
+    assert metric(text, 'radixlm_hicache_hit_tokens{tier="host"}') == tiers["host_hit_tokens"]
+    assert metric(text, 'radixlm_hicache_tokens{tier="host"}') == tiers["host"]["tokens"] > 0
+    assert metric(text, 'radixlm_hicache_bytes_written{tier="host"}') == (
+        tiers["host"]["bytes_written"])
+    assert metric(text, 'radixlm_hicache_tokens{tier="device"}') == tiers["device_tokens"]
+    assert metric(text, 'radixlm_hicache_load_seconds{tier="host"}') > 0
