@@ -23,7 +23,9 @@ Movement.
 - L2 to L1: ``load_back``, called when a request is admitted, allocates device slots for
   the blocks after its L1 match that the host tier holds in a row, copies them in and
   inserts them into the tree, so the request's match then covers them. A run shorter than
-  ``min_load_tokens`` is left to recompute.
+  ``min_load_tokens`` is left to recompute, and so is any run once loads are measured to
+  cost more a token than the prefill does (``recompute_seconds_per_token``, the
+  scheduler's measured prefill pace; loads are timed as they run).
 
 Invariants: the tree's accounting is the radix tree's (loaded KV enters it as any
 request's KV does: ``free + cached + held == pool``); a block is only ever stored whole in a
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -44,11 +46,14 @@ import torch
 
 from radixlm.kv_cache.base import CacheNode, MatchResult, PrefixCache
 from radixlm.kv_cache.disk_kv_store import DiskKVStore
-from radixlm.kv_cache.kv_block_format import chained_block_keys
 from radixlm.kv_cache.host_kv_blocks import HostKVBlocks
+from radixlm.kv_cache.kv_block_format import chained_block_keys
 from radixlm.kv_cache.radix_tree import RadixCache, TreeNode
 
 logger = logging.getLogger(__name__)
+
+LOAD_COST_DECAY = 0.8
+"""Weight of the past in the running time a token's load takes."""
 
 
 @dataclass
@@ -90,6 +95,9 @@ class HierarchicalCache(PrefixCache):
         self.write_through = write_through
         self.min_load_tokens = min_load_tokens
         self.counters = TierCounters()
+        self.recompute_seconds_per_token: Callable[[], float | None] = lambda: None
+        """The measured prefill time of a prompt token (None: not measured yet)."""
+        self._load_seconds_per_token: float | None = None
         self._worker = ThreadPoolExecutor(1, "radixlm-kv-disk") if disk is not None else None
         tree.on_evict = self._write_back
 
@@ -151,7 +159,7 @@ class HierarchicalCache(PrefixCache):
         first = cached // size
         run = self.host.run_length(keys[first:])
         end = (first + run) * size
-        if end - cached < max(self.min_load_tokens, 1):
+        if end - cached < max(self.min_load_tokens, 1) or not self._load_pays():
             return 0
         started = time.perf_counter()
         slots = self._slots_for(match, end - cached)
@@ -173,11 +181,23 @@ class HierarchicalCache(PrefixCache):
                                    extra_key)
         if already > cached:  # (nothing else inserts meanwhile; kept for the accounting)
             self.tree.allocator.free(slots[: already - cached])
+        seconds = time.perf_counter() - started
         counters = self.counters
         counters.loads += 1
         counters.host_hit_tokens += done - cached
-        counters.load_seconds += time.perf_counter() - started
+        counters.load_seconds += seconds
+        per_token = seconds / (done - cached)
+        known = self._load_seconds_per_token
+        self._load_seconds_per_token = per_token if known is None else (
+            LOAD_COST_DECAY * known + (1 - LOAD_COST_DECAY) * per_token)
         return done - cached
+
+    def _load_pays(self) -> bool:
+        """Whether loading a token costs less than recomputing it, as measured so far
+        (yes until both are measured)."""
+        recompute = self.recompute_seconds_per_token()
+        load = self._load_seconds_per_token
+        return recompute is None or load is None or load < recompute
 
     def prefetch(self, key: Sequence[int], extra_key: str | None = None) -> Future | None:
         """Starts reading from disk into the host tier the blocks that continue ``key``

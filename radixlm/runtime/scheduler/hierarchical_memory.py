@@ -15,9 +15,9 @@ import json
 import os
 
 from radixlm.kv_cache.disk_kv_store import DiskKVStore
-from radixlm.kv_cache.kv_block_format import StoreIdentity
 from radixlm.kv_cache.hierarchical_cache import HierarchicalCache
 from radixlm.kv_cache.host_kv_blocks import HostKVBlocks
+from radixlm.kv_cache.kv_block_format import StoreIdentity
 from radixlm.kv_cache.radix_tree import RadixCache
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.server_args import ServerArgs

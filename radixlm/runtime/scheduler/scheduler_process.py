@@ -77,8 +77,12 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
     )
     prefill_handoff, decode_handoff = build_handoffs(args, memory,
                                                      runner.kv_pool.layer_buffers())
-    return Scheduler(runner, memory, sampling_step, sampler, args, prefill_handoff,
-                     decode_handoff)
+    scheduler = Scheduler(runner, memory, sampling_step, sampler, args, prefill_handoff,
+                          decode_handoff)
+    if args.enable_hierarchical_cache:  # a load is weighed against the measured prefill
+        pace = scheduler.prefill_pace
+        memory.tree_cache.recompute_seconds_per_token = lambda: pace.seconds_per_token
+    return scheduler
 
 
 def freeze_startup_objects() -> None:
