@@ -47,6 +47,8 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool) or option.type == "bool | None":
             # A bare switch; an unset tri-state option stays None (resolved by ServerArgs).
             parser.add_argument(flag, action="store_true", default=default, help=help_text)
+        elif option.type.startswith("list["):  # space-separated values
+            parser.add_argument(flag, nargs="+", default=default, help=help_text)
         else:
             kind = _option_type(option.type)
             parser.add_argument(flag, type=kind, default=default, help=help_text)

@@ -67,6 +67,9 @@ class ForwardBatch:
     # Host copies, so backends plan without device syncs.
     seq_lens_list: list[int] = field(default_factory=list)
     extend_seq_lens_list: list[int] = field(default_factory=list)
+    lora: Any = None
+    """The rows' LoRA adapters (``models/lora/lora_layers.LoraBatch``), None where no row
+    uses one (typed loosely: kernels do not import the models)."""
     shared_prefixes: list[tuple[int, int, int]] = field(default_factory=list)
     """(first request, number of requests, prefix length) of runs of consecutive requests
     whose first prefix-length KV slots are the same slots (a beam search's beams share

@@ -53,6 +53,8 @@ class GenerateReq(msgspec.Struct, tag=True):
     streamed: bool = True
     """Whether its caller takes the output step by step; if not, the Scheduler reports it
     less often (see ``scheduler_process.UNSTREAMED_REPORT_TOKENS``)."""
+    lora_path: str | None = None
+    """The LoRA adapter it runs with, by name (SGLang's field name); None: the base model."""
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -61,10 +63,13 @@ class AbortReq(msgspec.Struct, tag=True):
 
 
 class ControlReq(msgspec.Struct, tag=True):
-    """``flush_cache``, ``server_info`` or ``shutdown``; answered by a ``ControlReply``."""
+    """``flush_cache``, ``server_info``, ``load_lora_adapter``, ``unload_lora_adapter`` or
+    ``shutdown``; answered by a ``ControlReply``."""
 
     kind: str
     request_id: int = 0
+    args: dict[str, str] = {}
+    """Its arguments (``load_lora_adapter``: ``lora_name``, ``lora_path``)."""
 
 
 class ControlReply(msgspec.Struct, tag=True):

@@ -124,6 +124,9 @@ class Req:
     drafting: Any = None
     """A speculative proposer's state for this request (``runtime/speculative``; typed
     loosely, as for ``beam``), None without speculation."""
+    lora_name: str | None = None
+    """The LoRA adapter it runs with (``runtime/lora``); its KV is cached apart: its
+    ``extra_key`` carries the name."""
     kv_prefetch: Future | None = None
     """The hierarchical cache's read of this request's prompt blocks from disk, while it
     runs (``Admission``: the request waits, others go on)."""

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
 from radixlm.runtime.hicache_options import check_hicache_options
+from radixlm.runtime.lora_options import check_lora_options
 from radixlm.runtime.speculative.options import check_speculative_options
 
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
@@ -107,6 +108,18 @@ class ServerArgs:
     """The disk tier's capacity in GB (least recently used blocks go first)."""
     hicache_block_tokens: int = 32
     """Tokens of one block of the host and disk tiers (a multiple of ``page_size``)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (``models/lora``): requests name one (``lora_path``), batches mix
+    them. Implied by ``lora_paths``."""
+    lora_paths: list[str] | None = None
+    """Adapters to load at start-up, as ``name=path`` (or a path, named by itself)."""
+    max_loras_per_batch: int = 8
+    """Most distinct adapters in one batch (device slots of the adapter pool)."""
+    max_lora_rank: int | None = None
+    """Highest adapter rank served (None: the highest of ``lora_paths``, at least 16)."""
+    lora_target_modules: list[str] | None = None
+    """Projections adapters may adapt (None: every one the model has of q/k/v/o_proj,
+    gate/up/down_proj)."""
     max_running_requests: int = 64
     """Most requests decoded together in one batch."""
     context_length: int | None = None
@@ -320,6 +333,7 @@ class ServerArgs:
         self._check_parallelism()
         check_speculative_options(self)
         check_hicache_options(self)
+        check_lora_options(self)
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         _check_positive("max_running_requests", self.max_running_requests)

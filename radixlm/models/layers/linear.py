@@ -15,6 +15,7 @@ loader: ``kernels/cpu_ops/execution_plan.py``), which says which kernel multipli
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from radixlm.models.layers.weight_formats import (
     plain_matmul,
 )
 
+if TYPE_CHECKING:
+    from radixlm.models.lora.lora_layers import LoraProjection
+
 _packed_keys = itertools.count()
 
 
@@ -41,13 +45,20 @@ class Linear(nn.Linear):
     """The packed weight's key in a compiled pass's table (``compiled_ops.compiled_pass``)."""
     plan: CpuExecutionPlan = TORCH_CHOICES
     """The model's CPU plan (the loader sets it; a packed weight got it when packed)."""
+    lora: LoraProjection | None = None
+    """Its LoRA adapters' weights, where the server adapts it (``models/lora``): their
+    terms are added to its output for the rows of a batch that use an adapter."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> (T, out)."""
         if self.packed is None:
-            return plain_matmul(x, self.weight, self.bias, self.plan.float32_fused_rows)
-        y = self.project(x)
-        return y if self.bias is None else y + self.bias
+            y = plain_matmul(x, self.weight, self.bias, self.plan.float32_fused_rows)
+        else:
+            y = self.project(x)
+            y = y if self.bias is None else y + self.bias
+        if self.lora is not None:
+            self.lora.add(x, y)
+        return y
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> x @ weight.T (T, out), without the bias."""
@@ -103,7 +114,8 @@ class StackedLinear(Linear):
         packed weight has one (``PackedWeight.gated_matmul``), else None (the caller
         projects, then applies SiLU and the product). Not while torch.compile traces."""
         if (self.packed is None or self.bias is not None or x.dim() != 2
-                or torch.compiler.is_compiling()):
+                or torch.compiler.is_compiling()
+                or (self.lora is not None and self.lora.state.batch is not None)):
             return None
         return self.packed.gated_matmul(x)
 
@@ -166,6 +178,8 @@ class RowParallelLinear(Linear):
         if self.tp.size == 1:
             return super().forward(x)
         y = self.project(x)
+        if self.lora is not None:  # (each rank's share of the term: see models/lora)
+            self.lora.add(x, y)
         if self.reduce:
             y = self.tp.all_reduce(y)
         elif self.tp.rank != 0:

@@ -111,6 +111,7 @@ class Engine:
             self.server_args.disaggregation_mode, self.server_args.disaggregation_bootstrap_port,
             request_rows=self.server_args.max_running_requests,
             tp_size=self.server_args.tp_size,
+            lora_adapters=(set(info["lora"]["adapters"]) if info.get("lora") else None),
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
         self._metrics = None
@@ -207,6 +208,41 @@ class Engine:
 
     async def async_flush_cache(self) -> bool:
         return (await run_on_loop(self._tracker.control("flush_cache"), self._loop)).ok
+
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters requests may name ([] where none is loaded or served)."""
+        return sorted(self._limits.lora_adapters or ())
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Loads the PEFT adapter at ``lora_path`` as ``lora_name`` (ValueError naming what
+        is wrong: the name taken, the files, its rank or modules; the server serves on)."""
+        return self._call(self._lora_control("load_lora_adapter", lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Takes adapter ``lora_name`` away from new requests; requests running on it keep
+        it until they end (``in_use`` in the reply)."""
+        return self._call(self._lora_control("unload_lora_adapter", lora_name))
+
+    async def async_load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        return await run_on_loop(self._lora_control("load_lora_adapter", lora_name,
+                                                    lora_path), self._loop)
+
+    async def async_unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return await run_on_loop(self._lora_control("unload_lora_adapter", lora_name),
+                                 self._loop)
+
+    async def _lora_control(self, kind: str, name, path=None) -> dict[str, Any]:
+        if not isinstance(name, str) or (kind == "load_lora_adapter"
+                                         and not isinstance(path, str)):
+            raise ValueError("lora_name (and, to load, lora_path) must be strings")
+        args = {"lora_name": name} | ({"lora_path": path} if path is not None else {})
+        reply = await self._tracker.control(kind, args)
+        if not reply.ok:
+            raise ValueError(reply.info.get("error", f"{kind} failed"))
+        adapters = self._limits.lora_adapters
+        if adapters is not None:
+            (adapters.add if kind == "load_lora_adapter" else adapters.discard)(name)
+        return dict(reply.info)
 
     def get_server_info(self) -> dict[str, Any]:
         """The model, the options, and the live state of the KV pool, cache and queues."""

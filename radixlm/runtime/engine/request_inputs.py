@@ -44,8 +44,11 @@ class GenerateInput:
     stream: bool = False
     rid: str | list[str] | None = None
     extra_key: str | None = None
-    """A prefix-cache namespace (a tenant, a LoRA): requests under different keys never
-    share cached KV."""
+    """A prefix-cache namespace (a tenant): requests under different keys never share
+    cached KV."""
+    lora_path: str | None | list[str | None] = None
+    """The LoRA adapter to run with, by name (one for all prompts or one per prompt;
+    None: the base model). Its KV is cached apart from other adapters'."""
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | None | list[int | None] = None
     bootstrap_room: int | list[int] | None = None
@@ -75,6 +78,8 @@ class RequestLimits:
     request_rows: int = 2**31
     """Requests the scheduler runs at once (a beam search needs a row per beam)."""
     tp_size: int = 1
+    lora_adapters: set[str] | None = None
+    """The LoRA adapters requests may name (None: the server serves none)."""
     eos_token_ids: frozenset[int] = frozenset()
     """The model's end-of-sequence tokens (they stop an output unless ``ignore_eos``)."""
 
@@ -103,6 +108,7 @@ def build_generate_reqs(
     limits.caps.check_logprobs(top_logprobs_num or 0, 0)
     if request.extra_key is not None and not isinstance(request.extra_key, str):
         raise ValueError(f"extra_key must be a string, got {type(request.extra_key).__name__}")
+    adapters = _adapters(request.lora_path, len(id_lists), limits)
     params_list = _per_item("sampling_params", request.sampling_params, len(id_lists), dict)
     rids = [r or uuid.uuid4().hex for r in _per_item("rid", request.rid, len(id_lists), str)]
     if len(set(rids)) < len(rids):
@@ -122,7 +128,8 @@ def build_generate_reqs(
     limits.caps.check_parameter_entries([params for params, _ in prompts])
     pairs = _bootstrap_pairs(request, [params.n for params, _ in prompts], limits)
     messages = []
-    for ids, (params, start), rid, (host, port, rooms) in zip(id_lists, prompts, rids, pairs):
+    for ids, (params, start), rid, (host, port, rooms), adapter in zip(
+            id_lists, prompts, rids, pairs, adapters):
         for sample in range(params.n):
             sampling = params
             if params.sampling_seed is not None and sample > 0:
@@ -139,9 +146,29 @@ def build_generate_reqs(
                 extra_key=request.extra_key,
                 prefill_leader=f"{rid}-0" if sample > 0 else None,
                 bootstrap_host=host, bootstrap_port=port,
-                bootstrap_room=rooms[sample],
+                bootstrap_room=rooms[sample], lora_path=adapter,
             ))
     return messages, batched or len(messages) > len(id_lists)
+
+
+def _adapters(lora_path, count: int, limits: RequestLimits) -> list[str | None]:
+    """Each prompt's LoRA adapter (``lora_path``: one name for all, or one per prompt)."""
+    names = (list(lora_path) if isinstance(lora_path, list)
+             else [lora_path] * count)
+    if len(names) != count:
+        raise ValueError(f"lora_path has {len(names)} entries for {count} prompts")
+    for name in names:
+        if name is None:
+            continue
+        if not isinstance(name, str):
+            raise ValueError(f"lora_path must name an adapter (a string), got {name!r}")
+        if limits.lora_adapters is None:
+            raise ValueError("lora_path needs a server started with LoRA adapters "
+                             "(--enable-lora or --lora-paths)")
+        if name not in limits.lora_adapters:
+            raise ValueError(f"lora_path {name!r}: no such adapter is loaded (loaded: "
+                             f"{sorted(limits.lora_adapters)})")
+    return names
 
 
 ROOMS = 2**63

@@ -133,12 +133,14 @@ class RequestTracker:
             if not state.finished and self.failure is None:
                 await self.abort(state.rid)
 
-    async def control(self, kind: str) -> wire.ControlReply:
+    async def control(self, kind: str, args: dict[str, str] | None = None
+                      ) -> wire.ControlReply:
         self._check_alive()
         request_id = next(self._control_ids)
         future = asyncio.get_running_loop().create_future()
         self.control_waiters[request_id] = future
-        await self.to_scheduler.send(wire.encode(wire.ControlReq(kind, request_id)))
+        await self.to_scheduler.send(wire.encode(wire.ControlReq(kind, request_id,
+                                                                 args or {})))
         try:
             return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
         finally:

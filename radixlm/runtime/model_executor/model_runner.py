@@ -33,6 +33,7 @@ from radixlm.models.layers.tensor_parallel import SINGLE
 from radixlm.models.layers.weight_storage import SIXTEEN_BIT_STORAGE
 from radixlm.models.loader import load_model, validate_split
 from radixlm.models.model_config import ModelConfig
+from radixlm.runtime.lora.adapter_pool import LoraAdapterPool
 from radixlm.runtime.model_executor.compiled_decode import (
     CompiledDecodeRunner,
     compile_decode,
@@ -102,6 +103,11 @@ class ModelRunner:
         self.model = load_model(model_config, self.dtype, self.device, self.context_length,
                                 self.tp, self.weight_format or self._auto_weight_storage(),
                                 self.cpu_plan)
+        self.lora = (LoraAdapterPool(self.model, model_config.num_layers,
+                                     args.max_loras_per_batch, args.max_lora_rank,
+                                     args.lora_target_modules, args.lora_paths, self.dtype,
+                                     self.device) if args.enable_lora else None)
+        """The LoRA adapters served (``runtime/lora/adapter_pool.py``), or None."""
         self.max_total_tokens = self._kv_pool_tokens()
         if self.cpu_group is not None:
             self.max_total_tokens = agree_on_pool_size(self.max_total_tokens, self.cpu_group)
@@ -142,6 +148,8 @@ class ModelRunner:
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Runs the model over the batch's new tokens -> hidden states (T, hidden)."""
+        if forward_batch.lora is not None:  # adapters: the modules' path (models/lora)
+            return self._forward_with_adapters(forward_batch)
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
         if self.step_sender is not None:  # the other ranks run the same pass
@@ -167,6 +175,18 @@ class ModelRunner:
                 self._set_threads(self._fixed_threads)
             return run()
         return self.thread_policy.run(len(forward_batch.input_ids), self._set_threads, run)
+
+    def _forward_with_adapters(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """A pass some of whose rows use LoRA adapters: eager, through the model's modules
+        (whose adapted projections add the terms), never a graph, compiled or fused pass."""
+        self.attn_backend.init_forward_metadata(forward_batch)
+        self.lora.state.batch = forward_batch.lora
+        try:
+            with torch.inference_mode():
+                return self.model(forward_batch.input_ids, forward_batch.positions,
+                                  forward_batch)
+        finally:
+            self.lora.state.batch = None
 
     @property
     def last_pass_was_trial(self) -> bool:

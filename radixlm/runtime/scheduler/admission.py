@@ -67,6 +67,10 @@ class Admission:
             rows=self.memory.req_to_token_pool.available_size(),
             new_token_ratio=state.new_token_ratio,
         )
+        if args.enable_lora:  # the running batch's adapters, and room for the others
+            adder.adapters = {r.lora_name for r in [*state.running, state.chunked]
+                              if r is not None and r.lora_name}
+            adder.max_adapters = args.max_loras_per_batch
         admit_new = not (args.batching == "static" and (state.running or state.chunked))
         if state.chunked is not None:
             if state.waiting and adder.rows and admit_new:

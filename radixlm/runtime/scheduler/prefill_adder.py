@@ -50,6 +50,12 @@ class PrefillAdder:
     new_reqs: list[Req] = field(default_factory=list)
     chunked_req: Req | None = None
     """The request left partly prefilled by this round, if any."""
+    adapters: set[str] = field(default_factory=set)
+    """The LoRA adapters of the running requests and of those admitted so far."""
+    max_adapters: int | None = None
+    """Most distinct adapters the running batch may hold (None: no adapters served); a
+    request whose adapter would go past it ends the round, so it waits at the head of the
+    queue and no adapter starves behind others that keep arriving."""
     yield_budget: int | None = None
     """While set, only prompts whose remaining tokens fit it whole are admitted (each
     takes its share); see the module."""
@@ -83,6 +89,10 @@ class PrefillAdder:
         if the policy already matched it this round (else it is matched here)."""
         if self.chunked_req is not None or self.rows < req.width:
             return False
+        if (self.max_adapters is not None and req.lora_name
+                and req.lora_name not in self.adapters
+                and len(self.adapters) >= self.max_adapters):
+            return False
         memory = self.memory
         memory.match_and_lock(req, match)
         remaining = req.seq_len - len(req.prefix_indices)
@@ -98,6 +108,8 @@ class PrefillAdder:
         if self.yield_budget is not None:
             self.yield_budget -= remaining
         memory.assign_row(req)
+        if req.lora_name:
+            self.adapters.add(req.lora_name)
         self.rows -= req.width
         self.new_reqs.append(req)
         self._take(req, size, remaining)

@@ -109,9 +109,19 @@ class Scheduler:
         self.beams = BeamSearches(state, memory, runner, sampling_step)
         self.windows = WindowRelease(state, memory) if memory.window is not None else None
 
+    def check_adapter(self, req: Req) -> None:
+        """ValueError unless the LoRA adapter ``req`` names (if any) may take requests."""
+        if req.lora_name is None:
+            return
+        if self.runner.lora is None:
+            raise ValueError("lora_path needs a server started with LoRA adapters "
+                             "(--enable-lora or --lora-paths)")
+        self.runner.lora.check(req.lora_name)
+
     def add_request(self, req: Req) -> None:
         """Queues ``req``; a constrained one waits for its grammar first (a failed
-        grammar finishes it, reported at the next step)."""
+        grammar finishes it, reported at the next step). ``check_adapter`` first."""
+        self.check_adapter(req)
         self.sampling_step.prepare(req)
         if req.sampling.use_beam_search and not self.beams.join(req):
             return
@@ -166,7 +176,25 @@ class Scheduler:
         stepped = self._step()
         if self.windows is not None:
             self.windows.after_step()
+        lora = self.runner.lora
+        if lora is not None and lora.retiring:  # unloaded adapters go once unused
+            lora.purge({req.lora_name for req in self.requests() if req.lora_name})
         return stepped
+
+    def load_lora_adapter(self, name: str, path: str) -> dict:
+        """Registers the adapter at ``path`` as ``name`` (ValueError naming what is wrong)."""
+        if self.runner.lora is None:
+            raise ValueError("this server was started without LoRA adapters (--enable-lora)")
+        adapter = self.runner.lora.register(name, path)
+        return {"lora_name": name, "rank": adapter.rank,
+                "target_modules": sorted(adapter.target_modules)}
+
+    def unload_lora_adapter(self, name: str) -> dict:
+        """Takes adapter ``name`` away from new requests (its unfinished ones keep it)."""
+        if self.runner.lora is None:
+            raise ValueError("this server was started without LoRA adapters (--enable-lora)")
+        in_use = {req.lora_name for req in self.requests() if req.lora_name}
+        return {"lora_name": name, "in_use": self.runner.lora.unregister(name, in_use)}
 
     def _step(self) -> list[Req]:
         state = self.state

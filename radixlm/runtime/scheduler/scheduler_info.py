@@ -68,6 +68,7 @@ def describe(scheduler) -> dict:
         "disaggregation_mode": scheduler.args.disaggregation_mode,
         "disaggregation": scheduler.handoffs.stats(),
         "sliding_window_kv": None if scheduler.windows is None else scheduler.windows.info(),
+        "lora": None if runner.lora is None else runner.lora.stats(),
         "hierarchical_cache": (memory.tree_cache.stats()
                                if hasattr(memory.tree_cache, "block_keys") else None),
         "speculative_algorithm": (None if scheduler.speculation is None

@@ -121,9 +121,12 @@ def make_req(msg: wire.GenerateReq, tokenizer, leaders: dict[str, Req],
     if msg.return_logprob:  # (a decode server's half computes no prompt logprobs)
         logprobs = LogprobRequest(None if handoff == "receive" else msg.logprob_start,
                                   msg.top_logprobs_num, msg.return_text_in_logprobs)
+    extra_key = msg.extra_key
+    if msg.lora_path is not None:  # a prefix computed under one adapter serves no other
+        extra_key = f"{extra_key or ''}\x00lora:{msg.lora_path}"
     return Req(
         rid=msg.rid, input_ids=msg.input_ids, sampling=params, detokenizer=detokenizer,
-        logprobs=logprobs, extra_key=msg.extra_key,
+        logprobs=logprobs, extra_key=extra_key, lora_name=msg.lora_path,
         prefill_leader=leaders.get(msg.prefill_leader) if msg.prefill_leader else None,
         handoff=handoff, bootstrap_room=msg.bootstrap_room,
         bootstrap_address=(f"{msg.bootstrap_host}:{msg.bootstrap_port}"
@@ -215,6 +218,7 @@ class SchedulerLoop:
             args = self.scheduler.args
             req = make_req(msg, self.tokenizer, self.by_rid, args.disaggregation_mode,
                            args.disaggregation_transfer_backend)
+            self.scheduler.check_adapter(req)
         except (ValueError, TypeError) as err:  # the Engine validates; this is a last guard
             self._refuse(msg.rid, f"invalid request: {err}")
             return
@@ -260,6 +264,15 @@ class SchedulerLoop:
             ok = self.scheduler.flush_cache()
         elif msg.kind == "server_info":
             info = self.scheduler.server_info()
+        elif msg.kind in ("load_lora_adapter", "unload_lora_adapter"):
+            try:
+                if msg.kind == "load_lora_adapter":
+                    info = self.scheduler.load_lora_adapter(msg.args.get("lora_name"),
+                                                            msg.args.get("lora_path"))
+                else:
+                    info = self.scheduler.unload_lora_adapter(msg.args.get("lora_name"))
+            except ValueError as err:
+                ok, info = False, {"error": str(err)}
         else:
             ok, info = False, {"error": f"unknown control request {msg.kind!r}"}
         self.to_request_tracker.send(wire.encode(wire.ControlReply(msg.request_id, ok, info)))

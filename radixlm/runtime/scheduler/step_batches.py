@@ -36,7 +36,8 @@ class StepBatches:
         for req in reqs:
             req.kv_len += 1
         shared = shared_prefixes(reqs) if self.state.beam_groups else None
-        return self.runner.make_decode_batch(inputs, slots, kv_lens, shared)
+        batch = self.runner.make_decode_batch(inputs, slots, kv_lens, shared)
+        return self._with_adapters(batch, reqs, [1] * len(reqs))
 
     def extend(self, reqs: list[Req], new_ids: list[list[int]]) -> ForwardBatch:
         """Allocates KV for each request's new tokens and builds the extend batch."""
@@ -48,9 +49,19 @@ class StepBatches:
             prefix_lens.append(req.kv_len)
             extend_lens.append(len(ids))
             req.kv_len += len(ids)
-        return self.runner.make_forward_batch(
+        batch = self.runner.make_forward_batch(
             ForwardMode.EXTEND, input_ids, positions, torch.cat(slots),
             [r.req_pool_idx for r in reqs], prefix_lens, extend_lens)
+        return self._with_adapters(batch, reqs, extend_lens)
+
+    def _with_adapters(self, batch: ForwardBatch, reqs: list[Req],
+                       rows: list[int]) -> ForwardBatch:
+        """``batch`` with its rows' LoRA adapters (``reqs`` own ``rows`` rows each, in
+        order), where the server has adapters and a request uses one."""
+        lora = self.runner.lora
+        if lora is not None:
+            batch.lora = lora.batch_for([r.lora_name for r in reqs], rows)
+        return batch
 
     def verify(self, reqs: list[Req], drafts: list[Draft], listed: list[list[int]],
                branch_rows: list[int]) -> ForwardBatch:

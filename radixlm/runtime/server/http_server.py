@@ -27,6 +27,7 @@ from radixlm.runtime.server.anthropic_api import add_anthropic_routes
 from radixlm.runtime.server.api_key import ApiKeyCheck
 from radixlm.runtime.server.body_limit import BodySizeLimit, BodyTooLarge, too_large_response
 from radixlm.runtime.server.disconnect import CancelOnDisconnect
+from radixlm.runtime.server.lora_routes import add_lora_routes
 from radixlm.runtime.server.metrics import ServerMetrics
 from radixlm.runtime.server.native_body import GenerateBody, generate_input
 from radixlm.runtime.server.openai_api import add_openai_routes
@@ -151,6 +152,8 @@ def create_app(
         if await engine.async_flush_cache():
             return Response("cache flushed", status_code=200)
         return error_response(400, "the cache can only be flushed while no request runs")
+
+    add_lora_routes(app, engine)
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest) -> Response:

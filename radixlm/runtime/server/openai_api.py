@@ -75,21 +75,36 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
 
     model_path = str(engine.model_config.path)
 
-    def check_model(name: str) -> None:
+    def check_model(body: BaseModel) -> str | None:
+        """The LoRA adapter ``body`` asks for (None: the base model): its ``model`` names
+        the model, ``model:adapter``, or an adapter; SGLang's ``lora_path`` names one too."""
         # The model path is accepted too: it is what /get_model_info reports, and what
         # SGLang's router lists as the model (SGLang accepts it as well).
+        name, adapter = body.model, getattr(body, "lora_path", None)
+        adapters = engine.lora_adapters()
+        base, sep, suffix = name.rpartition(":")
+        if sep and base in (served_model_name, model_path) and suffix in adapters:
+            name, adapter = base, suffix
+        elif name in adapters:
+            name, adapter = served_model_name, name
         if name not in (served_model_name, model_path):
             raise OpenAIError(404, f"The model `{name}` does not exist; this server serves "
-                              f"`{served_model_name}`", param="model", code="model_not_found")
+                              f"`{served_model_name}`"
+                              + (f" and the adapters {adapters}" if adapters else ""),
+                              param="model", code="model_not_found")
+        return adapter
 
     @router.get("/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, created=started)])
+        cards = [ModelCard(id=served_model_name, created=started)]
+        cards += [ModelCard(id=name, created=started, parent=served_model_name)
+                  for name in engine.lora_adapters()]
+        return ModelList(data=cards)
 
     @router.post("/completions", response_model=CompletionResponse,
                  responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest):
-        check_model(body.model)
+        adapter = check_model(body)
         check_neutral(_given(body), COMPLETION_FIELDS)
         prompt = body.prompt
         if not prompt:
@@ -108,7 +123,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
             return_logprob=want_logprobs, top_logprobs_num=body.logprobs,
             logprob_start_len=0 if want_logprobs and body.echo else None,
             return_text_in_logprobs=True, rid=body.rid, extra_key=body.extra_key,
-            **_bootstrap(body),
+            lora_path=adapter, **_bootstrap(body),
         )
         result = await (engine.stream_deltas(request) if body.stream
                         else engine.generate_request(request))
@@ -139,7 +154,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
     @router.post("/chat/completions", response_model=ChatCompletionResponse,
                  responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest):
-        check_model(body.model)
+        adapter = check_model(body)
         check_neutral(_given(body), CHAT_FIELDS)
         if body.top_logprobs and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -156,7 +171,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
             input_ids=[turn.prompt_ids], sampling_params=params, return_logprob=body.logprobs,
             top_logprobs_num=body.top_logprobs if body.logprobs else None,
             return_text_in_logprobs=True, rid=body.rid, extra_key=body.extra_key,
-            **_bootstrap(body),
+            lora_path=adapter, **_bootstrap(body),
         )
         result = await (engine.stream_deltas(request) if body.stream
                         else engine.generate_request(request))

@@ -176,6 +176,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "radixlm"
+    parent: str | None = None
+    """The base model of a LoRA adapter (as vLLM lists adapters); None for the model."""
 
 
 class ModelList(BaseModel):

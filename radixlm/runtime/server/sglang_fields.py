@@ -74,7 +74,6 @@ NATIVE_FIELDS: dict[str, FieldSpec] = {
     "return_bytes": ("neutral", bool, False),
     "return_entropy": ("neutral", bool, False),
     "return_prompt_token_ids": ("neutral", bool, False),
-    "lora_path": ("neutral", Any, None),
     "lora_id": ("neutral", Any, None),
     "custom_logit_processor": ("neutral", Any, None),
     "positional_embed_overrides": ("neutral", Any, None),
@@ -111,7 +110,7 @@ _OPENAI_SHARED: dict[str, FieldSpec] = {
     "return_cached_tokens_details": ("neutral", bool, False),
     "return_spec_tokens_details": ("neutral", bool, False),
     "return_token_ids": ("neutral", bool, False),
-    "lora_path": ("neutral", Any, None),
+    "lora_path": ("ignored", str | None, None),  # (read by the routes: the adapter)
     "session_id": ("neutral", str | None, None),
     "session_params": ("neutral", _ANY_DICT, None),
     "custom_params": ("neutral", _ANY_DICT, None),

@@ -1,0 +1,142 @@
+"""LoRA adapters applied in the forward pass: every adapter of a batch at once, beside the
+base projection computed once for all rows.
+
+Each adapted projection of the model (``Linear.lora``) holds a ``LoraProjection``: for every
+device slot of the adapter pool, the adapter's A and B of that projection, zero-padded to
+the pool's rank R (an adapter of rank r < R, or one that does not adapt this projection,
+contributes exactly what it should: zero columns add nothing). A stacked projection (q|k|v,
+gate|up) keeps its shards' A matrices stacked, so one shrink serves all shards:
+
+    A: (slots, shards * R, in)      B[shard]: (slots, shard rows, R)    scaling: (slots, shards)
+
+A pass's rows come in segments, each of one adapter slot (or none: -1), described by the
+``LoraBatch`` the runner puts in the shared ``LoraState`` around the pass; each projection
+then adds ``scaling * B (A x)`` per segment (``kernels/triton_ops/lora_sgmv``: Triton on
+GPUs, torch on CPUs). Under tensor parallelism a column-parallel projection keeps A whole
+and its rows of B; a row-parallel one its columns of A and B whole, so each rank adds
+``B (A_rank x_rank)`` to its partial sum and the ranks' all-reduce adds them up: B is linear.
+
+Invariant: a slot's weights are written only while no pass uses the slot (the adapter
+pool loads a slot before the batch that uses it is built).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.kernels.triton_ops.lora_sgmv import lora_expand, lora_shrink
+from radixlm.models.lora.peft_adapter import LoraAdapter
+
+
+@dataclass
+class LoraBatch:
+    """A pass's rows by adapter slot: segment g is rows [starts[g], starts[g] + lens[g])
+    of slot ``slots[g]`` (-1: no adapter); tensors (G,) on the model's device."""
+
+    starts: torch.Tensor
+    lens: torch.Tensor
+    slots: torch.Tensor
+    max_len: int
+
+
+class LoraState:
+    """What every ``LoraProjection`` of a model reads: the batch of the pass under way
+    (None: no adapter in it, and the projections add nothing)."""
+
+    def __init__(self) -> None:
+        self.batch: LoraBatch | None = None
+        self.projections: list[LoraProjection] = []
+        """Every projection reading this state (``attach_lora``), for loading slots."""
+
+
+class LoraProjection:
+    """One projection's adapter weights in every slot (see the module)."""
+
+    def __init__(self, state: LoraState, layer: int, shards: list[tuple[str, int, int, int]],
+                 in_range: tuple[int, int], slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        """``shards``: (checkpoint projection name, first output row here, rows here, first
+        row in the full projection) per shard; ``in_range``: (first, count) of the input
+        columns this rank holds."""
+        self.state, self.layer, self.shards = state, layer, shards
+        self.in_start, in_count = in_range
+        self.rank = max_rank
+        self.a = torch.zeros((slots, len(shards) * max_rank, in_count), dtype=dtype,
+                             device=device)
+        self.b = [torch.zeros((slots, rows, max_rank), dtype=dtype, device=device)
+                  for _, _, rows, _ in shards]
+        self.scaling = torch.zeros((slots, len(shards)), dtype=torch.float32, device=device)
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Writes ``adapter``'s weights of this projection into ``slot`` (zeros where it
+        does not adapt a shard)."""
+        r_max, in_count = self.rank, self.a.shape[2]
+        self.a[slot].zero_()
+        self.scaling[slot].zero_()
+        for i, (name, _, rows, full_start) in enumerate(self.shards):
+            self.b[i][slot].zero_()
+            found = adapter.weights.get((self.layer, name))
+            if found is None:
+                continue
+            a, b = found  # (r, in), (out, r)
+            r = a.shape[0]
+            self.a[slot, i * r_max : i * r_max + r] = a[:, self.in_start : self.in_start
+                                                       + in_count]
+            self.b[i][slot, :, :r] = b[full_start : full_start + rows]
+            self.scaling[slot, i] = adapter.scaling(self.layer, name)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y (T, out) += each row's adapter's term for x (T, in), in place."""
+        batch = self.state.batch
+        if batch is None:
+            return
+        xa = lora_shrink(x, self.a, batch.starts, batch.lens, batch.slots,
+                         max_seg_len=batch.max_len)  # (T, shards * R)
+        r = self.rank
+        for i, (_, offset, _, _) in enumerate(self.shards):
+            lora_expand(xa[:, i * r : (i + 1) * r], self.b[i], batch.starts, batch.lens,
+                        batch.slots, self.scaling[:, i], y, out_offset=offset,
+                        max_seg_len=batch.max_len)
+
+
+def attach_lora(model, state: LoraState, slots: int, max_rank: int,
+                target_modules: frozenset[str], dtype: torch.dtype,
+                device: torch.device) -> dict[str, tuple[int, int]]:
+    """Gives each adaptable projection of ``model``'s decoder layers named (by its
+    checkpoint names) in ``target_modules`` a ``LoraProjection`` of ``slots`` slots of
+    rank ``max_rank``; returns the (out, in) shape of every adaptable projection the model
+    has, by checkpoint name (what adapters are checked against). One rank only: under
+    tensor parallelism each rank would slice A or B by its share (see the module)."""
+    shapes: dict[str, tuple[int, int]] = {}
+    stacked = getattr(model, "stacked_params", {})
+    by_module: dict[str, list[str]] = {}
+    for name, (module, _) in stacked.items():
+        by_module.setdefault(module, []).append(name)
+    for layer_id, layer in enumerate(model.layers):
+        for block_name in ("self_attn", "mlp"):
+            block = getattr(layer, block_name, None)
+            for module_name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                linear = getattr(block, module_name, None)
+                if linear is None or not hasattr(linear, "lora"):
+                    continue
+                shards = _shards(linear, module_name, by_module, stacked)
+                for name, _, rows, _ in shards:
+                    shapes[name] = (rows, linear.in_features)
+                if any(name in target_modules for name, *_ in shards):
+                    linear.lora = LoraProjection(state, layer_id, shards,
+                                                 (0, linear.in_features), slots, max_rank,
+                                                 dtype, device)
+                    state.projections.append(linear.lora)
+    return shapes
+
+
+def _shards(linear, module_name: str, by_module: dict[str, list[str]],
+            stacked: dict[str, tuple[str, str]]) -> list[tuple[str, int, int, int]]:
+    """(checkpoint name, output offset, rows, first row of the checkpoint tensor) of each
+    shard of ``linear`` (one: a projection that is not stacked)."""
+    names = by_module.get(module_name)
+    if not names:
+        return [(module_name, 0, linear.out_features, 0)]
+    return [(name, *linear.shard_offsets[stacked[name][1]], 0) for name in names]
