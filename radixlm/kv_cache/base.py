@@ -55,6 +55,9 @@ class PrefixCache(ABC):
 
     keeps_inserted: bool
     page_size: int
+    matches_stay_valid: bool = True
+    """Whether a match stays lockable until the tree is next changed by an insert or an
+    eviction the caller makes; False: ``load_back`` may evict (match again after it)."""
 
     @abstractmethod
     def match_prefix(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult: ...

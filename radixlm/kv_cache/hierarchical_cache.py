@@ -77,6 +77,7 @@ class HierarchicalCache(PrefixCache):
     """A ``PrefixCache`` whose evicted prefixes live on in host memory and on disk."""
 
     keeps_inserted = True
+    matches_stay_valid = False  # load_back may evict to make room
 
     def __init__(self, tree: RadixCache, pool, host: HostKVBlocks, disk: DiskKVStore | None,
                  fingerprint: str, write_through: bool = False, min_load_tokens: int = 1):
@@ -232,9 +233,10 @@ class HierarchicalCache(PrefixCache):
         return found
 
     def close(self) -> None:
-        """Finishes the disk writes queued so far."""
+        """Finishes the disk writes queued so far, and closes the disk tier."""
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+            self.disk.close()
 
     # Internals ---------------------------------------------------------------------------------
 

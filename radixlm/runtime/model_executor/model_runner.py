@@ -148,14 +148,17 @@ class ModelRunner:
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Runs the model over the batch's new tokens -> hidden states (T, hidden)."""
-        if forward_batch.lora is not None:  # adapters: the modules' path (models/lora)
-            return self._forward_with_adapters(forward_batch)
-        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+        # A pass with LoRA adapters runs the model's modules, whose adapted projections
+        # add the adapters' terms (models/lora): never a graph, compiled or fused pass.
+        adapters = forward_batch.lora is not None
+        if (not adapters and self.cuda_graph_runner is not None
+                and self.cuda_graph_runner.can_run(forward_batch)):
             return self.cuda_graph_runner.replay(forward_batch)
         if self.step_sender is not None:  # the other ranks run the same pass
             self.step_sender.send_step(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
-        compiled = self.compiled_decode is not None and self.compiled_decode.can_run(forward_batch)
+        compiled = (not adapters and self.compiled_decode is not None
+                    and self.compiled_decode.can_run(forward_batch))
         extend = forward_batch.mode is ForwardMode.EXTEND
 
         def run() -> torch.Tensor:
@@ -165,28 +168,22 @@ class ModelRunner:
                     hidden = self._run_compiled(forward_batch)
                     if hidden is not None:
                         return hidden
-                if self.cpu_decode_runner is not None and not extend:
+                if self.cpu_decode_runner is not None and not extend and not adapters:
                     return self.cpu_decode_runner.run(forward_batch)
-                return self.model(forward_batch.input_ids, forward_batch.positions,
-                                  forward_batch)
+                if adapters:
+                    self.lora.state.batch = forward_batch.lora
+                try:
+                    return self.model(forward_batch.input_ids, forward_batch.positions,
+                                      forward_batch)
+                finally:
+                    if adapters:
+                        self.lora.state.batch = None
 
         if compiled or self.thread_policy is None:
             if self._fixed_threads is not None:
                 self._set_threads(self._fixed_threads)
             return run()
         return self.thread_policy.run(len(forward_batch.input_ids), self._set_threads, run)
-
-    def _forward_with_adapters(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """A pass some of whose rows use LoRA adapters: eager, through the model's modules
-        (whose adapted projections add the terms), never a graph, compiled or fused pass."""
-        self.attn_backend.init_forward_metadata(forward_batch)
-        self.lora.state.batch = forward_batch.lora
-        try:
-            with torch.inference_mode():
-                return self.model(forward_batch.input_ids, forward_batch.positions,
-                                  forward_batch)
-        finally:
-            self.lora.state.batch = None
 
     @property
     def last_pass_was_trial(self) -> bool:

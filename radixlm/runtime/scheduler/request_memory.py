@@ -59,7 +59,7 @@ class RequestMemory:
         since the tree last changed, or else one made here (after a hierarchical cache
         loaded what its lower tiers hold of the prompt: ``PrefixCache.load_back``)."""
         loaded = self.tree_cache.load_back(req.match_key(), req.extra_key)
-        if match is None or loaded:
+        if match is None or loaded or not self.tree_cache.matches_stay_valid:
             match = self.tree_cache.match_prefix(req.match_key(), req.extra_key)
         req.prefix_indices = match.indices
         req.last_node = match.last_node
