@@ -233,10 +233,34 @@ class HierarchicalCache(PrefixCache):
         return found
 
     def close(self) -> None:
-        """Finishes the disk writes queued so far, and closes the disk tier."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
+        """Writes to disk the blocks only the device pool holds (with write-back, the
+        prefixes in use to the end, often the most shared, were never evicted), finishes
+        the writes queued so far, and closes the disk tier: a restarted server finds every
+        whole block this one computed (as the disk's capacity allows)."""
+        if self._worker is None:
+            return
+        self._worker.shutdown(wait=True)
+        try:
+            self._write_device_blocks()
+        finally:
             self.disk.close()
+
+    def _write_device_blocks(self) -> None:
+        """Every whole block of the tree not on disk yet, straight from the device pool."""
+        size, stack = self.block_tokens, list(self.tree.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+                continue
+            tokens, slots = self.tree.prefix_of(node)  # a leaf: its whole prefix
+            for block, key in enumerate(self.block_keys(tokens, node.extra_key)):
+                if self.disk.contains(key):
+                    continue
+                rows = slots[block * size : (block + 1) * size]
+                tensors = [buffer.index_select(0, rows).cpu()
+                           for buffer in self.pool.layer_buffers()]
+                self.disk.write(key, tokens[block * size : (block + 1) * size], tensors)
 
     # Internals ---------------------------------------------------------------------------------
 
