@@ -92,13 +92,14 @@ class LoraProjection:
         batch = self.state.batch
         if batch is None:
             return
+        triton = x.is_cuda  # (on a CPU torch's products, even under Triton's interpreter)
         xa = lora_shrink(x, self.a, batch.starts, batch.lens, batch.slots,
-                         max_seg_len=batch.max_len)  # (T, shards * R)
+                         max_seg_len=batch.max_len, use_triton=triton)  # (T, shards * R)
         r = self.rank
         for i, (_, offset, _, _) in enumerate(self.shards):
             lora_expand(xa[:, i * r : (i + 1) * r], self.b[i], batch.starts, batch.lens,
                         batch.slots, self.scaling[:, i], y, out_offset=offset,
-                        max_seg_len=batch.max_len)
+                        max_seg_len=batch.max_len, use_triton=triton)
 
 
 def attach_lora(model, state: LoraState, slots: int, max_rank: int,
