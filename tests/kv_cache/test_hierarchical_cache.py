@@ -345,6 +345,22 @@ def test_load_back_without_room_returns_zero_and_leaks_nothing(make_rig):
     assert rig.cache.load_back(tokens) == 8 and rig.matched(tokens) == 8
 
 
+def test_a_block_dropped_while_making_room_ends_the_load_and_frees_its_slots(make_rig):
+    rig = make_rig(block=4, slots=12, host_blocks=3)
+    a, b = prompt(8), prompt(8, start=7000)
+    rig.serve(a)
+    rig.evict_all()
+    first, second = rig.cache.block_keys(a, None)
+    rig.host.put_tensors(first, a[:4], rig.host.block_tensors(first))  # refreshes block 0
+    rig.serve(b)  # 8 of the 12 slots
+    rig.scribble_free_slots()
+    assert rig.cache.load_back(a) == 4  # evicting b writes 2 blocks back: block 1 is dropped
+    assert second not in rig.host and rig.host_block_is(b, None, 1)
+    assert rig.matched(a) == 4
+    assert rig.allocator.available_size() == 8
+    rig.check_accounting()
+
+
 def test_load_back_evicts_other_prefixes_to_make_room(make_rig):
     rig = make_rig(block=4, slots=16)
     first, second = prompt(12), prompt(12, start=7000)
@@ -747,11 +763,11 @@ class DiskHierarchicalCacheMachine(HierarchicalCacheMachine):
     with_disk = True
 
 
-STATEFUL_SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None,
+STATEFUL_SETTINGS = settings(max_examples=50, stateful_step_count=30, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 TestHierarchicalCacheStateful = HierarchicalCacheMachine.TestCase
 TestHierarchicalCacheStateful.settings = STATEFUL_SETTINGS
 TestPagedHierarchicalCacheStateful = PagedHierarchicalCacheMachine.TestCase
 TestPagedHierarchicalCacheStateful.settings = STATEFUL_SETTINGS
 TestDiskHierarchicalCacheStateful = DiskHierarchicalCacheMachine.TestCase
-TestDiskHierarchicalCacheStateful.settings = settings(STATEFUL_SETTINGS, max_examples=40)
+TestDiskHierarchicalCacheStateful.settings = settings(STATEFUL_SETTINGS, max_examples=30)
