@@ -239,7 +239,8 @@ class HierarchicalCache(PrefixCache):
         whole block this one computed (as the disk's capacity allows)."""
         if self._worker is None:
             return
-        self._worker.shutdown(wait=True)
+        worker, self._worker = self._worker, None  # (later blocks reach the host tier only)
+        worker.shutdown(wait=True)
         try:
             self._write_device_blocks()
         finally:

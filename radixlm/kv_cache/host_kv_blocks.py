@@ -99,46 +99,49 @@ class HostKVBlocks:
                       slots: torch.Tensor) -> bool:
         """Stores the KV of ``slots`` ((block_tokens,) on the pool's device) of ``pool`` as
         block ``key``; False if it was stored already (refreshed)."""
-        with self._lock:
-            row = self._claim(key, tokens)
-            if row is None:
-                return False
-            for host, device in zip(self.buffers, pool.layer_buffers()):
+        def copy(row: int) -> None:
+            for host, device in zip(self.buffers, pool.layer_buffers(), strict=True):
                 host[row].copy_(device.index_select(0, slots), non_blocking=True)
             if self._copies is not None:
                 self._copies.record()
-            self._bytes_written += self.block_bytes
-            return True
+        return self._put(key, tokens, copy)
 
     def put_tensors(self, key: str, tokens: Sequence[int], tensors: list[torch.Tensor]) -> bool:
         """Stores a block read from elsewhere (the disk tier: CPU tensors, one per buffer).
         The host writes the row itself, so copies still in flight from or to the row it
         takes (a block just dropped) must land first."""
-        with self._lock:
-            row = self._claim(key, tokens)
-            if row is None:
-                return False
-            self.wait_for_copies()
-            for host, tensor in zip(self.buffers, tensors):
-                host[row].copy_(tensor)
-            self._bytes_written += self.block_bytes
-            return True
+        if len(tensors) != len(self.buffers):
+            raise ValueError(f"a block has {len(self.buffers)} buffers, got {len(tensors)}")
 
-    def _claim(self, key: str, tokens: Sequence[int]) -> int | None:
-        """A row for a new block ``key`` (dropping the least recently used one if the tier
-        is full), indexed under it; None if ``key`` is stored (refreshed)."""
+        def copy(row: int) -> None:
+            self.wait_for_copies()
+            for host, tensor in zip(self.buffers, tensors, strict=True):
+                host[row].copy_(tensor)
+        return self._put(key, tokens, copy)
+
+    def _put(self, key: str, tokens: Sequence[int], copy) -> bool:
+        """Stores block ``key`` by ``copy(row)`` into a free row (the least recently used
+        block dropped if none is), indexed only once the copy was issued; a copy that
+        raises leaves the row free. False if ``key`` is stored (refreshed)."""
         if len(tokens) != self.block_tokens:
             raise ValueError(f"a block holds {self.block_tokens} tokens, got {len(tokens)}")
-        if key in self._index:
-            self._index.move_to_end(key)
-            return None
-        if not self._free:
-            _, (row, _) = self._index.popitem(last=False)
-            self._free.append(row)
-            self._dropped += 1
-        row = self._free.pop()
-        self._index[key] = (row, tuple(tokens))
-        return row
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return False
+            if not self._free:
+                _, (dropped, _) = self._index.popitem(last=False)
+                self._free.append(dropped)
+                self._dropped += 1
+            row = self._free.pop()
+            try:
+                copy(row)
+            except BaseException:
+                self._free.append(row)
+                raise
+            self._index[key] = (row, tuple(tokens))
+            self._bytes_written += self.block_bytes
+            return True
 
     # Out of the tier ----------------------------------------------------------------------
 

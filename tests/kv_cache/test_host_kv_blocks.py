@@ -221,8 +221,6 @@ def test_a_wrong_token_count_raises_and_stores_nothing(count):
     assert host.stats() == host.stats().__class__(0, 2, 0, 0, 0, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="HostKVBlocks._claim indexes the key before the copy "
-                   "runs: a copy that raises leaves the key stored over a stale row")
 def test_a_put_whose_copy_fails_stores_nothing():
     pool = make_pool("mha", torch.float32)
     host = HostKVBlocks(pool, BLOCK, capacity=2)
