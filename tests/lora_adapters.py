@@ -103,6 +103,15 @@ def _greedy(model_dir: Path, adapter_dir: Path | None, input_ids: tuple[int, ...
     return ids[len(input_ids):], logprobs
 
 
+@torch.inference_mode()
+def reference_prompt_logprobs(model_dir: Path, adapter_dir: Path | None,
+                              input_ids: list[int]) -> list[float]:
+    """log p(token_i | tokens_<i) for i >= 1 under the reference."""
+    logits = peft_reference(model_dir, adapter_dir)(input_ids=torch.tensor([input_ids]))
+    logprobs = torch.log_softmax(logits.logits[0].float(), -1)
+    return logprobs[:-1].gather(1, torch.tensor(input_ids[1:])[:, None])[:, 0].tolist()
+
+
 def random_prompts(count: int, seed: int, low: int = 5, high: int = 40) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 300) for _ in range(rng.randint(low, high))]
