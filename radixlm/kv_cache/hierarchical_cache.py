@@ -58,8 +58,6 @@ LOAD_COST_DECAY = 0.8
 
 @dataclass
 class TierCounters:
-    device_hit_tokens: int = 0
-    """Prompt tokens found in L1 when requests were admitted (loaded ones included)."""
     host_hit_tokens: int = 0
     """Tokens loaded from the host tier into L1 (blocks prefetched from disk included)."""
     disk_hit_tokens: int = 0
@@ -155,7 +153,6 @@ class HierarchicalCache(PrefixCache):
         key = tuple(key)
         match = self.tree.match_prefix(key, extra_key)
         cached, size = len(match.indices), self.block_tokens
-        self.counters.device_hit_tokens += cached
         keys = self.block_keys(key, extra_key)
         first = cached // size
         run = self.host.run_length(keys[first:])

@@ -95,7 +95,7 @@ class ServerArgs:
     ``hicache_storage_backend``), and load them back (``kv_cache/hierarchical_cache.py``)."""
     hicache_ratio: float = 2.0
     """The host tier's size as a multiple of the device pool's tokens."""
-    hicache_size: int = 0
+    hicache_size: float = 0
     """The host tier's size in GB (0: by ``hicache_ratio``)."""
     hicache_write_policy: str = "write_back"
     """``write_back``: prefixes go to the host tier when the device pool evicts them;

@@ -69,8 +69,7 @@ def describe(scheduler) -> dict:
         "disaggregation": scheduler.handoffs.stats(),
         "sliding_window_kv": None if scheduler.windows is None else scheduler.windows.info(),
         "lora": None if runner.lora is None else runner.lora.stats(),
-        "hierarchical_cache": (memory.tree_cache.stats()
-                               if hasattr(memory.tree_cache, "block_keys") else None),
+        "hierarchical_cache": _tiers(scheduler),
         "speculative_algorithm": (None if scheduler.speculation is None
                                   else scheduler.args.speculative_algorithm),
         "avg_spec_accept_length": _accept_length(scheduler.state.stats),
@@ -85,3 +84,13 @@ def _accept_length(stats: SchedulerStats) -> float | None:
     if not stats.spec_drafted_requests:
         return None
     return 1 + stats.spec_accepted_tokens / stats.spec_drafted_requests
+
+
+def _tiers(scheduler) -> dict | None:
+    """The hierarchical cache's per-tier state (None without one), with the device tier's
+    hits: the prompt tokens admitted requests found cached, loaded ones included (counted
+    once a request, as ``cached_tokens``)."""
+    cache = scheduler.memory.tree_cache
+    if not hasattr(cache, "block_keys"):
+        return None
+    return {**cache.stats(), "device_hit_tokens": scheduler.state.stats.cached_tokens}

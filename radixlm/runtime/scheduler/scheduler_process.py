@@ -79,8 +79,8 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
                                                      runner.kv_pool.layer_buffers())
     scheduler = Scheduler(runner, memory, sampling_step, sampler, args, prefill_handoff,
                           decode_handoff)
-    if args.enable_hierarchical_cache:  # a load is weighed against the measured prefill
-        pace = scheduler.prefill_pace
+    if args.enable_hierarchical_cache and not args.disable_adaptive_timing:
+        pace = scheduler.prefill_pace  # a load is weighed against the measured prefill
         memory.tree_cache.recompute_seconds_per_token = lambda: pace.seconds_per_token
     return scheduler
 

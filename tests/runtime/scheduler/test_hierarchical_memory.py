@@ -272,12 +272,6 @@ def test_the_overlap_schedule_over_loaded_prefixes_gives_the_cold_tokens(schedul
     assert delta["host_hit_tokens"] > 0 and delta["loads"] > 0, delta
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TierCounters.device_hit_tokens says 'loaded ones included', but load_back adds the L1 "
-    "match before it loads (hierarchical_cache.py, load_back: `device_hit_tokens += "
-    "cached`), so a prompt served wholly from the host tier counts 0 device hits; it is "
-    "also added at every admission attempt, not once per admitted request. Counting "
-    "`done` (after the load) where the request is admitted would match the docstring"))
 def test_device_hits_count_the_tokens_loaded_from_the_host_tier(scheduler_for):
     hi = fresh(scheduler_for(**HI))
     prompt = random_ids(1, 64)
