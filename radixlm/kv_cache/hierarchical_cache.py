@@ -52,6 +52,8 @@ from radixlm.kv_cache.radix_tree import RadixCache, TreeNode
 
 logger = logging.getLogger(__name__)
 
+DISK_READERS = 4
+"""Threads reading one prompt's blocks from disk side by side."""
 LOAD_COST_DECAY = 0.8
 """Weight of the past in the running time a token's load takes."""
 
@@ -98,6 +100,13 @@ class HierarchicalCache(PrefixCache):
         """The measured prefill time of a prompt token (None: not measured yet)."""
         self._load_seconds_per_token: float | None = None
         self._worker = ThreadPoolExecutor(1, "radixlm-kv-disk") if disk is not None else None
+        """Writes blocks to disk, in order."""
+        self._prefetcher = (ThreadPoolExecutor(1, "radixlm-kv-prefetch")
+                            if disk is not None else None)
+        """Runs each prompt's read (``_read_blocks``), apart from the writes."""
+        self._readers = (ThreadPoolExecutor(DISK_READERS, "radixlm-kv-read")
+                         if disk is not None else None)
+        """Read a prompt's blocks side by side (file reads and checksums free the GIL)."""
         tree.on_evict = self._write_back
 
     # The radix tree's interface (L1) -------------------------------------------------------
@@ -215,7 +224,7 @@ class HierarchicalCache(PrefixCache):
             wanted.append((keys[block], key[start : start + self.block_tokens]))
         if not wanted:
             return None
-        return self._worker.submit(self._read_blocks, wanted)
+        return self._prefetcher.submit(self._read_blocks, wanted)
 
     def stats(self) -> dict:
         """Per-tier occupancy and traffic (``/get_server_info``, ``/metrics``)."""
@@ -237,6 +246,8 @@ class HierarchicalCache(PrefixCache):
         if self._worker is None:
             return
         worker, self._worker = self._worker, None  # (later blocks reach the host tier only)
+        self._prefetcher.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
         worker.shutdown(wait=True)
         try:
             self._write_device_blocks()
@@ -308,16 +319,16 @@ class HierarchicalCache(PrefixCache):
             self.disk.write(key, tokens, tensors)
 
     def _read_blocks(self, wanted: list[tuple[str, tuple[int, ...]]]) -> int:
-        """Reads blocks from disk into the host tier, in order, until one is missing or
-        fails its checks; returns how many tokens came in."""
+        """Reads blocks from disk into the host tier (``DISK_READERS`` at a time), up to the
+        first one missing or failing its checks (those after it cannot be used: the
+        chain of the prompt's blocks breaks there); returns how many tokens came in."""
         started, read = time.perf_counter(), 0
-        for key, tokens in wanted:
-            if key not in self.host:
-                tensors = self.disk.read(key, tokens)
-                if tensors is None:
-                    break
-                self.host.put_tensors(key, tokens, tensors)
-                read += len(tokens)
+        found = self._readers.map(lambda block: self.disk.read(*block), wanted)
+        for (key, tokens), tensors in zip(wanted, found):
+            if tensors is None:
+                break
+            self.host.put_tensors(key, tokens, tensors)
+            read += len(tokens)
         self.counters.disk_hit_tokens += read
         self.counters.disk_read_seconds += time.perf_counter() - started
         return read
