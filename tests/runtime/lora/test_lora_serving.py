@@ -23,6 +23,7 @@ from lora_adapters import (
 )
 from runtime_checks import entry_limits, run_to_completion, scheduler_req
 
+import radixlm
 from radixlm.runtime.engine.request_inputs import GenerateInput, build_generate_reqs
 from radixlm.runtime.scheduler.scheduler_process import build_scheduler
 from radixlm.runtime.server_args import ServerArgs
@@ -289,6 +290,13 @@ def test_bad_adapters_are_refused_and_the_others_serve_on(engine_for, tiny_model
 
 
 @pytest.mark.slow
+def test_a_bad_start_up_adapter_is_a_value_error_naming_it(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="no adapter_config.json in .*nowhere"):
+        radixlm.Engine(str(tiny_model_dir()), dtype="float32",
+                       lora_paths=[f"bad={tmp_path / 'nowhere'}"])
+
+
+@pytest.mark.slow
 def test_target_modules_outside_the_served_ones_are_refused(engine_for, tiny_model_dir,
                                                             adapters_of, tmp_path):
     adapters = adapters_of("LlamaForCausalLM")
@@ -386,7 +394,7 @@ def test_unloading_an_adapter_a_running_request_uses(engine_for, tiny_model_dir,
     engine = engine_for(**lora_options(adapters))
     engine.load_lora_adapter("busy", str(adapters["all8rs"]))
     prompt = random_prompts(1, seed=10)[0]
-    long = {**GREEDY, "max_new_tokens": 128}  # (still running when the unload comes)
+    long = {**GREEDY, "max_new_tokens": 256}  # (still running when the unload comes)
     chunks = engine.generate(input_ids=prompt, sampling_params=long, lora_path="busy",
                              stream=True)
     first = next(chunks)
@@ -398,7 +406,7 @@ def test_unloading_an_adapter_a_running_request_uses(engine_for, tiny_model_dir,
     last = [first, *chunks][-1]
     assert last["meta_info"]["finish_reason"]["type"] == "length"
     assert_matches_reference(tiny_model_dir(), {"busy": adapters["all8rs"]}, [prompt],
-                             ["busy"], [last], 128)
+                             ["busy"], [last], 256)
     engine.generate(input_ids=[5, 6], sampling_params=GREEDY)  # a step after it ended
     lora = engine.get_server_info()["lora"]
     assert lora["retiring"] == [] and "busy" not in lora["slots"]

@@ -188,7 +188,7 @@ def test_openai_completions_and_chat_name_the_adapter_in_the_model(server):
 def test_unloading_an_adapter_a_streaming_request_uses(server, raw):
     url, engine, _ = server
     post(url, "/load_lora_adapter", {"lora_name": "spare", "lora_path": str(raw["spare"])})
-    long = {**GREEDY, "max_new_tokens": 160}  # (still running when the unload comes)
+    long = {**GREEDY, "max_new_tokens": 256}  # (still running when the unload comes)
     want = engine.generate(PROMPT, long, lora_path="spare")
     body = {"text": PROMPT, "sampling_params": long, "lora_path": "spare", "stream": True}
     events = []
@@ -234,3 +234,14 @@ def test_openai_answers_name_the_adapter_the_request_named(server):
         for model in (f"{served}:r1", "r1"):
             out = client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
             assert out.model == model
+
+
+@pytest.mark.slow
+def test_a_server_without_lora_refuses_adapters_with_400s(live, raw):
+    url = live()
+    reply = post(url, "/load_lora_adapter", {"lora_name": "r1", "lora_path": str(raw["r1"])})
+    assert reply.status_code == 400 and "--enable-lora" in reply.json()["error_message"]
+    assert len(model_ids(url)) == 1
+    refused = post(url, "/generate", {"text": PROMPT, "sampling_params": GREEDY,
+                                      "lora_path": "r1"})
+    assert refused.status_code == 400 and "LoRA" in refused.text
