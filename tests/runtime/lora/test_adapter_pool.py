@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from lora_adapters import assert_matches_reference, random_prompts, write_raw_adapter
 from runtime_checks import scheduler_req
 
@@ -54,6 +56,30 @@ def test_a_batch_s_rows_come_in_segments_of_one_adapter(scheduler):
                                (7, 5, slot["p1"])]
     assert batch.max_len == 5 and batch.starts.dtype == torch.int32
     assert pool.batch_for([None, None], [4, 1]) is None
+    check_slots(pool)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from([None, *NAMES]), st.integers(1, 5)), min_size=1,
+                max_size=12).filter(lambda rows: len({n for n, _ in rows if n}) <= 2))
+def test_segments_cover_every_row_once_each_with_its_adapter_s_slot(scheduler, rows):
+    pool = scheduler.runner.lora
+    names, counts = [n for n, _ in rows], [c for _, c in rows]
+    batch = pool.batch_for(names, counts)
+    if not any(names):
+        assert batch is None
+        return
+    per_row = [name for name, count in rows for _ in range(count)]
+    held = slot_names(pool)
+    covered = []
+    for start, length, slot in segments(batch):
+        assert start == len(covered) and length >= 1  # in order, no gap, no overlap
+        covered += [None if slot == -1 else held[slot]] * length
+    assert covered == per_row
+    slots = batch.slots.tolist()
+    assert all(a != b for a, b in zip(slots, slots[1:]))  # adjacent rows of one slot merged
+    assert batch.max_len == max(batch.lens.tolist())
     check_slots(pool)
 
 
