@@ -65,7 +65,10 @@ def peft_modules(model_dir: Path, adapter: Path) -> dict[tuple[int, str], object
     dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate_proj", "up_proj"],
          rank_pattern={"k_proj": 2, "layers.1.mlp.up_proj": 6},
          alpha_pattern={"gate_proj": 3, "layers.0.self_attn.q_proj": 32}),
-], ids=["plain", "rslora", "patterns"])
+    dict(r=2, lora_alpha=5, target_modules=["v_proj", "down_proj"], use_rslora=True,
+         rank_pattern={"down_proj": 8}, alpha_pattern={"v_proj": 7}),
+    dict(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"], layers_to_transform=[1]),
+], ids=["plain", "rslora", "patterns", "rslora-patterns", "one-layer"])
 def test_weights_ranks_and_scalings_are_peft_s(model_dir, tmp_path, lora):
     adapter = write_peft_adapter(model_dir, tmp_path / "ad", seed=7, **lora)
     read = load(adapter)
