@@ -359,6 +359,28 @@ def test_a_restart_with_other_weights_under_a_name_loads_no_stale_kv(tiny_model_
                              [prompt, prompt], ["a", "b"], outs, 8)
 
 
+@pytest.mark.slow
+def test_a_mixture_of_experts_model_serves_attention_adapters_only(engine_for, tiny_model_dir,
+                                                                   tmp_path):
+    """Mixtral's experts are no dense projections: adapters of its attention serve, one of
+    an MLP projection is refused naming it."""
+    architecture = "MixtralForCausalLM"
+    engine = engine_for(architecture, enable_lora=True, max_lora_rank=4)
+    attention = write_raw_adapter(tmp_path / "attention", seed=3, rank=2,
+                                  targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    mlp = write_raw_adapter(tmp_path / "mlp", seed=4, rank=2, targets=("q_proj", "down_proj"))
+    with pytest.raises(ValueError, match=r"\['down_proj'\] are not projections of this model"):
+        engine.load_lora_adapter("mlp", str(mlp))
+    engine.load_lora_adapter("attention", str(attention))
+    prompts = random_prompts(4, seed=15)
+    names = ["attention", None, "attention", None]
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=names,
+                           return_logprob=True)
+    assert_matches_reference(tiny_model_dir(architecture), {"attention": attention}, prompts,
+                             names, outs, 8)
+    engine.unload_lora_adapter("attention")
+
+
 # Loading and unloading while serving -----------------------------------------------------
 
 
