@@ -9,11 +9,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import beam_reference
 import pytest
 import torch
+from beam_reference import beam
 from lora_adapters import (
     ALL,
     assert_matches_reference,
+    peft_reference,
     random_prompts,
     reference_greedy_logprobs,
     reference_prompt_logprobs,
@@ -111,6 +114,20 @@ def test_prompt_logprobs_and_parallel_samples_use_the_adapter(engine_for, tiny_m
                            lora_path=["all8rs", "patterned"])
     assert_matches_reference(tiny_model_dir(), adapters, [prompts[0]] * 2 + [prompts[1]] * 2,
                              ["all8rs"] * 2 + ["patterned"] * 2, outs, 8)
+
+
+def test_a_beam_search_under_an_adapter_equals_peft_s(engine_for, tiny_model_dir, adapters_of,
+                                                      monkeypatch):
+    adapters = adapters_of("LlamaForCausalLM")
+    engine = engine_for(**lora_options(adapters))
+    path = tiny_model_dir()
+    monkeypatch.setattr(beam_reference, "reference_model",
+                        lambda directory: peft_reference(directory, adapters["all8rs"]))
+    prompt = random_prompts(1, seed=16)[0]
+    eos = sorted(engine.model_config.eos_token_ids)
+    outs = engine.generate(input_ids=prompt, sampling_params=beam(3, 6), lora_path="all8rs")
+    expected = beam_reference.reference_beams(path, prompt, 3, 6, 1.0, False, eos)
+    beam_reference.check_beams(outs, expected, 1.0, eos, 6, path, prompt)
 
 
 @pytest.mark.slow
