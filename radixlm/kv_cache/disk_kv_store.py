@@ -270,8 +270,23 @@ class DiskKVStore:
 
     def read(self, key: str, tokens_of_block: Sequence[int]) -> list[torch.Tensor] | None:
         """The block's buffers (CPU tensors), or None if it is not stored or fails a check."""
+        found = self._read(key, self._check_tokens(tokens_of_block))
+        return None if found is None else found[1]
+
+    def read_recorded(self, key: str) -> tuple[list[int], list[torch.Tensor]] | None:
+        """A block whose tokens the caller does not know (a warm start): its tokens as its
+        header records them, and its buffers, after every other check (key, identity,
+        tensors, checksum); None as ``read``."""
+        return self._read(key, None)
+
+    def recent_keys(self, limit: int) -> list[str]:
+        """Up to ``limit`` stored keys, the most recently used first."""
+        with self._lock:
+            return list(reversed(self._index))[:limit]
+
+    def _read(self, key: str, tokens: list[int] | None
+              ) -> tuple[list[int], list[torch.Tensor]] | None:
         path = self.path_of(key)
-        tokens = self._check_tokens(tokens_of_block)
         with self._lock:
             self._counters["reads"] += 1
             size = self._index.get(key)
@@ -288,7 +303,7 @@ class DiskKVStore:
         try:
             if data is None:
                 raise CorruptBlock("its size changed since it was indexed")
-            buffers = self._verified_buffers(data, key, tokens)
+            tokens, buffers = self._verified_buffers(data, key, tokens)
         except CorruptBlock as e:
             logger.warning("disk KV store: deleting corrupt block %s: %s", path.name, e)
             with self._lock:
@@ -302,12 +317,17 @@ class DiskKVStore:
                 self._index.move_to_end(key)
             self._counters["read_hits"] += 1
             self._counters["bytes_read"] += len(data)
-        return buffers
+        return tokens, buffers
 
-    def _verified_buffers(self, data: bytes, key: str, tokens: list[int]) -> list[torch.Tensor]:
+    def _verified_buffers(self, data: bytes, key: str, tokens: list[int] | None
+                          ) -> tuple[list[int], list[torch.Tensor]]:
+        """The block's tokens and buffers once every check passed (``tokens`` None: the
+        header's, if they are a block's worth of token ids)."""
         try:
             metadata = header_metadata(data)
             tensors = load_safetensors(data)
+            if tokens is None:
+                tokens = self._check_tokens(json.loads(metadata.get("tokens", "null")))
         except Exception as e:  # safetensors raises its own error types on malformed input
             raise CorruptBlock(f"unreadable ({e})") from None
         checks = (("format", FORMAT_NAME), ("format_version", FORMAT_VERSION),
@@ -325,7 +345,7 @@ class DiskKVStore:
                 raise CorruptBlock(f"buffer {i} is {t.dtype} {tuple(t.shape)}")
         if metadata.get("checksum") != payload_checksum(buffers):
             raise CorruptBlock("payload checksum mismatch")
-        return buffers
+        return tokens, buffers
 
     def delete(self, key: str) -> None:
         with self._lock:

@@ -19,7 +19,9 @@ Movement.
   the block, with a warning, and serving goes on.
 - L3 to L2: ``prefetch``, called when a request is queued, reads the blocks its prompt
   continues with on disk (after what L1 and L2 hold) into the host tier on the worker
-  thread; the scheduler lets the request wait (others run) until that is done.
+  thread; the scheduler lets the request wait (others run) until that is done. At
+  start-up ``warm_up`` reads the most recently used blocks into the host tier in the
+  background, so that a restarted server's first requests need no disk read.
 - L2 to L1: ``load_back``, called when a request is admitted, allocates device slots for
   the blocks after its L1 match that the host tier holds in a row, copies them in and
   inserts them into the tree, so the request's match then covers them. A run shorter than
@@ -63,11 +65,13 @@ class TierCounters:
     host_hit_tokens: int = 0
     """Tokens loaded from the host tier into L1 (blocks prefetched from disk included)."""
     disk_hit_tokens: int = 0
-    """Tokens read from the disk tier into the host tier."""
+    """Tokens read from the disk tier into the host tier (warm-up included)."""
     loads: int = 0
     load_seconds: float = 0.0
     """Host time of the loads into L1 (issuing the copies; on CUDA they run on)."""
     disk_read_seconds: float = 0.0
+    warmed_tokens: int = 0
+    """Tokens read from disk into the host tier at start-up (``warm_up``)."""
     write_backs: int = 0
     """Blocks copied from L1 to the host tier."""
     disk_writes_queued: int = 0
@@ -226,6 +230,15 @@ class HierarchicalCache(PrefixCache):
             return None
         return self._prefetcher.submit(self._read_blocks, wanted)
 
+    def warm_up(self) -> Future | None:
+        """Starts reading the disk tier's most recently used blocks into the host tier (as
+        many as it holds, the most recent last, so they stay), so that a restarted
+        server's first requests find them in host memory; None without a disk tier."""
+        if self.disk is None:
+            return None
+        keys = self.disk.recent_keys(self.host.capacity)[::-1]
+        return self._prefetcher.submit(self._warm_blocks, keys) if keys else None
+
     def stats(self) -> dict:
         """Per-tier occupancy and traffic (``/get_server_info``, ``/metrics``)."""
         host = self.host.stats()
@@ -317,6 +330,19 @@ class HierarchicalCache(PrefixCache):
         tensors = self.host.block_tensors(key)
         if tensors is not None:  # (dropped from the host tier before its turn: lost)
             self.disk.write(key, tokens, tensors)
+
+    def _warm_blocks(self, keys: list[str]) -> int:
+        """Reads ``keys`` (tokens unknown: their headers') into the host tier."""
+        started, read = time.perf_counter(), 0
+        for found, key in zip(self._readers.map(self.disk.read_recorded, keys), keys):
+            if found is not None and key not in self.host:
+                tokens, tensors = found
+                self.host.put_tensors(key, tokens, tensors)
+                read += len(tokens)
+        self.counters.warmed_tokens += read
+        self.counters.disk_hit_tokens += read
+        self.counters.disk_read_seconds += time.perf_counter() - started
+        return read
 
     def _read_blocks(self, wanted: list[tuple[str, tuple[int, ...]]]) -> int:
         """Reads blocks from disk into the host tier (``DISK_READERS`` at a time), up to the

@@ -156,6 +156,23 @@ def test_restart_finds_the_blocks_by_hashing_the_prompt(tmp_path):
     assert restarted.contains(blocks[2][0])
 
 
+def test_a_warm_start_reads_recent_blocks_with_the_tokens_their_headers_record(tmp_path):
+    identity = make_identity("mha", "float32")
+    tokens = prompt(3)
+    with DiskKVStore.open(tmp_path, identity, capacity_bytes=1 << 20) as store:
+        blocks = fill(store, tokens)
+        store.read(blocks[0][0], blocks[0][1])  # now the most recently used
+    restarted = DiskKVStore.open(tmp_path, identity, capacity_bytes=1 << 20)
+    assert restarted.recent_keys(2) == [blocks[0][0], blocks[2][0]]
+    for key, block_tokens, buffers in blocks:
+        found_tokens, found = restarted.read_recorded(key)
+        assert found_tokens == block_tokens
+        assert_same_bytes(found, buffers)
+    flip_a_payload_byte(restarted.path_of(blocks[1][0]), restarted.path_of(blocks[2][0]))
+    assert restarted.read_recorded(blocks[1][0]) is None  # checked as any read
+    assert not restarted.contains(blocks[1][0])
+
+
 def test_files_of_another_identity_are_ignored_not_deleted(tmp_path, caplog):
     tokens = prompt(2)
     with DiskKVStore(tmp_path, make_identity(), 1 << 20) as store:

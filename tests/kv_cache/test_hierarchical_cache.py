@@ -432,6 +432,24 @@ def test_a_restart_prefetches_from_disk_and_loads_exactly(make_rig, tmp_path):
     assert restarted.cache.prefetch(b, None) is None
 
 
+def test_a_warm_start_reads_the_most_recent_blocks_into_the_host_tier(make_rig, tmp_path):
+    first = make_rig(page=2, block=4, disk_dir=tmp_path)
+    a, b = prompt(13), prompt(8, start=6000)
+    first.serve(a)
+    first.serve(b, "ns")
+    first.evict_all()
+    first.cache.close()
+    restarted = make_rig(page=2, block=4, disk_dir=tmp_path)
+    assert restarted.cache.warm_up().result() == 20  # every block: the tier holds them
+    assert restarted.cache.counters.warmed_tokens == 20
+    assert restarted.cache.prefetch(a) is None  # nothing left to read for it
+    loaded, matched = restarted.serve(a)  # exact KV: serve checks it
+    assert loaded == matched == 12
+    assert restarted.serve(b, "ns") == (8, 8)
+    empty = make_rig(page=2, block=4, disk_dir=tmp_path / "none")
+    assert empty.cache.warm_up() is None
+
+
 def test_loads_stop_once_measured_to_cost_more_than_recomputing(make_rig):
     rig = make_rig(block=4)
     a, b = prompt(8), prompt(8, start=3000)

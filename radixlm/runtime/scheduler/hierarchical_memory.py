@@ -45,9 +45,11 @@ def build_hierarchical_cache(args: ServerArgs, runner: ModelRunner, tree: RadixC
     if args.hicache_storage_backend == "file":
         disk = DiskKVStore(args.hicache_storage_dir, identity,
                            int(args.hicache_storage_size * GB))
-    return HierarchicalCache(tree, pool, host, disk, identity.fingerprint(),
-                             write_through=args.hicache_write_policy == "write_through",
-                             min_load_tokens=args.page_size)
+    cache = HierarchicalCache(tree, pool, host, disk, identity.fingerprint(),
+                              write_through=args.hicache_write_policy == "write_through",
+                              min_load_tokens=args.page_size)
+    cache.warm_up()  # (in the background: a restarted server's recent prefixes to host)
+    return cache
 
 
 def model_identity(model_path: str, runner: ModelRunner) -> str:
