@@ -324,6 +324,12 @@ def main() -> None:
                         help="merged engines actually run (the rest extrapolated); 0: none")
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--float32", action="store_true", help="dtype float32 (else auto)")
+    parser.add_argument("--schedule-policy", default=None,
+                        help="the engines' schedule_policy (default lpm orders a batch's rows "
+                             "by cached prefix, not by arrival: fcfs keeps --grouped runs)")
+    parser.add_argument("--all-threads", action="store_true",
+                        help="disable_adaptive_timing: every pass on all threads (the "
+                             "adaptive choice times LoRA and fused passes of a size together)")
     parser.add_argument("--json", default=None, help="write the raw records here")
     args = parser.parse_args()
     if args.quick:
@@ -345,6 +351,10 @@ def main() -> None:
     options = {"max_total_tokens": args.max_total_tokens}
     if args.float32:
         options["dtype"] = "float32"
+    if args.all_threads:
+        options["disable_adaptive_timing"] = True
+    if args.schedule_policy:
+        options["schedule_policy"] = args.schedule_policy
     with tempfile.TemporaryDirectory(prefix="bench_lora_") as tmp:
         work = Path(tmp)
         started = time.perf_counter()
