@@ -34,11 +34,15 @@ per-round ratios against ``base``. The merged systems run once, after the rounds
 adapter (they should not; bfloat16 near-ties may flip), and a few requests against PEFT's
 own greedy generation in float32 (transformers).
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_lora.py [--quick] [--rounds 1]
-        [--requests 256] [--new-tokens 32] [--merged 4] [--float32] [--json out.json]
+Rates are given by the wall clock and by the CPU time of the engine's scheduler process
+(psutil), which moves less when other work shares the cores.
 
-(Defaults sized for about 15 minutes on 2 cores: each merged Engine takes 20-60 s to start
-there, so 4 of the 16 run and the rest are extrapolated.)
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_lora.py [--quick] [--rounds 1]
+        [--requests 256] [--new-tokens 32] [--merged 4] [--float32] [--all-threads]
+        [--schedule-policy fcfs] [--json out.json]
+
+(Defaults take 12-15 minutes on 2 cores, mostly the mixed-adapter systems; a merged Engine
+takes 8-60 s to start there, by load, so 4 of the 16 run and the rest are extrapolated.)
 """
 # ruff: noqa: I001 - radixlm is imported before torch (machine.py), for the reason given there
 
