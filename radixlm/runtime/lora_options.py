@@ -11,7 +11,7 @@ import re
 
 from radixlm.models.lora.peft_adapter import PROJECTIONS
 
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9/.][A-Za-z0-9._\-/]{0,255}$")
 DEFAULT_MAX_RANK = 16
 """The highest rank served when neither ``max_lora_rank`` nor a start-up adapter says."""
 
@@ -67,5 +67,5 @@ def parse_lora_paths(entries: list[str]) -> dict[str, str]:
 
 def check_adapter_name(name) -> None:
     if not isinstance(name, str) or not ADAPTER_NAME.match(name):
-        raise ValueError(f"an adapter name must be 1-128 letters, digits or ._-/ "
-                         f"(not starting with a symbol), got {name!r}")
+        raise ValueError(f"an adapter name must be 1-256 letters, digits or ._-/ "
+                         f"(not starting with _ or -), got {name!r}")

@@ -12,9 +12,12 @@ gate|up) keeps its shards' A matrices stacked, so one shrink serves all shards:
 A pass's rows come in segments, each of one adapter slot (or none: -1), described by the
 ``LoraBatch`` the runner puts in the shared ``LoraState`` around the pass; each projection
 then adds ``scaling * B (A x)`` per segment (``kernels/triton_ops/lora_sgmv``: Triton on
-GPUs, torch on CPUs). Under tensor parallelism a column-parallel projection keeps A whole
-and its rows of B; a row-parallel one its columns of A and B whole, so each rank adds
-``B (A_rank x_rank)`` to its partial sum and the ranks' all-reduce adds them up: B is linear.
+GPUs); on a CPU per adapter instead, its rows gathered whatever segments they lie in, in
+float32 (one shrink and one product per shard it adapts: a batch of 16 adapters takes 16,
+not one per request), skipping the shards an adapter leaves alone. Under tensor
+parallelism (not served yet: refused at start-up) a column-parallel projection would keep A
+whole and its rows of B, a row-parallel one its columns of A and B whole, so that each rank
+adds ``B (A_rank x_rank)`` to its partial sum and the ranks' all-reduce adds them up.
 
 Invariant: a slot's weights are written only while no pass uses the slot (the adapter
 pool loads a slot before the batch that uses it is built).
@@ -22,7 +25,7 @@ pool loads a slot before the batch that uses it is built).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +42,27 @@ class LoraBatch:
     lens: torch.Tensor
     slots: torch.Tensor
     max_len: int
+    rows_by_slot: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """(slot, its rows (int64, on the model's device)) of each adapter in the pass: the
+    CPU path's groups (one pair of products per adapter, however its rows interleave);
+    empty: taken from the segments when needed."""
+
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        if not self.rows_by_slot:
+            self.rows_by_slot = rows_by_slot(self.starts.tolist(), self.lens.tolist(),
+                                             self.slots.tolist(), self.starts.device)
+        return self.rows_by_slot
+
+
+def rows_by_slot(starts: list[int], lens: list[int], slots: list[int],
+                 device: torch.device) -> list[tuple[int, torch.Tensor]]:
+    """Each adapter slot's rows, from segments (start, length, slot; slot -1: none)."""
+    rows: dict[int, list[int]] = {}
+    for start, length, slot in zip(starts, lens, slots):
+        if slot >= 0:
+            rows.setdefault(slot, []).extend(range(start, start + length))
+    return [(slot, torch.tensor(found, dtype=torch.int64, device=device))
+            for slot, found in rows.items()]
 
 
 class LoraState:
@@ -63,6 +87,10 @@ class LoraProjection:
         self.state, self.layer, self.shards = state, layer, shards
         self.in_start, in_count = in_range
         self.rank = max_rank
+        if device.type == "cpu":  # small products: float32 is the fast and exact one here
+            dtype = torch.float32
+        self.scales: list[list[float]] = [[0.0] * len(shards) for _ in range(slots)]
+        """``scaling`` on the host: shards a slot's adapter leaves alone are skipped."""
         self.a = torch.zeros((slots, len(shards) * max_rank, in_count), dtype=dtype,
                              device=device)
         self.b = [torch.zeros((slots, rows, max_rank), dtype=dtype, device=device)
@@ -86,13 +114,17 @@ class LoraProjection:
                                                        + in_count]
             self.b[i][slot, :, :r] = b[full_start : full_start + rows]
             self.scaling[slot, i] = adapter.scaling(self.layer, name)
+        self.scales[slot] = self.scaling[slot].tolist()
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y (T, out) += each row's adapter's term for x (T, in), in place."""
         batch = self.state.batch
         if batch is None:
             return
-        triton = x.is_cuda  # (on a CPU torch's products, even under Triton's interpreter)
+        if not x.is_cuda:  # (torch's products, even under Triton's interpreter)
+            self._add_by_adapter(x, y, batch)
+            return
+        triton = True
         xa = lora_shrink(x, self.a, batch.starts, batch.lens, batch.slots,
                          max_seg_len=batch.max_len, use_triton=triton)  # (T, shards * R)
         r = self.rank
@@ -100,6 +132,20 @@ class LoraProjection:
             lora_expand(xa[:, i * r : (i + 1) * r], self.b[i], batch.starts, batch.lens,
                         batch.slots, self.scaling[:, i], y, out_offset=offset,
                         max_seg_len=batch.max_len, use_triton=triton)
+
+    def _add_by_adapter(self, x: torch.Tensor, y: torch.Tensor, batch: LoraBatch) -> None:
+        """The CPU path: per adapter of the pass, its rows' shrink in one product (float32)
+        and each shard it adapts in another, added into its rows of ``y``."""
+        r = self.rank
+        for slot, rows in batch.groups():
+            scales = self.scales[slot]
+            if not any(scales):
+                continue
+            xa = x.index_select(0, rows).float() @ self.a[slot].T  # (n, shards * R)
+            for i, (_, offset, size, _) in enumerate(self.shards):
+                if scales[i]:
+                    term = (xa[:, i * r : (i + 1) * r] @ self.b[i][slot].T).mul_(scales[i])
+                    y[:, offset : offset + size].index_add_(0, rows, term.to(y.dtype))
 
 
 def attach_lora(model, state: LoraState, slots: int, max_rank: int,

@@ -15,6 +15,7 @@ the server does not adapt, tensors missing or of the wrong shape, an unreadable 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -45,6 +46,9 @@ class LoraAdapter:
     target_modules: frozenset[str]
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     scalings: dict[tuple[int, str], float] = field(repr=False)
+    fingerprint: str = ""
+    """A hash of its config and weights files: what its KV depends on (a name may be
+    loaded again with other weights; the cache keys on this, not the name)."""
 
     def scaling(self, layer: int, projection: str) -> float:
         return self.scalings[(layer, projection)]
@@ -70,7 +74,7 @@ def load_peft_adapter(name: str, path: str | Path, max_rank: int, num_layers: in
         raise ValueError(f"adapter {name!r}: target modules "
                          f"{sorted(targets - allowed_modules)} are not in "
                          f"--lora-target-modules ({sorted(allowed_modules)})")
-    tensors = _read_tensors(name, path)
+    tensors, fingerprint = _read_tensors(name, path)
     weights: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         found = _TENSOR_NAME.match(key)
@@ -104,7 +108,10 @@ def load_peft_adapter(name: str, path: str | Path, max_rank: int, num_layers: in
         largest = max(largest, r)
     if not pairs:
         raise ValueError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
-    return LoraAdapter(name, str(path), largest, frozenset(targets), pairs, scalings)
+    fingerprint = hashlib.sha256(json.dumps(config, sort_keys=True).encode()
+                                 + fingerprint.encode()).hexdigest()
+    return LoraAdapter(name, str(path), largest, frozenset(targets), pairs, scalings,
+                       fingerprint)
 
 
 def adapter_rank(path: str | Path) -> int:
@@ -155,7 +162,8 @@ def _target_modules(name: str, config: dict) -> set[str]:
     return targets
 
 
-def _read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(name: str, path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """The weights file's tensors, and a hash of its bytes."""
     weights_file = path / WEIGHTS_FILE
     if not weights_file.is_file():
         pickled = (path / "adapter_model.bin").is_file()
@@ -163,7 +171,8 @@ def _read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
                          + (" (adapter_model.bin is a pickle, never loaded: save the adapter"
                             " with safe_serialization)" if pickled else ""))
     try:
-        return load_file(weights_file)
+        data = weights_file.read_bytes()
+        return load(data), hashlib.sha256(data).hexdigest()
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"adapter {name!r}: {weights_file} is unreadable ({err})") from err
 
@@ -175,8 +184,9 @@ def _scaling(config: dict, layer: int, projection: str, rank: int) -> float:
     block = "self_attn" if projection in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
     module = f"model.layers.{layer}.{block}.{projection}"
     for pattern, value in (config.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
+        if re.match(rf"(.*\.)?({pattern})$", module):  # the first match wins, as in PEFT
             alpha = value
+            break
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise ValueError(f"lora_alpha must be a number, got {alpha!r}")
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank

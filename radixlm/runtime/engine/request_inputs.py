@@ -108,6 +108,8 @@ def build_generate_reqs(
     limits.caps.check_logprobs(top_logprobs_num or 0, 0)
     if request.extra_key is not None and not isinstance(request.extra_key, str):
         raise ValueError(f"extra_key must be a string, got {type(request.extra_key).__name__}")
+    if request.extra_key is not None and "\x00" in request.extra_key:
+        raise ValueError("extra_key must not hold a NUL character")
     adapters = _adapters(request.lora_path, len(id_lists), limits)
     params_list = _per_item("sampling_params", request.sampling_params, len(id_lists), dict)
     rids = [r or uuid.uuid4().hex for r in _per_item("rid", request.rid, len(id_lists), str)]

@@ -22,7 +22,7 @@ from collections import OrderedDict
 import torch
 
 from radixlm.host_to_device import to_device
-from radixlm.models.lora.lora_layers import LoraBatch, LoraState, attach_lora
+from radixlm.models.lora.lora_layers import LoraBatch, LoraState, attach_lora, rows_by_slot
 from radixlm.models.lora.peft_adapter import (
     PROJECTIONS,
     LoraAdapter,
@@ -68,8 +68,11 @@ class LoraAdapterPool:
         """Reads, checks and registers the adapter at ``path`` as ``name`` (ValueError
         naming what is wrong: the name taken, the files, the rank, the modules)."""
         check_adapter_name(name)
-        if name in self._adapters or name in self._retired:
+        if name in self._adapters:
             raise ValueError(f"an adapter named {name!r} is loaded already")
+        if name in self._retired:
+            raise ValueError(f"adapter {name!r} was unloaded but requests still run on it; "
+                             f"load it again once they end")
         adapter = load_peft_adapter(name, path, self.max_rank, self.num_layers, self.shapes,
                                     self.targets)
         self._adapters[name] = adapter
@@ -107,6 +110,12 @@ class LoraAdapterPool:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded (loaded: "
                              f"{self.names()})")
 
+    def cache_namespace(self, name: str, extra_key: str | None) -> str:
+        """The prefix-cache namespace of a request under adapter ``name`` and the client's
+        ``extra_key``: the adapter's weights (not its name: a name may be loaded again
+        with others) apart from every client key (which cannot hold a NUL)."""
+        return f"{extra_key or ''}\x00lora:{self._adapters[name].fingerprint}"
+
     # Batches -------------------------------------------------------------------------------------
 
     def batch_for(self, names: list[str | None], rows: list[int]) -> LoraBatch | None:
@@ -127,7 +136,9 @@ class LoraAdapterPool:
                 slots.append(slot)
             start += count
         table = to_device([starts, lens, slots], torch.int32, self.device)
-        return LoraBatch(table[0], table[1], table[2], max(lens))
+        groups = (rows_by_slot(starts, lens, slots, self.device)
+                  if self.device.type == "cpu" else [])  # (the CPU path's, from host lists)
+        return LoraBatch(table[0], table[1], table[2], max(lens), groups)
 
     def _place(self, wanted: set[str]) -> dict[str, int]:
         """A slot for each adapter of ``wanted`` (at most ``slots`` of them), loading those

@@ -31,6 +31,11 @@ class Admission:
         self.grammar_queue = grammar_queue
         self.prefill_pace = prefill_pace
         self.handoffs = handoffs
+        self.slot_waiter: str | None = None
+        """This round, the adapter of the oldest waiting request whose adapter the running
+        batch lacks: the next adapter slot is its."""
+        self.slots_full = False
+        self.running_adapters: set[str] = set()
 
     def enqueue(self, req: Req) -> None:
         """Where a request goes once it may run: the decode hand-off for a paired request
@@ -67,10 +72,15 @@ class Admission:
             rows=self.memory.req_to_token_pool.available_size(),
             new_token_ratio=state.new_token_ratio,
         )
+        self.slot_waiter, self.slots_full = None, False
         if args.enable_lora:  # the running batch's adapters, and room for the others
             adder.adapters = {r.lora_name for r in [*state.running, state.chunked]
                               if r is not None and r.lora_name}
             adder.max_adapters = args.max_loras_per_batch
+            self.running_adapters = set(adder.adapters)
+            self.slots_full = len(adder.adapters) >= adder.max_adapters
+            self.slot_waiter = next((r.lora_name for r in state.waiting if r.lora_name
+                                     and r.lora_name not in adder.adapters), None)
         admit_new = not (args.batching == "static" and (state.running or state.chunked))
         if state.chunked is not None:
             if state.waiting and adder.rows and admit_new:
@@ -97,6 +107,15 @@ class Admission:
                 state.stats.cached_tokens += req.cached_tokens
         return adder
 
+    def _waits_for_the_slot_waiter(self, req: Req) -> bool:
+        """Whether ``req`` must let the slot waiter's adapter in first: another adapter the
+        batch lacks (it would take the slot), or, while every slot is taken, any adapter
+        but the waiter's (so the batch drains of them)."""
+        name, waiter = req.lora_name, self.slot_waiter
+        if name is None or waiter is None or name == waiter:
+            return False
+        return self.slots_full or name not in self.running_adapters
+
     def _prefills_alone(self) -> bool:
         """Nobody would wait behind this step's chunk: no request runs and the prompt being
         prefilled is the only one queued (its chunks may then be longer)."""
@@ -105,8 +124,11 @@ class Admission:
 
     def _admissible(self, adder: PrefillAdder) -> Iterator[tuple[Req, MatchResult | None]]:
         """The waiting requests in policy order, but for those ``adder`` admitted already,
-        samples whose leader's prompt is not cached yet (they reuse it once it is) and
-        those whose prompt's KV is still being read from disk."""
+        samples whose leader's prompt is not cached yet (they reuse it once it is), those
+        whose prompt's KV is still being read from disk, and those that must let the
+        oldest request on an adapter the batch lacks have the next adapter slot first
+        (``_waits_for_the_slot_waiter``): no adapter starves behind others whose requests
+        keep coming (and sort first by their cached prefixes)."""
         admitted = {id(r) for r in adder.new_reqs}
         for req, match in self.policy.order(self.state.waiting):
             leader = req.prefill_leader
@@ -114,6 +136,8 @@ class Admission:
                 if not req.kv_prefetch.done():
                     continue
                 req.kv_prefetch = None
+            if self._waits_for_the_slot_waiter(req):
+                continue
             if id(req) not in admitted and (
                     leader is None or leader.output_ids or leader.finished) and (
                     req.beam is None or req.beam.complete):

@@ -120,8 +120,12 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         """Queues ``req``; a constrained one waits for its grammar first (a failed
-        grammar finishes it, reported at the next step). ``check_adapter`` first."""
+        grammar finishes it, reported at the next step). ``check_adapter`` first; a
+        request on an adapter caches its KV in the adapter's own namespace (a prefix
+        computed under one adapter serves no other)."""
         self.check_adapter(req)
+        if req.lora_name is not None:
+            req.extra_key = self.runner.lora.cache_namespace(req.lora_name, req.extra_key)
         self.sampling_step.prepare(req)
         if req.sampling.use_beam_search and not self.beams.join(req):
             return

@@ -121,12 +121,9 @@ def make_req(msg: wire.GenerateReq, tokenizer, leaders: dict[str, Req],
     if msg.return_logprob:  # (a decode server's half computes no prompt logprobs)
         logprobs = LogprobRequest(None if handoff == "receive" else msg.logprob_start,
                                   msg.top_logprobs_num, msg.return_text_in_logprobs)
-    extra_key = msg.extra_key
-    if msg.lora_path is not None:  # a prefix computed under one adapter serves no other
-        extra_key = f"{extra_key or ''}\x00lora:{msg.lora_path}"
     return Req(
         rid=msg.rid, input_ids=msg.input_ids, sampling=params, detokenizer=detokenizer,
-        logprobs=logprobs, extra_key=extra_key, lora_name=msg.lora_path,
+        logprobs=logprobs, extra_key=msg.extra_key, lora_name=msg.lora_path,
         prefill_leader=leaders.get(msg.prefill_leader) if msg.prefill_leader else None,
         handoff=handoff, bootstrap_room=msg.bootstrap_room,
         bootstrap_address=(f"{msg.bootstrap_host}:{msg.bootstrap_port}"

@@ -48,25 +48,29 @@ from radixlm.runtime.server.anthropic_stream import (
     usage,
 )
 from radixlm.runtime.server.chat_turn import ChatTurn, ToolChoice, prepare_chat_turn
+from radixlm.runtime.server.model_names import resolve_model
 
 
 def add_anthropic_routes(app: FastAPI, engine: Engine, served_model_name: str) -> None:
     """Adds ``/v1/messages`` and ``/v1/messages/count_tokens`` serving ``engine`` under the
     name ``served_model_name`` (its path, as ``/get_model_info`` reports it, is taken too)."""
     router = APIRouter(prefix="/v1", route_class=AnthropicRoute, tags=["anthropic"])
-    names = {served_model_name, str(engine.model_config.path)}
 
-    def check_model(name: str) -> None:
-        if name not in names:
+    def check_model(name: str) -> str | None:
+        """The LoRA adapter ``name`` asks for (None: the base model)."""
+        known, adapter = resolve_model(engine, name, served_model_name)
+        if not known:
             raise AnthropicError(404, f"model: `{name}` does not exist; this server serves "
                                  f"`{served_model_name}`")
+        return adapter
 
     @router.post("/messages", response_model=Message, responses=ERROR_RESPONSES)
     async def messages(body: MessagesRequest):
-        check_model(body.model)
+        adapter = check_model(body.model)
         turn = await _prepare(engine, body)
         request = GenerateInput(input_ids=[turn.prompt_ids],
-                                sampling_params={**_sampling_params(body), **turn.sampling_params})
+                                sampling_params={**_sampling_params(body), **turn.sampling_params},
+                                lora_path=adapter)
         head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "model": body.model}
         stop_sequences = body.stop_sequences or []
         if body.stream:

@@ -31,6 +31,7 @@ from radixlm.runtime.engine.engine import Engine
 from radixlm.runtime.engine.request_inputs import GenerateInput
 from radixlm.runtime.engine.request_state import OutputDelta
 from radixlm.runtime.grammar.constraints import CONSTRAINT_KINDS
+from radixlm.runtime.server.model_names import resolve_model, unknown_model_message
 from radixlm.runtime.server.openai_chat import (
     assistant_message,
     chat_finish_reason,
@@ -73,26 +74,17 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
     router = APIRouter(prefix="/v1", route_class=OpenAIRoute, tags=["openai"])
     started = int(time.time())
 
-    model_path = str(engine.model_config.path)
 
     def check_model(body: BaseModel) -> str | None:
         """The LoRA adapter ``body`` asks for (None: the base model): its ``model`` names
         the model, ``model:adapter``, or an adapter; SGLang's ``lora_path`` names one too."""
         # The model path is accepted too: it is what /get_model_info reports, and what
         # SGLang's router lists as the model (SGLang accepts it as well).
-        name, adapter = body.model, getattr(body, "lora_path", None)
-        adapters = engine.lora_adapters()
-        base, sep, suffix = name.rpartition(":")
-        if sep and base in (served_model_name, model_path) and suffix in adapters:
-            name, adapter = base, suffix
-        elif name in adapters:
-            name, adapter = served_model_name, name
-        if name not in (served_model_name, model_path):
-            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves "
-                              f"`{served_model_name}`"
-                              + (f" and the adapters {adapters}" if adapters else ""),
+        known, adapter = resolve_model(engine, body.model, served_model_name)
+        if not known:
+            raise OpenAIError(404, unknown_model_message(engine, body.model, served_model_name),
                               param="model", code="model_not_found")
-        return adapter
+        return adapter or getattr(body, "lora_path", None)
 
     @router.get("/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -128,7 +120,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
         result = await (engine.stream_deltas(request) if body.stream
                         else engine.generate_request(request))
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": served_model_name}
+                "model": body.model}
         if texts is None:  # decoded once the Engine has checked the ids
             texts = [engine.tokenizer.decode(ids) if body.echo else "" for ids in id_lists]
         echoes = texts if body.echo else [""] * len(texts)
@@ -176,7 +168,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, served_model_name: str) -> N
         result = await (engine.stream_deltas(request) if body.stream
                         else engine.generate_request(request))
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": served_model_name}
+                "model": body.model}
         if body.stream:
             events = chat_stream_events(result, head, body, turn)
             return StreamingResponse(openai_sse(result, events), media_type="text/event-stream")

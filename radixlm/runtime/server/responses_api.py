@@ -53,6 +53,7 @@ from radixlm.runtime.server.chat_turn import (
     call_arguments,
     prepare_chat_turn,
 )
+from radixlm.runtime.server.model_names import resolve_model, unknown_model_message
 from radixlm.runtime.server.openai_errors import (
     ERROR_RESPONSES,
     OpenAIError,
@@ -80,14 +81,13 @@ def add_responses_routes(app: FastAPI, engine: Engine, served_model_name: str,
     store = ResponseStore() if store is None else store
     too_large_logged = False
     router = APIRouter(prefix="/v1", route_class=OpenAIRoute, tags=["openai"])
-    model_path = str(engine.model_config.path)
 
     @router.post("/responses", response_model=ResponseObject, responses=ERROR_RESPONSES)
     async def create_response(body: ResponsesRequest):
-        if body.model not in (served_model_name, model_path):
-            raise OpenAIError(404, f"The model `{body.model}` does not exist; this server "
-                              f"serves `{served_model_name}`", param="model",
-                              code="model_not_found")
+        known, adapter = resolve_model(engine, body.model, served_model_name)
+        if not known:
+            raise OpenAIError(404, unknown_model_message(engine, body.model, served_model_name),
+                              param="model", code="model_not_found")
         earlier: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             found = store.conversation(body.previous_response_id)
@@ -101,7 +101,8 @@ def add_responses_routes(app: FastAPI, engine: Engine, served_model_name: str,
         messages = chat_messages(earlier + own, len(earlier), body.instructions)
         turn = await _prepare(engine, body, messages)
         params = _sampling_params(body, turn)
-        request = GenerateInput(input_ids=[turn.prompt_ids], sampling_params=params)
+        request = GenerateInput(input_ids=[turn.prompt_ids], sampling_params=params,
+                                lora_path=adapter)
         head = _head(body, new_id("resp"), served_model_name)
 
         def finished(response: dict[str, Any]) -> None:

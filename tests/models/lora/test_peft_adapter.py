@@ -84,9 +84,6 @@ def test_weights_ranks_and_scalings_are_peft_s(model_dir, tmp_path, lora):
     assert adapter_rank(adapter) == max([lora["r"], *lora.get("rank_pattern", {}).values()])
 
 
-@pytest.mark.xfail(strict=True, reason="peft_adapter._scaling lets the last "
-                   "alpha_pattern entry matching a module win; peft (utils/other."
-                   "get_pattern_key) takes the first, in the saved config's (sorted) order")
 def test_overlapping_alpha_patterns_resolve_as_peft_does(model_dir, tmp_path):
     adapter = write_peft_adapter(model_dir, tmp_path / "ad", seed=3, r=4, lora_alpha=8,
                                  target_modules=["q_proj"],

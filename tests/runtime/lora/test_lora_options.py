@@ -42,9 +42,6 @@ def test_lora_paths_name_adapters_or_are_named_by_their_path():
     assert args.lora_paths == ["solo=/x"] and args.enable_lora
 
 
-@pytest.mark.xfail(strict=True, reason="lora_options.parse_lora_paths names a bare entry by "
-                   "itself, but check_adapter_name refuses names starting with '/': every "
-                   "absolute bare path (SGLang's --lora-paths /path/to/adapter) is refused")
 def test_a_bare_absolute_path_is_named_by_itself():
     assert parse_lora_paths(["/models/b"]) == {"/models/b": "/models/b"}
 

@@ -194,17 +194,15 @@ def test_cached_prefixes_never_cross_adapters(engine_for, tiny_model_dir, adapte
     assert all(count >= len(prompt) - 1 for count in cached[3:]), cached
 
 
-@pytest.mark.xfail(strict=True, reason="make_req namespaces an adapter's cache as "
-                   "extra_key + '\\x00lora:<name>' in the same string as the client's "
-                   "extra_key, which may hold '\\x00': a base request with extra_key "
-                   "'\\x00lora:<name>' shares the adapter's cached KV")
 def test_no_extra_key_reaches_an_adapter_s_cached_prefixes(engine_for, tiny_model_dir,
                                                            adapters_of):
     adapters = adapters_of("LlamaForCausalLM")
     engine = engine_for(**lora_options(adapters))
     prompt = random_prompts(1, seed=14, low=40, high=40)[0]
     engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="qv4")
-    out = engine.generate(input_ids=prompt, sampling_params=GREEDY, extra_key="\x00lora:qv4",
+    with pytest.raises(ValueError, match="extra_key must not hold a NUL"):  # (the separator)
+        engine.generate(input_ids=prompt, sampling_params=GREEDY, extra_key="\x00lora:qv4")
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY, extra_key="lora:qv4",
                           return_logprob=True)
     assert out["meta_info"]["cached_tokens"] == 0
     assert_matches_reference(tiny_model_dir(), adapters, [prompt], [None], [out], 8)
@@ -348,9 +346,6 @@ def test_target_modules_outside_the_served_ones_are_refused(engine_for, tiny_mod
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the disk tier keys blocks by extra_key, which "
-                   "make_req builds from the adapter's name: a server restarted with another "
-                   "adapter under the same name loads KV computed under the old one")
 def test_a_restart_with_other_weights_under_a_name_loads_no_stale_kv(tiny_model_dir,
                                                                      adapters_of, tmp_path):
     adapters = adapters_of("LlamaForCausalLM")
@@ -421,9 +416,6 @@ def test_loading_unloading_and_loading_again(engine_for, tiny_model_dir, adapter
             engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="again")
 
 
-@pytest.mark.xfail(strict=True, reason="the prefix cache is keyed by adapter name "
-                   "(scheduler_process.make_req: extra_key '\\x00lora:<name>'), so a name "
-                   "loaded again with other weights reuses KV computed under the old ones")
 def test_a_name_loaded_again_with_other_weights_reuses_no_cached_kv(engine_for, tiny_model_dir,
                                                                     adapters_of):
     adapters = adapters_of("LlamaForCausalLM")

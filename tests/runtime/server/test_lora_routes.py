@@ -215,9 +215,6 @@ def test_unloading_an_adapter_a_streaming_request_uses(server, raw):
     assert out.json()["output_ids"] == want["output_ids"]
 
 
-@pytest.mark.xfail(strict=True, reason="/v1/models lists adapters, but /v1/responses "
-                   "(responses_api.py:87) takes only the served model's name: an adapter "
-                   "listed there is a 404 model_not_found")
 def test_the_responses_api_takes_the_adapters_v1_models_lists(server):
     url, engine, served = server
     reply = post(url, "/v1/responses", {"model": "r1", "input": PROMPT,
@@ -225,9 +222,6 @@ def test_the_responses_api_takes_the_adapters_v1_models_lists(server):
     assert reply.status_code == 200, reply.text
 
 
-@pytest.mark.xfail(strict=True, reason="openai_api.py answers with model=served_model_name "
-                   "whatever the request named; SGLang and vLLM echo the request's model, "
-                   "so a client cannot see which adapter answered")
 def test_openai_answers_name_the_adapter_the_request_named(server):
     url, _, served = server
     with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
@@ -247,9 +241,6 @@ def test_a_server_without_lora_refuses_adapters_with_400s(live, raw):
     assert refused.status_code == 400 and "LoRA" in refused.text
 
 
-@pytest.mark.xfail(strict=True, reason="an adapter may be loaded under the served model's "
-                   "name; openai_api.check_model then reads that name as the adapter, so "
-                   "requests for the base model run the adapter")
 def test_the_served_model_s_name_keeps_meaning_the_base_model(server, raw):
     url, engine, served = server
     base = engine.generate(PROMPT, GREEDY)
