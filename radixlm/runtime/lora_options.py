@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from radixlm.models.lora.peft_adapter import PROJECTIONS
+from radixlm.models.lora.projections import PROJECTIONS
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9/.][A-Za-z0-9._\-/]{0,255}$")
 DEFAULT_MAX_RANK = 16

@@ -26,10 +26,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load
 
+from radixlm.models.lora.projections import PROJECTIONS
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The projections an adapter may adapt (the dense decoder's, and MoE models' attention)."""
 _TENSOR_NAME = re.compile(
     r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
     r"\.lora_([AB])(?:\.default)?\.weight$")

@@ -23,12 +23,8 @@ import torch
 
 from radixlm.host_to_device import to_device
 from radixlm.models.lora.lora_layers import LoraBatch, LoraState, attach_lora, rows_by_slot
-from radixlm.models.lora.peft_adapter import (
-    PROJECTIONS,
-    LoraAdapter,
-    adapter_rank,
-    load_peft_adapter,
-)
+from radixlm.models.lora.peft_adapter import LoraAdapter, adapter_rank, load_peft_adapter
+from radixlm.models.lora.projections import PROJECTIONS
 from radixlm.runtime.lora_options import DEFAULT_MAX_RANK, check_adapter_name, parse_lora_paths
 
 
