@@ -27,6 +27,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from mounts import tmpfs
 from safetensors import safe_open
 from safetensors.torch import load, load_file, save_file
 
@@ -293,16 +294,8 @@ def test_a_closed_store_misses_and_refuses_writes(tmp_path):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 256 KiB tmpfs, unmounted afterwards whatever happens."""
-    mount_point = tmp_path / "mnt"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs",
-                             str(mount_point)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {result.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "mnt", "256k") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=False)
 
 
 def test_a_full_disk_refuses_writes_and_keeps_serving(small_tmpfs, caplog):

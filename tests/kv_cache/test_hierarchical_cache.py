@@ -16,7 +16,6 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from mounts import tmpfs
 
 from radixlm.kv_cache.allocator import TokenToKVPoolAllocator, pages_for
 from radixlm.kv_cache.disk_kv_store import DiskKVStore, StoreIdentity
@@ -533,16 +533,8 @@ def test_disk_writes_are_checked_bytes_of_the_evicted_kv(make_rig, tmp_path):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 16 KiB tmpfs (a few block files), unmounted afterwards whatever happens."""
-    mount_point = tmp_path / "mnt"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs",
-                             str(mount_point)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {result.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "mnt", "16k") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=False)
 
 
 def test_a_full_disk_loses_blocks_with_a_warning_and_serving_goes_on(make_rig, small_tmpfs,

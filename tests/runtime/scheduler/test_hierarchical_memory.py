@@ -18,12 +18,12 @@ import contextlib
 import logging
 import os
 import random
-import shutil
 import subprocess
 import threading
 
 import pytest
 import torch
+from mounts import tmpfs
 from runtime_checks import assert_pool_idle, run_to_completion, scheduler_req
 from workloads import greedy, random_ids
 
@@ -512,20 +512,6 @@ def test_block_files_damaged_between_runs_are_deleted_at_start_up(
         assert_same_outputs(run_in_groups(second, prompts, params, **LOGPROBS), expected)
         found = tiers(second)
     assert found["disk_hit_tokens"] > 0, found  # the first prompt's blocks, left whole
-
-
-@contextlib.contextmanager
-def tmpfs(directory, size: str):
-    """A real tmpfs at ``directory`` (skips where mounting is not permitted)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    if shutil.which("mount") is None or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
-            capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], capture_output=True)
 
 
 def test_a_full_disk_loses_blocks_with_a_warning_and_requests_stay_exact(
