@@ -178,8 +178,6 @@ class RowParallelLinear(Linear):
         if self.tp.size == 1:
             return super().forward(x)
         y = self.project(x)
-        if self.lora is not None:  # (each rank's share of the term: see models/lora)
-            self.lora.add(x, y)
         if self.reduce:
             y = self.tp.all_reduce(y)
         elif self.tp.rank != 0:

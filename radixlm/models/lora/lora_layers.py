@@ -78,41 +78,37 @@ class LoraState:
 class LoraProjection:
     """One projection's adapter weights in every slot (see the module)."""
 
-    def __init__(self, state: LoraState, layer: int, shards: list[tuple[str, int, int, int]],
-                 in_range: tuple[int, int], slots: int, max_rank: int, dtype: torch.dtype,
+    def __init__(self, state: LoraState, layer: int, shards: list[tuple[str, int, int]],
+                 in_features: int, slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device):
-        """``shards``: (checkpoint projection name, first output row here, rows here, first
-        row in the full projection) per shard; ``in_range``: (first, count) of the input
-        columns this rank holds."""
+        """``shards``: (checkpoint projection name, first output row, rows) per shard."""
         self.state, self.layer, self.shards = state, layer, shards
-        self.in_start, in_count = in_range
         self.rank = max_rank
         if device.type == "cpu":  # small products: float32 is the fast and exact one here
             dtype = torch.float32
         self.scales: list[list[float]] = [[0.0] * len(shards) for _ in range(slots)]
         """``scaling`` on the host: shards a slot's adapter leaves alone are skipped."""
-        self.a = torch.zeros((slots, len(shards) * max_rank, in_count), dtype=dtype,
+        self.a = torch.zeros((slots, len(shards) * max_rank, in_features), dtype=dtype,
                              device=device)
         self.b = [torch.zeros((slots, rows, max_rank), dtype=dtype, device=device)
-                  for _, _, rows, _ in shards]
+                  for _, _, rows in shards]
         self.scaling = torch.zeros((slots, len(shards)), dtype=torch.float32, device=device)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Writes ``adapter``'s weights of this projection into ``slot`` (zeros where it
         does not adapt a shard)."""
-        r_max, in_count = self.rank, self.a.shape[2]
+        r_max = self.rank
         self.a[slot].zero_()
         self.scaling[slot].zero_()
-        for i, (name, _, rows, full_start) in enumerate(self.shards):
+        for i, (name, _, _) in enumerate(self.shards):
             self.b[i][slot].zero_()
             found = adapter.weights.get((self.layer, name))
             if found is None:
                 continue
             a, b = found  # (r, in), (out, r)
             r = a.shape[0]
-            self.a[slot, i * r_max : i * r_max + r] = a[:, self.in_start : self.in_start
-                                                       + in_count]
-            self.b[i][slot, :, :r] = b[full_start : full_start + rows]
+            self.a[slot, i * r_max : i * r_max + r] = a
+            self.b[i][slot, :, :r] = b
             self.scaling[slot, i] = adapter.scaling(self.layer, name)
         self.scales[slot] = self.scaling[slot].tolist()
 
@@ -124,14 +120,13 @@ class LoraProjection:
         if not x.is_cuda:  # (torch's products, even under Triton's interpreter)
             self._add_by_adapter(x, y, batch)
             return
-        triton = True
         xa = lora_shrink(x, self.a, batch.starts, batch.lens, batch.slots,
-                         max_seg_len=batch.max_len, use_triton=triton)  # (T, shards * R)
+                         max_seg_len=batch.max_len, use_triton=True)  # (T, shards * R)
         r = self.rank
-        for i, (_, offset, _, _) in enumerate(self.shards):
+        for i, (_, offset, _) in enumerate(self.shards):
             lora_expand(xa[:, i * r : (i + 1) * r], self.b[i], batch.starts, batch.lens,
                         batch.slots, self.scaling[:, i], y, out_offset=offset,
-                        max_seg_len=batch.max_len, use_triton=triton)
+                        max_seg_len=batch.max_len, use_triton=True)
 
     def _add_by_adapter(self, x: torch.Tensor, y: torch.Tensor, batch: LoraBatch) -> None:
         """The CPU path: per adapter of the pass, its rows' shrink in one product (float32)
@@ -142,7 +137,7 @@ class LoraProjection:
             if not any(scales):
                 continue
             xa = x.index_select(0, rows).float() @ self.a[slot].T  # (n, shards * R)
-            for i, (_, offset, size, _) in enumerate(self.shards):
+            for i, (_, offset, size) in enumerate(self.shards):
                 if scales[i]:
                     term = (xa[:, i * r : (i + 1) * r] @ self.b[i][slot].T).mul_(scales[i])
                     y[:, offset : offset + size].index_add_(0, rows, term.to(y.dtype))
@@ -169,21 +164,20 @@ def attach_lora(model, state: LoraState, slots: int, max_rank: int,
                 if linear is None or not hasattr(linear, "lora"):
                     continue
                 shards = _shards(linear, module_name, by_module, stacked)
-                for name, _, rows, _ in shards:
+                for name, _, rows in shards:
                     shapes[name] = (rows, linear.in_features)
                 if any(name in target_modules for name, *_ in shards):
-                    linear.lora = LoraProjection(state, layer_id, shards,
-                                                 (0, linear.in_features), slots, max_rank,
-                                                 dtype, device)
+                    linear.lora = LoraProjection(state, layer_id, shards, linear.in_features,
+                                                 slots, max_rank, dtype, device)
                     state.projections.append(linear.lora)
     return shapes
 
 
 def _shards(linear, module_name: str, by_module: dict[str, list[str]],
-            stacked: dict[str, tuple[str, str]]) -> list[tuple[str, int, int, int]]:
-    """(checkpoint name, output offset, rows, first row of the checkpoint tensor) of each
-    shard of ``linear`` (one: a projection that is not stacked)."""
+            stacked: dict[str, tuple[str, str]]) -> list[tuple[str, int, int]]:
+    """(checkpoint name, output offset, rows) of each shard of ``linear`` (one: a
+    projection that is not stacked)."""
     names = by_module.get(module_name)
     if not names:
-        return [(module_name, 0, linear.out_features, 0)]
-    return [(name, *linear.shard_offsets[stacked[name][1]], 0) for name in names]
+        return [(module_name, 0, linear.out_features)]
+    return [(name, *linear.shard_offsets[stacked[name][1]]) for name in names]

@@ -12,14 +12,14 @@ from radixlm.models.lora.peft_adapter import LoraAdapter
 
 HIDDEN = 16
 # A stacked q|k|v projection: q 16 rows, k and v 8 each.
-QKV = [("q_proj", 0, 16, 0), ("k_proj", 16, 8, 0), ("v_proj", 24, 8, 0)]
+QKV = [("q_proj", 0, 16), ("k_proj", 16, 8), ("v_proj", 24, 8)]
 
 
 def adapter(name: str, seed: int, ranks: dict[str, int], layer: int = 0) -> LoraAdapter:
     """An adapter of ``ranks`` (projection -> rank) on ``layer``, scalings 0.5, 1, 1.5 ..."""
     generator = torch.Generator().manual_seed(seed)
     weights, scalings = {}, {}
-    rows = {name: count for name, _, count, _ in QKV}
+    rows = {name: count for name, _, count in QKV}
     for i, (projection, rank) in enumerate(sorted(ranks.items())):
         weights[(layer, projection)] = (torch.randn(rank, HIDDEN, generator=generator),
                                         torch.randn(rows[projection], rank,
@@ -35,7 +35,7 @@ def naive(x: torch.Tensor, row_adapters: list[LoraAdapter | None], layer: int = 
     for row, found in enumerate(row_adapters):
         if found is None:
             continue
-        for projection, offset, count, _ in QKV:
+        for projection, offset, count in QKV:
             if (layer, projection) in found.weights:
                 a, b = found.weights[(layer, projection)]
                 out[row, offset : offset + count] += (found.scaling(layer, projection)
@@ -60,7 +60,7 @@ def batch(slots_by_row: list[int]) -> LoraBatch:
 @pytest.fixture
 def projection():
     state = LoraState()
-    return LoraProjection(state, 0, QKV, (0, HIDDEN), slots=3, max_rank=8,
+    return LoraProjection(state, 0, QKV, HIDDEN, slots=3, max_rank=8,
                           dtype=torch.float32, device=torch.device("cpu"))
 
 
