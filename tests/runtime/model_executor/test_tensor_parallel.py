@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU (gloo): a model split across 2 or 4 ranks serves what the
-whole model serves (prompt logprobs within 1e-4, greedy tokens equal) for every family,
+whole model serves (prompt logprobs within 1e-4 + 1e-4 relative, greedy tokens equal) for every family,
 alone and batched, with prefix-cache hits, chunked prefill and retraction; each rank's pool
 holds its share of the KV; two "nodes" started as two commands serve the same; and a rank
 that dies fails the requests in flight within seconds, leaving no process behind."""
@@ -57,8 +57,10 @@ def assert_same(whole: list, split: list) -> None:
         for ours, want in zip(mine, theirs):
             assert ours["output_ids"] == want["output_ids"]
             if "input_token_logprobs" in want["meta_info"]:
+                # A split sums each row-parallel product in another order; float32
+                # logprobs near -10 drift by ~1e-4 that way (a wrong shard: by ~1).
                 torch.testing.assert_close(prompt_logprobs(ours), prompt_logprobs(want),
-                                           atol=1e-4, rtol=0)
+                                           atol=1e-4, rtol=1e-4)
 
 
 def mixed_requests() -> list[dict]:
