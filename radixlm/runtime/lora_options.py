@@ -17,7 +17,7 @@ DEFAULT_MAX_RANK = 16
 
 
 def check_lora_options(args) -> None:
-    """Raises ``ValueError`` naming the option that is out of range or does not combine;
+    """Raises ``ValueError`` naming the option that is out of range;
     turns ``enable_lora`` on where ``lora_paths`` are given."""
     if args.lora_paths:
         args.enable_lora = True
@@ -40,13 +40,6 @@ def check_lora_options(args) -> None:
         elif not targets or not set(targets) <= set(PROJECTIONS):
             raise ValueError(f"lora_target_modules must name projections among "
                              f"{list(PROJECTIONS)} (or 'all'), got {targets}")
-    if not args.enable_lora:
-        return
-    for name, combined in (("tp_size", args.tp_size > 1),
-                           ("speculative_algorithm", args.speculative_algorithm is not None),
-                           ("disaggregation_mode", args.disaggregation_mode != "null")):
-        if combined:
-            raise ValueError(f"enable_lora and {name} do not combine yet")
 
 
 def parse_lora_paths(entries: list[str]) -> dict[str, str]:

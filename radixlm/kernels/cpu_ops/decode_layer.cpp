@@ -32,13 +32,35 @@ enum ProjectionKernel : int64_t {
   kInt8Blocked = RADIXLM_PROJECTION_INT8_BLOCKED,
 };
 
+// A pass's LoRA groups (lora_add's rows, starts, slots), or none (rows undefined).
+struct LoraPass {
+  at::Tensor rows, starts, slots;
+};
+
+// A projection's adapter weights (lora_add's a, b_t, scales, ranks, bounds), or none (a
+// undefined or empty).
+struct LoraWeights {
+  at::Tensor a, b_t, scales, ranks, bounds;
+};
+
 // A projection's weight (and int8 scales, else an empty tensor) and the kernel that
-// multiplies it, as the layer's Linear module would for this step's rows.
+// multiplies it, as the layer's Linear module would for this step's rows, then its adapters'
+// terms for the pass's rows that use one (lora_add, as the module's LoraProjection adds them).
 struct Projection {
   int64_t kernel;
   at::Tensor weight, scales;
+  LoraWeights lora;
 
-  at::Tensor operator()(const at::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x, const LoraPass& pass) const {
+    at::Tensor y = multiply(x);
+    if (pass.rows.defined() && lora.a.defined() && lora.a.numel() > 0) {
+      lora_add(x, y, pass.rows, pass.starts, pass.slots, lora.a, lora.b_t, lora.scales,
+               lora.ranks, lora.bounds);
+    }
+    return y;
+  }
+
+  at::Tensor multiply(const at::Tensor& x) const {
     switch (kernel) {
       case kPairs: return pair_matmul(x, weight);
       case kInt8: return int8_matmul(x, weight, scales);
@@ -70,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor> layer_step(
     const Projection (&projections)[4], const at::Tensor& cos, const at::Tensor& signed_sin,
     at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& out_cache_loc,
     const at::Tensor& kv_slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
-    double scale) {
+    double scale, const LoraPass& lora) {
   TORCH_CHECK(x.dim() == 2 && k_buffer.dim() == 3, "x must be (T, hidden), k_buffer 3-D");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0,
               "heads must be a positive multiple of kv_heads");
@@ -83,24 +105,37 @@ std::tuple<at::Tensor, at::Tensor> layer_step(
     h = rms_norm(x, input_norm, eps);
     stream = x;
   }
-  auto [q, k, v] = rotated_qkv(qkv_proj(h), cos, signed_sin, shape);
+  auto [q, k, v] = rotated_qkv(qkv_proj(h, lora), cos, signed_sin, shape);
   scatter_rows(k_buffer, out_cache_loc, k);
   scatter_rows(v_buffer, out_cache_loc, v);
   const at::Tensor attended =
       paged_decode_attention(q, k_buffer, v_buffer, kv_slots, seq_lens, scale);
-  const at::Tensor o = o_proj(attended.reshape({shape.tokens, -1}));
+  const at::Tensor o = o_proj(attended.reshape({shape.tokens, -1}), lora);
   auto [h2, stream2] = add_rms_norm(o, stream, post_norm, eps);
-  return {down_proj(silu_mul(gate_up_proj(h2))), stream2};
+  return {down_proj(silu_mul(gate_up_proj(h2, lora)), lora), stream2};
 }
 
-// Layer l's four projections from lists of four a layer.
+// Layer l's four projections from lists of four a layer (and five LoRA operands a
+// projection, where lora_weights is not empty).
 void layer_projections(const std::vector<int64_t>& kernels,
                        const std::vector<at::Tensor>& weights,
-                       const std::vector<at::Tensor>& scales, size_t l,
+                       const std::vector<at::Tensor>& scales,
+                       const std::vector<at::Tensor>& lora_weights, size_t l,
                        Projection (&out)[4]) {
   for (size_t i = 0; i < 4; ++i) {
-    out[i] = Projection{kernels[4 * l + i], weights[4 * l + i], scales[4 * l + i]};
+    out[i] = Projection{kernels[4 * l + i], weights[4 * l + i], scales[4 * l + i], {}};
+    if (!lora_weights.empty()) {
+      const at::Tensor* w = &lora_weights[5 * (4 * l + i)];
+      out[i].lora = LoraWeights{w[0], w[1], w[2], w[3], w[4]};
+    }
   }
+}
+
+// The pass's LoRA groups from lora_pass (rows, starts, slots), or none where it is empty.
+LoraPass lora_pass_of(const std::vector<at::Tensor>& lora_pass) {
+  TORCH_CHECK(lora_pass.empty() || lora_pass.size() == 3,
+              "lora_pass must be empty or (rows, starts, slots)");
+  return lora_pass.empty() ? LoraPass{} : LoraPass{lora_pass[0], lora_pass[1], lora_pass[2]};
 }
 
 }  // namespace radixlm_decode_layer
@@ -114,6 +149,9 @@ void layer_projections(const std::vector<int64_t>& kernels,
 //   tensor); cos and signed_sin (T, 1, D) RoPE of the tokens' positions;
 //   k_buffer, v_buffer (N, H_kv, D) the layer's KV pool, written at out_cache_loc (T,) and
 //   read through kv_slots (T, S) and seq_lens (T,) as paged_decode_attention reads them.
+//   lora_pass: empty, or the pass's LoRA groups (rows, starts, slots: lora_add's), and then
+//   lora_weights: five lora_add operands (a, b_t, scales, ranks, bounds) for each of the four
+//   projections, an empty a where the projection has no adapters.
 //   Returns (the layer's output, the residual stream after its attention), both (T, hidden).
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& x, const at::Tensor& residual, bool has_residual,
@@ -122,15 +160,20 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const std::vector<at::Tensor>& scales, const at::Tensor& cos, const at::Tensor& signed_sin,
     at::Tensor k_buffer, at::Tensor v_buffer, const at::Tensor& out_cache_loc,
     const at::Tensor& kv_slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
-    double scale) {
+    double scale, const std::vector<at::Tensor>& lora_pass,
+    const std::vector<at::Tensor>& lora_weights) {
   TORCH_CHECK(kernels.size() == 4 && weights.size() == 4 && scales.size() == 4,
               "four projections expected: qkv, o, gate_up, down");
+  TORCH_CHECK(lora_weights.size() == (lora_pass.empty() ? 0 : 20),
+              "lora_weights: five operands for each of the four projections with lora_pass");
   radixlm_decode_layer::Projection projections[4];
-  radixlm_decode_layer::layer_projections(kernels, weights, scales, 0, projections);
+  radixlm_decode_layer::layer_projections(kernels, weights, scales, lora_weights, 0,
+                                          projections);
   return radixlm_decode_layer::layer_step(x, residual, has_residual, input_norm, post_norm,
                                           eps, projections, cos, signed_sin, k_buffer,
                                           v_buffer, out_cache_loc, kv_slots, seq_lens, heads,
-                                          kv_heads, scale);
+                                          kv_heads, scale,
+                                          radixlm_decode_layer::lora_pass_of(lora_pass));
 }
 
 // decode_layers: the decode step of L consecutive layers, each as decode_layer's, the first
@@ -138,28 +181,34 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 // norms (2 L): each layer's input and post-attention RMSNorm weights, all with eps;
 // kernels, weights and scales (4 L each): each layer's four projections as decode_layer
 // takes them; kv_buffers (2 L): each layer's k_buffer and v_buffer; the rest shared by the
-// layers, as decode_layer takes it. Returns the last layer's (output, residual stream).
+// layers, as decode_layer takes it; lora_pass as decode_layer's, and lora_weights then 20 a
+// layer. Returns the last layer's (output, residual stream).
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
     const std::vector<int64_t>& kernels, const std::vector<at::Tensor>& weights,
     const std::vector<at::Tensor>& scales, const at::Tensor& cos, const at::Tensor& signed_sin,
     std::vector<at::Tensor> kv_buffers, const at::Tensor& out_cache_loc,
     const at::Tensor& kv_slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
-    double scale) {
+    double scale, const std::vector<at::Tensor>& lora_pass,
+    const std::vector<at::Tensor>& lora_weights) {
   const size_t layers = norms.size() / 2;
   TORCH_CHECK(layers > 0 && norms.size() == 2 * layers && kernels.size() == 4 * layers &&
                   weights.size() == 4 * layers && scales.size() == 4 * layers &&
                   kv_buffers.size() == 2 * layers,
               "per layer: two norms, four projections' kernels, weights and scales, and "
               "k and v buffers");
+  TORCH_CHECK(lora_weights.size() == (lora_pass.empty() ? 0 : 20 * layers),
+              "lora_weights: five operands for each projection of each layer with lora_pass");
+  const radixlm_decode_layer::LoraPass lora = radixlm_decode_layer::lora_pass_of(lora_pass);
   at::Tensor h = x, stream = x;
   for (size_t l = 0; l < layers; ++l) {
     radixlm_decode_layer::Projection projections[4];
-    radixlm_decode_layer::layer_projections(kernels, weights, scales, l, projections);
+    radixlm_decode_layer::layer_projections(kernels, weights, scales, lora_weights, l,
+                                            projections);
     std::tie(h, stream) = radixlm_decode_layer::layer_step(
         h, stream, l > 0, norms[2 * l], norms[2 * l + 1], eps, projections, cos, signed_sin,
         kv_buffers[2 * l], kv_buffers[2 * l + 1], out_cache_loc, kv_slots, seq_lens, heads,
-        kv_heads, scale);
+        kv_heads, scale, lora);
   }
   return {h, stream};
 }

@@ -47,6 +47,9 @@ operations inside ``F.rms_norm`` (figures in benchmarks/RESULTS.md). The kernels
   (the norms, QKV, RoPE, KV store, attention, O and MLP) as one call of the kernels above,
   each projection multiplied as ``ProjectionKernel`` says (``models/layers/cpu_decode_layer.py``);
   ``decode_layers(...)``, every layer's in one call (``models/layers/cpu_decode_stack.py``);
+  both add LoRA adapters' terms to the projections where a step has them;
+- ``lora_add(x, y, ...)`` (in ``lora_matmul.cpp``): every LoRA adapter's term of a pass added
+  to a projection's output, each adapter's weights read once (``models/lora/lora_layers.py``);
 - ``argmax_rows(x)`` (in ``argmax.cpp``): ``x.argmax(dim=-1)`` over float32 logits, the
   same answers (ties, NaN) from vector lanes instead of torch's one value at a time
   (greedy sampling, ``runtime/sampling/sampler.py``);
@@ -106,15 +109,16 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("fused_ops.cpp", "decode_attention.cpp", "few_rows_matmul.cpp",
                              "blocked_matmul.cpp", "prefill_attention.cpp",
                              "prefill_attention_float32.cpp", "pair_matmul.cpp",
-                             "decode_layer.cpp", "argmax.cpp", "quantized_matmul.cpp",
-                             "quantized_matmul_bf16.cpp", "bindings.cpp"))
+                             "decode_layer.cpp", "lora_matmul.cpp", "argmax.cpp",
+                             "quantized_matmul.cpp", "quantized_matmul_bf16.cpp",
+                             "bindings.cpp"))
 BUILD_PREFIX = "radixlm_cpu_ops_"  # a build's directory and module: this and a digest
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
              "scatter_rows", "int8_matmul", "dense_matmul", "blocked_matmul",
              "blocked_int8_matmul",
              "paged_prefill_attention", "prefill_attention_available", "pair_matmul",
              "int8_pair_matmul", "pair_matmul_silu", "int8_pair_matmul_silu",
-             "pair_matmul_available", "decode_layer", "decode_layers",
+             "pair_matmul_available", "decode_layer", "decode_layers", "lora_add",
              "argmax_rows", "quantized_matmul", "dequantize_blocks", "quantized_bf16_dots_serve")
 COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp")
 

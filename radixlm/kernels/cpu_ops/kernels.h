@@ -57,16 +57,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const std::vector<at::Tensor>& scales, const at::Tensor& cos, const at::Tensor& signed_sin,
     at::Tensor k_buffer, at::Tensor v_buffer, const at::Tensor& out_cache_loc,
     const at::Tensor& kv_slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
-    double scale);
+    double scale, const std::vector<at::Tensor>& lora_pass,
+    const std::vector<at::Tensor>& lora_weights);
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
     const std::vector<int64_t>& kernels, const std::vector<at::Tensor>& weights,
     const std::vector<at::Tensor>& scales, const at::Tensor& cos, const at::Tensor& signed_sin,
     std::vector<at::Tensor> kv_buffers, const at::Tensor& out_cache_loc,
     const at::Tensor& kv_slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
-    double scale);
+    double scale, const std::vector<at::Tensor>& lora_pass,
+    const std::vector<at::Tensor>& lora_weights);
 
 // argmax.cpp
+void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& rows, const at::Tensor& starts,
+              const at::Tensor& slots, const at::Tensor& a, const at::Tensor& b_t,
+              const at::Tensor& scales, const at::Tensor& ranks, const at::Tensor& bounds);
+
 at::Tensor argmax_rows(const at::Tensor& x);
 
 // quantized_matmul.cpp

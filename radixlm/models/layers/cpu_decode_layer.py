@@ -20,6 +20,7 @@ modules run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,22 @@ from radixlm.models.layers.linear import Linear
 
 # decode_layer's kernels, weights and scales arguments: a list of four each.
 ProjectionOperands = tuple[list[int], list[torch.Tensor], list[torch.Tensor]]
+_NO_ADAPTERS = [torch.empty(0)] * 5  # a projection's lora_add operands where it has none
+
+
+def lora_operands(forward_batch: ForwardBatch, projections: Sequence[Linear]
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """decode_layer's (lora_pass, lora_weights) for ``projections`` in a step: the step's
+    adapter groups and five ``lora_add`` operands a projection (empty ones where it has no
+    adapters); both empty where no row of the step uses an adapter."""
+    if forward_batch.lora is None:
+        return [], []
+    groups = forward_batch.lora.groups()
+    weights = []
+    for projection in projections:
+        weights += (_NO_ADAPTERS if projection.lora is None
+                    else projection.lora.kernel_operands())
+    return [groups.rows, groups.starts, groups.slots], weights
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,11 +95,12 @@ class FusedDecodeLayer:
         if tables is None:
             return None
         k_buffer, v_buffer = pool.get_kv(self.layer_id)
+        lora_pass, lora_weights = lora_operands(forward_batch, self.projections)
         return kernels.decode_layer(
             x, x if residual is None else residual, residual is not None,
             input_norm, post_norm, self.input_norm.eps, *products, *rope, k_buffer,
             v_buffer, forward_batch.out_cache_loc, *tables, self.heads, self.kv_heads,
-            self.scale)
+            self.scale, lora_pass, lora_weights)
 
     def weights(self) -> list:
         """The projections' weights as they multiply them now: each one's packed weight, or

@@ -25,7 +25,11 @@ import torch
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.kv_cache.memory_pool import MHATokenToKVPool
-from radixlm.models.layers.cpu_decode_layer import FusedDecodeLayer, ProjectionOperands
+from radixlm.models.layers.cpu_decode_layer import (
+    FusedDecodeLayer,
+    ProjectionOperands,
+    lora_operands,
+)
 
 # decode_layers' per-layer operands that a step's rows and dtype fix, layer after layer: the
 # norms (input, post-attention) and the projections (kernels, weights, scales: four each).
@@ -71,9 +75,12 @@ class FusedDecodeStack:
         kv_buffers = [b for layer in self.layers for b in pool.get_kv(layer.layer_id)]
         norms, products = operands
         first = self.layers[0]
+        lora_pass, lora_weights = lora_operands(
+            forward_batch, [p for layer in self.layers for p in layer.projections])
         return kernels.decode_layers(
             x, norms, first.input_norm.eps, *products, *rope, kv_buffers,
-            forward_batch.out_cache_loc, *tables, first.heads, first.kv_heads, first.scale)
+            forward_batch.out_cache_loc, *tables, first.heads, first.kv_heads, first.scale,
+            lora_pass, lora_weights)
 
     def _operands(self, rows: int, dtype: torch.dtype) -> StackOperands | None:
         """Every layer's norms and projections for passes of ``rows`` rows of ``dtype``, or

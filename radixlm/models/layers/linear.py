@@ -103,6 +103,9 @@ class StackedLinear(Linear):
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         self.shard_starts = shard_starts or {}
+        self.shard_totals: dict[str, int] = {}
+        """Each shard's rows in the checkpoint, as loaded (more than here under tensor
+        parallelism)."""
         offset = 0
         for name, size in shard_sizes.items():
             self.shard_offsets[name] = (offset, size)
@@ -134,6 +137,7 @@ class StackedLinear(Linear):
             )
         with torch.no_grad():
             target[offset : offset + size].copy_(tensor[start : start + size])
+        self.shard_totals[shard] = tensor.shape[0]
 
 
 class ColumnParallelLinear(Linear):
@@ -178,6 +182,8 @@ class RowParallelLinear(Linear):
         if self.tp.size == 1:
             return super().forward(x)
         y = self.project(x)
+        if self.lora is not None:  # (each rank adds its columns' share: the sum adds them up)
+            self.lora.add(x, y)
         if self.reduce:
             y = self.tp.all_reduce(y)
         elif self.tp.rank != 0:

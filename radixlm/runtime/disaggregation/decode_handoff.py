@@ -7,7 +7,9 @@ States of an ``AwaitedKV``: looking up the prefill server -> waiting for memory 
 row and the prompt's slots, less what this server's own prefix cache holds: that part is
 locked, not fetched) -> asked (``KVWanted`` sent) -> joined (or failed). A request that
 waits longer than ``timeout`` in total fails and frees what it holds; the prefill side is
-told (``KVCancel``) once it has been asked.
+told (``KVCancel``) once it has been asked. A request on a LoRA adapter waits for memory
+also while the adapters of the running batch and of the asked requests leave it no slot
+(``AdapterRoom``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,28 @@ class DecodeTransferStats:
 
 
 @dataclass
+class AdapterRoom:
+    """The LoRA adapters a step's batch may hold: ``present`` (the running requests' and
+    the asked ones') and at most ``limit`` (``max_loras_per_batch``). In arrival order, a
+    request on a present adapter may go; one on another takes a free place, and once one
+    finds none, no request on an absent adapter goes before it does (none starves)."""
+
+    present: set[str]
+    limit: int
+    blocked: bool = False
+
+    def admits(self, req: Req) -> bool:
+        name = req.lora_name
+        if name is None or name in self.present:
+            return True
+        if self.blocked or len(self.present) >= self.limit:
+            self.blocked = True
+            return False
+        self.present.add(name)
+        return True
+
+
+@dataclass
 class DecodeHandoff:
     """Requests waiting for their prompt's KV from a prefill server.
 
@@ -78,15 +102,20 @@ class DecodeHandoff:
     def reqs(self) -> list[Req]:
         return [a.req for a in self.awaited.values()]
 
-    def step(self, spare_tokens: int, reserve: Callable[[Req], int]
+    def step(self, spare_tokens: int, reserve: Callable[[Req], int],
+             adapter_room: AdapterRoom | None = None
              ) -> tuple[list[tuple[Req, int]], list[Req]]:
         """Advances every awaited request; returns (requests whose KV arrived, now holding
         it, each with its first token (sampled by the prefill server, no KV yet): the
         scheduler's to run; requests that failed, finished).
 
         ``spare_tokens``: KV slots the running requests can spare; ``reserve(req)``: what
-        one more running request needs beyond its prompt."""
+        one more running request needs beyond its prompt; ``adapter_room``: the running
+        batch's LoRA adapters and their limit (None: no adapters served)."""
         failed: list[Req] = []
+        if adapter_room is not None:
+            adapter_room.present.update(a.req.lora_name for a in self.awaited.values()
+                                        if a.state == ASKED and a.req.lora_name)
         for room, awaited in list(self.awaited.items()):
             if awaited.state == LOOKING_UP:
                 peer = self.directory.peer(awaited.req.bootstrap_address)
@@ -99,7 +128,8 @@ class DecodeHandoff:
                         failed.append(self._fail(room, problem))
                     else:
                         awaited.peer, awaited.state = peer, NEEDS_MEMORY
-            if awaited.state == NEEDS_MEMORY:
+            if awaited.state == NEEDS_MEMORY and (adapter_room is None
+                                                  or adapter_room.admits(awaited.req)):
                 spare_tokens -= self._ask(awaited, spare_tokens, reserve)
         joined = []
         for header, frames in self.link.poll():

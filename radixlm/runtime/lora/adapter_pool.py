@@ -11,6 +11,11 @@ An unfinished request keeps its adapter: unregistering one that requests still u
 its name away from new requests at once, and its weights once none of them is left
 (``purge``, which the scheduler calls with the adapters of its unfinished requests).
 
+Under tensor parallelism rank 0's pool decides: each time it loads an adapter into a slot
+it says so (``on_load``: the step sender tells the other ranks, which load the same adapter
+from its path into the same slot, ``load_slot``), and a pass's segments name slots, so
+every rank adds its share of the same adapters (``batch_of``).
+
 Invariants: ``_slots[s]`` names the adapter whose weights slot s holds (None: empty), and
 no adapter is in two slots; a name is registered or retired, never both.
 """
@@ -18,14 +23,18 @@ no adapter is in two slots; a name is registered or retired, never both.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
 from radixlm.host_to_device import to_device
-from radixlm.models.lora.lora_layers import LoraBatch, LoraState, attach_lora, rows_by_slot
+from radixlm.models.lora.lora_layers import AdapterGroups, LoraBatch, LoraState, attach_lora
 from radixlm.models.lora.peft_adapter import LoraAdapter, adapter_rank, load_peft_adapter
 from radixlm.models.lora.projections import PROJECTIONS
 from radixlm.runtime.lora_options import DEFAULT_MAX_RANK, check_adapter_name, parse_lora_paths
+
+RANK_ADAPTERS_PER_SLOT = 4
+"""Another rank keeps at most this many adapters a slot read (the rest read again)."""
 
 
 class LoraAdapterPool:
@@ -44,6 +53,8 @@ class LoraAdapterPool:
         self._adapters: dict[str, LoraAdapter] = {}
         self._retired: dict[str, LoraAdapter] = {}
         """Unregistered adapters that requests still use."""
+        self.on_load: Callable[[int, LoraAdapter], None] | None = None
+        """Called with (slot, adapter) before a batch's adapter is loaded into a slot."""
         if max_rank is None:  # the highest start-up rank (read from their configs)
             max_rank = max([DEFAULT_MAX_RANK, *(adapter_rank(path)
                                                 for path in startup.values())])
@@ -131,10 +142,14 @@ class LoraAdapterPool:
                 lens.append(count)
                 slots.append(slot)
             start += count
+        return self.batch_of(starts, lens, slots)
+
+    def batch_of(self, starts: list[int], lens: list[int], slots: list[int]) -> LoraBatch:
+        """The ``LoraBatch`` of segments (start, length, slot; -1: none) of slots loaded."""
         table = to_device([starts, lens, slots], torch.int32, self.device)
-        groups = (rows_by_slot(starts, lens, slots, self.device)
-                  if self.device.type == "cpu" else [])  # (the CPU path's, from host lists)
-        return LoraBatch(table[0], table[1], table[2], max(lens), groups)
+        groups = (AdapterGroups.of(starts, lens, slots)
+                  if self.device.type == "cpu" else None)  # (the CPU path's, from host lists)
+        return LoraBatch(table[0], table[1], table[2], max(lens), (starts, lens, slots), groups)
 
     def _place(self, wanted: set[str]) -> dict[str, int]:
         """A slot for each adapter of ``wanted`` (at most ``slots`` of them), loading those
@@ -146,13 +161,35 @@ class LoraAdapterPool:
         for name in wanted - set(found):
             slot = next(s for s in self._recent if self._slots[s] not in wanted)
             adapter = self._adapters.get(name) or self._retired[name]
-            for projection in self.state.projections:
-                projection.load(slot, adapter)
-            self._slots[slot] = name
+            if self.on_load is not None:
+                self.on_load(slot, adapter)
+            self._write_slot(slot, adapter)
             found[name] = slot
         for slot in found.values():
             self._recent.move_to_end(slot)
         return found
+
+    def _write_slot(self, slot: int, adapter: LoraAdapter) -> None:
+        for projection in self.state.projections:
+            projection.load(slot, adapter)
+        self._slots[slot] = adapter.name
+
+    def load_slot(self, slot: int, name: str, path: str, fingerprint: str) -> None:
+        """Another rank's side of rank 0's ``on_load``: adapter ``name`` from ``path`` into
+        ``slot`` (read again unless held under that name with that ``fingerprint``);
+        ValueError where the files at ``path`` are no longer what rank 0 read."""
+        adapter = self._adapters.get(name)
+        if adapter is None or adapter.fingerprint != fingerprint:
+            adapter = load_peft_adapter(name, path, self.max_rank, self.num_layers,
+                                        self.shapes, self.targets)
+            if adapter.fingerprint != fingerprint:
+                raise ValueError(f"adapter {name!r} at {path} changed since rank 0 read it")
+            self._adapters.pop(name, None)
+            self._adapters[name] = adapter  # (kept: the next use of the name loads no file)
+            idle = [n for n in self._adapters if n not in self._slots and n != name]
+            for stale in idle[: max(0, len(self._adapters) - RANK_ADAPTERS_PER_SLOT * self.slots)]:
+                del self._adapters[stale]  # (the least recently read first)
+        self._write_slot(slot, adapter)
 
     def stats(self) -> dict:
         return {"adapters": self.names(), "retiring": sorted(self._retired),

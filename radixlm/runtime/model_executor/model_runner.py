@@ -138,6 +138,8 @@ class ModelRunner:
         if self.tp.size > 1 and self.tp.rank == 0:
             self.step_sender = StepSender(self.tp, self.cpu_group, self.req_to_token_pool,
                                           args.dist_timeout)
+            if self.lora is not None:  # the other ranks load the adapters rank 0 places
+                self.lora.on_load = self.step_sender.send_lora_slot
         logger.info(
             "model %s loaded: %s%s on %s, KV pool of %d tokens (%.1f MiB)",
             model_config.architecture, self.dtype,
@@ -148,8 +150,8 @@ class ModelRunner:
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Runs the model over the batch's new tokens -> hidden states (T, hidden)."""
-        # A pass with LoRA adapters runs the model's modules, whose adapted projections
-        # add the adapters' terms (models/lora): never a graph, compiled or fused pass.
+        # A pass with LoRA adapters adds their terms in its adapted projections (models/lora),
+        # modules or fused CPU decode layers alike: never in a graph or a compiled pass.
         adapters = forward_batch.lora is not None
         if (not adapters and self.cuda_graph_runner is not None
                 and self.cuda_graph_runner.can_run(forward_batch)):
@@ -168,11 +170,11 @@ class ModelRunner:
                     hidden = self._run_compiled(forward_batch)
                     if hidden is not None:
                         return hidden
-                if self.cpu_decode_runner is not None and not extend and not adapters:
-                    return self.cpu_decode_runner.run(forward_batch)
                 if adapters:
                     self.lora.state.batch = forward_batch.lora
                 try:
+                    if self.cpu_decode_runner is not None and not extend:
+                        return self.cpu_decode_runner.run(forward_batch)
                     return self.model(forward_batch.input_ids, forward_batch.positions,
                                       forward_batch)
                 finally:

@@ -10,7 +10,10 @@ payload of device values on the model's group (gloo on CPUs, NCCL on GPUs, so th
 never leaves the device there): token ids, positions, the new tokens' slots, request rows,
 the rewritten rows' slots, and for an extend step each request's whole row of slots (a
 prefix-cache hit or a re-admitted request brings slots the other ranks have not seen; a
-decode step's one new slot per request is in the new tokens' slots). No rank reads the
+decode step's one new slot per request is in the new tokens' slots; a pass with LoRA adapters
+adds its segments' starts, lengths and slots to the host values, and each adapter rank 0
+loads into a slot is announced before the step that uses it, by name, path and fingerprint
+(``send_lora_slot``), for every rank to load it into the same slot). No rank reads the
 device to take a step apart: the lengths it is cut by arrive on the host. The other ranks
 (``tp_worker``) write those rows into their own request table and run the same pass; the
 layers' all-reduces keep them in step. Logits are a
@@ -41,8 +44,8 @@ from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.memory_pool import ReqToTokenPool
 from radixlm.models.layers.tensor_parallel import TensorParallel
 
-FORWARD, LOGITS, SHUTDOWN, KEEP_ALIVE = 1, 2, 3, 4
-HEADER_LEN = 6
+FORWARD, LOGITS, SHUTDOWN, KEEP_ALIVE, LORA_SLOT = 1, 2, 3, 4, 5
+HEADER_LEN = 7
 JOIN_TIMEOUT_S = 300
 """Longest the ranks wait for each other at start (other nodes' commands may come later)."""
 KEEP_ALIVES_PER_TIMEOUT = 4
@@ -66,6 +69,19 @@ class Step:
     after another; decode steps: empty."""
     rewritten: list[tuple[int, torch.Tensor]]
     """(row, its first slots) of rows replaced in place since the last step."""
+    lora_segments: tuple[list[int], list[int], list[int]] | None = None
+    """The pass's LoRA segments (starts, lengths, adapter slots), or None: no adapter."""
+
+
+@dataclass
+class LoraSlot:
+    """Rank 0 loaded adapter ``name`` (read from ``path``; its files' ``fingerprint``) into
+    ``slot``: every rank loads it there too."""
+
+    slot: int
+    name: str
+    path: str
+    fingerprint: str
 
 
 def init_ranks(rank: int, size: int, init_address: str, backend: str,
@@ -121,7 +137,7 @@ class StepSender:
         """Sends a keep-alive if nothing was sent for a while (call it only while no step
         is in flight). A rank that died shows here as a ``RuntimeError``."""
         if time.monotonic() - self.last_sent >= self.keep_alive_s:
-            self._send_header([KEEP_ALIVE, 0, 0, 0, 0, 0])
+            self._send_header([KEEP_ALIVE, 0, 0, 0, 0, 0, 0])
 
     def _send_header(self, fields: list[int], payload: torch.Tensor | None = None,
                      lengths: list[int] | None = None) -> None:
@@ -151,47 +167,73 @@ class StepSender:
         if extend:  # each request's row, up to its length (host lengths: no device sync)
             batch_rows = table.index_select(0, batch.req_pool_indices)
             parts += [batch_rows[b, :n] for b, n in enumerate(batch.seq_lens_list)]
+        segments = 0
+        if batch.lora is not None:
+            starts, lens, slots = batch.lora.on_host
+            segments = len(starts)
+            lengths += [*starts, *lens, *slots]
         payload = torch.cat([p.to(torch.int64) for p in parts])
         self._send_header([FORWARD, int(extend), len(batch.input_ids), batch.batch_size,
-                           len(payload), len(rewritten)], payload, lengths)
+                           len(payload), len(rewritten), segments], payload, lengths)
+
+    def send_lora_slot(self, slot: int, adapter) -> None:
+        """Has the other ranks load ``adapter`` (a ``LoraAdapter``) into ``slot``: its name,
+        path and fingerprint as UTF-8 bytes on the CPU group (nothing pickled)."""
+        texts = [adapter.name.encode(), adapter.path.encode(), adapter.fingerprint.encode()]
+        data = torch.tensor(list(b"".join(texts)), dtype=torch.int64)
+        with self.lock:
+            dist.broadcast(torch.tensor([LORA_SLOT, slot, *map(len, texts), 0, 0],
+                                        dtype=torch.int64), 0, group=self.cpu_group)
+            dist.broadcast(data, 0, group=self.cpu_group)
+            self.last_sent = time.monotonic()
 
     def send_logits(self, hidden: torch.Tensor) -> None:
         """Has the other ranks compute their share of the logits of ``hidden`` (N, H)."""
-        self._send_header([LOGITS, 0, hidden.shape[0], 0, 0, 0], hidden.contiguous())
+        self._send_header([LOGITS, 0, hidden.shape[0], 0, 0, 0, 0], hidden.contiguous())
 
     def shutdown(self) -> None:
         """Tells the other ranks to exit (ignored when they are gone already)."""
         with contextlib.suppress(RuntimeError, ValueError):
-            self._send_header([SHUTDOWN, 0, 0, 0, 0, 0])
+            self._send_header([SHUTDOWN, 0, 0, 0, 0, 0, 0])
 
 
 class StepReceiver:
     """Ranks 1..N-1: the next step rank 0 sends: a forward pass, hidden rows (N, H) to
-    compute logits of, or None (shut down)."""
+    compute logits of, an adapter to load (``LoraSlot``), or None (shut down)."""
 
     def __init__(self, tp: TensorParallel, cpu_group, device: torch.device,
                  hidden_size: int, dtype: torch.dtype):
         self.tp, self.cpu_group, self.device = tp, cpu_group, device
         self.hidden_size, self.dtype = hidden_size, dtype
 
-    def receive(self) -> Step | torch.Tensor | None:
+    def receive(self) -> Step | torch.Tensor | LoraSlot | None:
         command = KEEP_ALIVE
         while command == KEEP_ALIVE:
             header = torch.zeros(HEADER_LEN, dtype=torch.int64)
             dist.broadcast(header, 0, group=self.cpu_group)
-            command, extend, tokens, batch_size, length, rewrites = header.tolist()
+            command, extend, tokens, batch_size, length, rewrites, segments = header.tolist()
         if command == SHUTDOWN:
             return None
+        if command == LORA_SLOT:
+            sizes = [tokens, batch_size, length]  # the name's, path's, fingerprint's bytes
+            data = torch.empty(sum(sizes), dtype=torch.int64)
+            dist.broadcast(data, 0, group=self.cpu_group)
+            name, path, fingerprint = (bytes(part.tolist()).decode()
+                                       for part in data.split(sizes))
+            return LoraSlot(extend, name, path, fingerprint)
         if command == LOGITS:
             hidden = torch.empty(tokens, self.hidden_size, dtype=self.dtype, device=self.device)
             dist.broadcast(hidden, 0, group=self.tp.group)
             return hidden
-        lengths = torch.empty(2 * batch_size + 2 * rewrites, dtype=torch.int64)
+        lengths = torch.empty(2 * batch_size + 2 * rewrites + 3 * segments, dtype=torch.int64)
         dist.broadcast(lengths, 0, group=self.cpu_group)
         host = lengths.tolist()  # host memory: the CPU group's
         prefix_lens, extend_lens = host[:batch_size], host[batch_size : 2 * batch_size]
         rewritten_rows = host[2 * batch_size : 2 * batch_size + rewrites]
-        rewritten_lens = host[2 * batch_size + rewrites :]
+        rewritten_lens = host[2 * batch_size + rewrites : 2 * batch_size + 2 * rewrites]
+        lora = host[2 * batch_size + 2 * rewrites :]
+        lora_segments = ((lora[:segments], lora[segments : 2 * segments],
+                          lora[2 * segments :]) if segments else None)
         payload = torch.empty(length, dtype=torch.int64, device=self.device)
         dist.broadcast(payload, 0, group=self.tp.group)
         head = 3 * tokens + batch_size + sum(rewritten_lens)
@@ -200,4 +242,5 @@ class StepReceiver:
                            length - head])
         return Step(ForwardMode.EXTEND if extend else ForwardMode.DECODE, input_ids,
                     positions, out_cache_loc, req_pool_indices, prefix_lens, extend_lens,
-                    rows, list(zip(rewritten_rows, rewritten_slots.split(rewritten_lens))))
+                    rows, list(zip(rewritten_rows, rewritten_slots.split(rewritten_lens))),
+                    lora_segments)

@@ -21,7 +21,7 @@ from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.model_executor.rank_processes import RankConfig
-from radixlm.runtime.model_executor.tensor_parallel_ranks import Step, StepReceiver
+from radixlm.runtime.model_executor.tensor_parallel_ranks import LoraSlot, Step, StepReceiver
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ def run_rank(args: ServerArgs, model_path: str, rank: int) -> None:
     while (step := receiver.receive()) is not None:
         if isinstance(step, torch.Tensor):  # hidden rows: this rank's share of the logits
             runner.compute_logits(step)
+        elif isinstance(step, LoraSlot):
+            runner.lora.load_slot(step.slot, step.name, step.path, step.fingerprint)
         else:
             runner.forward(step_batch(runner, step))
     dist.destroy_process_group()
@@ -56,7 +58,8 @@ def step_batch(runner: ModelRunner, step: Step) -> ForwardBatch:
     """The forward batch of ``step``, with its request rows written into this rank's table
     first (rows rewritten in place, then an extend step's whole rows or a decode step's one
     new slot per request), all without reading the device: rows and columns are indexed on
-    the device, lengths come from the host."""
+    the device, lengths come from the host (and LoRA segments, whose slots rank 0 had this
+    rank load before)."""
     table = runner.req_to_token_pool.req_to_token
     seq_lens = [p + e for p, e in zip(step.prefix_lens, step.extend_lens)]
     device = step.input_ids.device
@@ -70,7 +73,7 @@ def step_batch(runner: ModelRunner, step: Step) -> ForwardBatch:
         table[rows, torch.arange(total, device=device) - starts] = step.rows
     else:
         table[step.req_pool_indices, step.positions] = step.out_cache_loc
-    return ForwardBatch(
+    batch = ForwardBatch(
         mode=step.mode,
         input_ids=step.input_ids,
         positions=step.positions,
@@ -85,3 +88,6 @@ def step_batch(runner: ModelRunner, step: Step) -> ForwardBatch:
         seq_lens_list=seq_lens,
         extend_seq_lens_list=step.extend_lens,
     )
+    if step.lora_segments is not None:
+        batch.lora = runner.lora.batch_of(*step.lora_segments)
+    return batch

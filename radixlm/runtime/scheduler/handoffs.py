@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from radixlm.runtime.disaggregation.decode_handoff import DecodeHandoff
+from radixlm.runtime.disaggregation.decode_handoff import AdapterRoom, DecodeHandoff
 from radixlm.runtime.disaggregation.prefill_handoff import PrefillHandoff
 from radixlm.runtime.request import Req, finish_abort
 from radixlm.runtime.scheduler.prefill_adder import decode_reserve
@@ -32,9 +32,12 @@ class Handoffs:
 
     def __init__(self, state: SchedulerState, memory: RequestMemory,
                  sampling_step: SamplingStep, drain: Callable[[], None],
-                 prefill: PrefillHandoff | None = None, decode: DecodeHandoff | None = None):
-        """``drain``: ends the decode step in flight (before requests join ``running``)."""
+                 prefill: PrefillHandoff | None = None, decode: DecodeHandoff | None = None,
+                 max_adapters: int | None = None):
+        """``drain``: ends the decode step in flight (before requests join ``running``);
+        ``max_adapters``: the LoRA adapters a batch may hold (None: none served)."""
         self.state = state
+        self.max_adapters = max_adapters
         self.memory = memory
         self.sampling_step = sampling_step
         self.drain = drain
@@ -95,9 +98,11 @@ class Handoffs:
             stepped += self.prefill.step()  # before their prefill halves)
         if self.decode:  # requests await KV
             ratio = self.state.new_token_ratio
+            room = None if self.max_adapters is None else AdapterRoom(
+                {r.lora_name for r in self.state.running if r.lora_name}, self.max_adapters)
             joined, failed = self.decode.step(
                 self.memory.available_tokens() - self.state.running_reserve(),
-                lambda r: decode_reserve(r, ratio))
+                lambda r: decode_reserve(r, ratio), room)
             stepped += failed
             if joined:
                 self.drain()  # (the sampling rows must be the running requests')

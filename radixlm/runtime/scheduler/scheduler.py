@@ -103,7 +103,8 @@ class Scheduler:
                                None if self.speculation is None
                                else self.speculation.wants_host)
         self.handoffs = Handoffs(state, memory, sampling_step, self.overlap.drain,
-                                 prefill_handoff, decode_handoff)
+                                 prefill_handoff, decode_handoff,
+                                 args.max_loras_per_batch if args.enable_lora else None)
         self.admission = Admission(state, memory, args, self.grammar_queue,
                                    self.prefill_pace, self.handoffs)
         self.beams = BeamSearches(state, memory, runner, sampling_step)

@@ -79,7 +79,8 @@ class StepBatches:
         for the caller to give back), holding its parent's row up to the parent and then
         its own nodes, so that every row's keys are its ancestors'. ``listed`` gets each
         request's slots (its last token's, then its nodes' in order) as host integers
-        (``RequestMemory.give_back`` returns the rejected ones)."""
+        (``RequestMemory.give_back`` returns the rejected ones). A request's rows all run
+        under its LoRA adapter."""
         rows_pool = self.memory.req_to_token_pool
         table = rows_pool.req_to_token
         input_ids, positions, rows, slots = [], [], [], []
@@ -107,4 +108,5 @@ class StepBatches:
             rows += [req.req_pool_idx, *node_rows]
             req.kv_len += len(draft) + 1
         inputs = self.runner.decode_inputs(input_ids, positions, rows)
-        return self.runner.make_decode_batch(inputs, torch.cat(slots), positions)
+        batch = self.runner.make_decode_batch(inputs, torch.cat(slots), positions)
+        return self._with_adapters(batch, reqs, [len(draft) + 1 for draft in drafts])

@@ -85,7 +85,8 @@ class DraftModelProposer:
             max_total_tokens=target_slots - page + -(-scratch // page) * page,
             speculative_algorithm=None, speculative_draft_model_path=None,
             speculative_num_steps=None, speculative_num_draft_tokens=None,
-            disable_cuda_graph=True, enable_torch_compile=False)
+            disable_cuda_graph=True, enable_torch_compile=False,
+            enable_lora=False, lora_paths=None)  # (drafts without adapters: verified with)
         config = ModelConfig.from_path(args.speculative_draft_model_path,
                                        args.trust_remote_code)
         runner = ModelRunner(draft_args, config)

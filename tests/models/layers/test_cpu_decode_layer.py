@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from fused_kernels import enable_or_skip
+from lora_adapters import ALL, write_raw_adapter
 
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.cpu_ops.execution_plan import (
@@ -39,6 +40,12 @@ from radixlm.runtime.server_args import ServerArgs, cpu_has_native_bf16
 
 PROMPTS = [[3, 9, 4, 11, 7], [5, 2, 8] * 8, [12, 6] * 21]  # 5, 24 and 42 tokens
 DECODE_STEPS = 6
+# A batch mixing three LoRA adapters (ranks 2 to 4 below the pool's 8, one on every
+# projection, one on q and v, one on the MLP) and a request of none, one adapter's rows apart.
+ADAPTER_TARGETS = {"all4": (4, tuple(ALL)), "qv2": (2, ("q_proj", "v_proj")),
+                   "mlp3": (3, ("gate_proj", "up_proj", "down_proj"))}
+ADAPTED_PROMPTS = [*PROMPTS, [7, 1, 9, 2, 13], [4, 10] * 5]
+ADAPTED = ["all4", None, "qv2", "all4", "mlp3"]
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +102,12 @@ def make_runner(path, dtype="bfloat16", **options) -> ModelRunner:
     return runner
 
 
-def generate(runner: ModelRunner, prompts: list[list[int]] = PROMPTS
+def generate(runner: ModelRunner, prompts: list[list[int]] = PROMPTS,
+             adapters: list[str | None] | None = None
              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Prefills ``prompts``, then greedy-decodes DECODE_STEPS steps: each step's hidden
-    states and logits, and the slots' KV of every layer at the end."""
+    states and logits, and the slots' KV of every layer at the end. ``adapters``: each
+    prompt's LoRA adapter (None: none) in every pass."""
     rows = [runner.req_to_token_pool.alloc() for _ in prompts]
     table = runner.req_to_token_pool.req_to_token
     slots = []
@@ -109,6 +118,8 @@ def generate(runner: ModelRunner, prompts: list[list[int]] = PROMPTS
     batch = runner.make_forward_batch(
         ForwardMode.EXTEND, sum(prompts, []), [i for n in lens for i in range(n)],
         torch.cat(slots), rows, [0] * len(rows), lens)
+    if adapters is not None:
+        batch.lora = runner.lora.batch_for(adapters, lens)
     hidden = runner.forward(batch)
     last = torch.tensor(lens).cumsum(0) - 1
     tokens = runner.compute_logits(hidden[last]).argmax(-1).tolist()
@@ -118,7 +129,10 @@ def generate(runner: ModelRunner, prompts: list[list[int]] = PROMPTS
         for row, n, slot in zip(rows, lens, new):
             table[row, n] = slot
         inputs = runner.decode_inputs(tokens, lens, rows)
-        hidden = runner.forward(runner.make_decode_batch(inputs, new, lens))
+        batch = runner.make_decode_batch(inputs, new, lens)
+        if adapters is not None:
+            batch.lora = runner.lora.batch_for(adapters, [1] * len(rows))
+        hidden = runner.forward(batch)
         logits = runner.compute_logits(hidden)
         steps += [hidden, logits]
         tokens = logits.argmax(-1).tolist()
@@ -129,20 +143,20 @@ def generate(runner: ModelRunner, prompts: list[list[int]] = PROMPTS
 
 
 def assert_fused_equals_modules(path, fused_runs, monkeypatch, prompts=PROMPTS,
-                                **options) -> list[ProjectionKernel]:
+                                adapters=None, **options) -> list[ProjectionKernel]:
     """Runs the fused and the module path; returns the kernels the fused one multiplied by."""
     runner = make_runner(path, **options)
     layer = runner.model.layers[0]
     projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                    layer.mlp.down_proj)
     used = [p.fused_projection(len(prompts), runner.dtype).kernel for p in projections]
-    fused_steps, fused_kv = generate(runner, prompts)
+    fused_steps, fused_kv = generate(runner, prompts, adapters)
     layers = len(runner.model.layers)
     stacked = runner.cpu_decode_runner.stack is not None
     assert fused_runs == {"fused": layers * DECODE_STEPS, "declined": 0,
                           "stacked": DECODE_STEPS if stacked else 0}
     monkeypatch.setattr(FusedDecodeLayer, "build", classmethod(lambda cls, *args: None))
-    module_steps, module_kv = generate(make_runner(path, **options), prompts)
+    module_steps, module_kv = generate(make_runner(path, **options), prompts, adapters)
     assert fused_runs["fused"] == layers * DECODE_STEPS  # no more
     for fused, module in zip(fused_steps + fused_kv, module_steps + module_kv, strict=True):
         assert torch.equal(fused, module)
@@ -279,3 +293,59 @@ def test_a_projection_names_the_kernel_its_matmul_runs():
         product = blocked.fused_projection(rows, torch.float32)
         assert product.kernel is ProjectionKernel.BLOCKED and product.weight is blocked.blocks
     assert blocked.fused_projection(1, torch.bfloat16) is None
+
+
+@pytest.fixture(scope="module")
+def lora_options(tmp_path_factory) -> dict:
+    """ServerArgs options serving the ADAPTER_TARGETS adapters over the tiny Llama."""
+    root = tmp_path_factory.mktemp("decode-lora")
+    paths = [f"{name}={write_raw_adapter(root / name, seed=i, rank=rank, targets=targets)}"
+             for i, (name, (rank, targets)) in enumerate(ADAPTER_TARGETS.items())]
+    return dict(enable_lora=True, lora_paths=paths, max_loras_per_batch=3, max_lora_rank=8)
+
+
+@pytest.mark.parametrize("dtype, quantization", [
+    ("bfloat16", None),  # bfloat16 weights by pairs (forced where they run but do not pay)
+    ("bfloat16", "fp16wo"),  # bfloat16 rows (and adapters) over float16 weights: DENSE
+    ("float32", None),
+])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_fused_steps_with_adapters_equal_the_module_path_to_the_bit(
+        kernels_on, tiny_model_dir, fused_runs, monkeypatch, lora_options, dtype,
+        quantization, stacked):
+    """Decode steps whose rows use three adapters and none run fused (every layer, no
+    declines) and give the module path's hidden states, logits and KV to the bit."""
+    if dtype == "bfloat16" and quantization is None and not fused_ops.pair_kernels_pay():
+        module = fused_ops.active()
+        if not (module.prefill_attention_available() and module.pair_matmul_available()):
+            pytest.skip("the fused kernels' pair_matmul is not built here")
+        monkeypatch.setattr(fused_ops, "pair_kernels_pay", lambda: True)
+    if not stacked:
+        unstacked(monkeypatch)
+    used = assert_fused_equals_modules(
+        tiny_model_dir("LlamaForCausalLM", "gqa", False), fused_runs, monkeypatch,
+        ADAPTED_PROMPTS, ADAPTED, dtype=dtype, quantization=quantization, **lora_options)
+    assert used == [ProjectionKernel.PAIRS if dtype == "bfloat16" and quantization is None
+                    else ProjectionKernel.DENSE] * 4
+    assert (fused_runs["stacked"] > 0) is stacked
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_fused_steps_add_each_row_s_adapter_and_leave_rows_of_none_alone(
+        kernels_on, tiny_model_dir, fused_runs, monkeypatch, lora_options, stacked):
+    """The same fused steps with and without the adapters: every row of an adapter changes
+    (its adapter is applied), the row of none keeps its bits."""
+    if not stacked:
+        unstacked(monkeypatch)
+    runner = make_runner(tiny_model_dir("LlamaForCausalLM", "gqa", False), dtype="float32",
+                         **lora_options)
+    adapted, _ = generate(runner, ADAPTED_PROMPTS, ADAPTED)
+    plain, _ = generate(runner, ADAPTED_PROMPTS)
+    assert fused_runs["fused"] == 2 * len(runner.model.layers) * DECODE_STEPS
+    assert fused_runs["declined"] == 0
+    hidden_adapted, hidden_plain = adapted[0], plain[0]  # the first decode step's
+    for row, name in enumerate(ADAPTED):
+        if name is None:
+            assert torch.equal(hidden_adapted[row], hidden_plain[row])
+        else:
+            assert not torch.allclose(hidden_adapted[row], hidden_plain[row], atol=1e-3), name

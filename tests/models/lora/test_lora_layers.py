@@ -4,22 +4,26 @@ adapter leaves alone, rows of no adapter), against a naive per-row sum."""
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import pytest
 import torch
+from fused_kernels import enable_or_skip
 
-from radixlm.models.lora.lora_layers import LoraBatch, LoraProjection, LoraState
+from radixlm.kernels.cpu_ops import fused_ops
+from radixlm.models.lora.lora_layers import LoraBatch, LoraProjection, LoraShard, LoraState
 from radixlm.models.lora.peft_adapter import LoraAdapter
 
 HIDDEN = 16
 # A stacked q|k|v projection: q 16 rows, k and v 8 each.
-QKV = [("q_proj", 0, 16), ("k_proj", 16, 8), ("v_proj", 24, 8)]
+QKV = [LoraShard("q_proj", 0, 16), LoraShard("k_proj", 16, 8), LoraShard("v_proj", 24, 8)]
 
 
 def adapter(name: str, seed: int, ranks: dict[str, int], layer: int = 0) -> LoraAdapter:
     """An adapter of ``ranks`` (projection -> rank) on ``layer``, scalings 0.5, 1, 1.5 ..."""
     generator = torch.Generator().manual_seed(seed)
     weights, scalings = {}, {}
-    rows = {name: count for name, _, count in QKV}
+    rows = {shard.name: shard.rows for shard in QKV}
     for i, (projection, rank) in enumerate(sorted(ranks.items())):
         weights[(layer, projection)] = (torch.randn(rank, HIDDEN, generator=generator),
                                         torch.randn(rows[projection], rank,
@@ -35,7 +39,7 @@ def naive(x: torch.Tensor, row_adapters: list[LoraAdapter | None], layer: int = 
     for row, found in enumerate(row_adapters):
         if found is None:
             continue
-        for projection, offset, count in QKV:
+        for projection, offset, count, _ in map(astuple, QKV):
             if (layer, projection) in found.weights:
                 a, b = found.weights[(layer, projection)]
                 out[row, offset : offset + count] += (found.scaling(layer, projection)
@@ -54,13 +58,38 @@ def batch(slots_by_row: list[int]) -> LoraBatch:
             lens.append(1)
             slots.append(slot)
     as_tensor = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    return LoraBatch(as_tensor(starts), as_tensor(lens), as_tensor(slots), max(lens))
+    return LoraBatch(as_tensor(starts), as_tensor(lens), as_tensor(slots), max(lens),
+                     (starts, lens, slots))
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def path(request, monkeypatch):
+    """Each test runs with the fused kernels on (skipped where they cannot be built; torch's
+    products refused, so the kernels' must serve) and off; the state before is restored
+    after."""
+    was_on = fused_ops.active() is not None
+    try:
+        if request.param == "kernels":
+            enable_or_skip()
+
+            def refused(*args):
+                raise AssertionError("torch's products ran with the kernels on")
+
+            monkeypatch.setattr(LoraProjection, "_add_by_adapter", refused)
+        else:
+            fused_ops.disable()
+        yield request.param
+    finally:
+        if was_on:
+            fused_ops.enable()
+        else:
+            fused_ops.disable()
 
 
 @pytest.fixture
-def projection():
+def projection(path):
     state = LoraState()
-    return LoraProjection(state, 0, QKV, HIDDEN, slots=3, max_rank=8,
+    return LoraProjection(state, 0, QKV, HIDDEN, 32, slots=3, max_rank=8,
                           dtype=torch.float32, device=torch.device("cpu"))
 
 

@@ -10,6 +10,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pd_pairs
 import pytest
 import torch
 from live_server import free_port
@@ -44,22 +45,8 @@ def pair(engine_for):
 
 def paired(prefill, decode, port: int = BOOTSTRAP_PORT, room: int | None = None,
            halves: str = "both", **request):
-    """Sends ``request`` to both servers at once, as the router does; returns (prefill's
-    result, decode's result), or the exception a half raised in place of its result; a
-    stream's result is its list of chunks."""
-    room = random.randrange(2**63) if room is None else room
-    fields = dict(bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=room,
-                  **request)
-    engines = {"both": (prefill, decode), "prefill": (prefill,), "decode": (decode,)}[halves]
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(_generate, engine, fields) for engine in engines]
-        results = [f.exception() or f.result() for f in futures]
-    return tuple(results) if halves == "both" else results[0]
-
-
-def _generate(engine, fields: dict):
-    result = engine.generate(**fields)
-    return list(result) if fields.get("stream") else result
+    """``pd_pairs.paired`` with this module's bootstrap port by default."""
+    return pd_pairs.paired(prefill, decode, port, room, halves, **request)
 
 
 def logprob_values(entries: list) -> torch.Tensor:

@@ -62,11 +62,6 @@ def test_a_bare_absolute_path_is_named_by_itself():
     ({"lora_paths": ["=/x"]}, "adapter name"),
     ({"lora_paths": [""]}, "lora_paths entries must be"),
     ({"lora_paths": [3]}, "lora_paths entries must be"),
-    ({"enable_lora": True, "tp_size": 2}, "enable_lora and tp_size"),
-    ({"lora_paths": ["a=/x"], "speculative_algorithm": "NGRAM"},
-     "enable_lora and speculative_algorithm"),
-    ({"enable_lora": True, "disaggregation_mode": "prefill"},
-     "enable_lora and disaggregation_mode"),
 ])
 def test_bad_options_are_value_errors_naming_them(options, words):
     with pytest.raises(ValueError, match=words):
