@@ -17,8 +17,8 @@ Systems:
   Engine, no request names an adapter (what the LoRA engine costs when unused);
   ``lora-N grouped`` (N in ``--grouped``): the same N adapters, but each batch of 64
   requests gives each adapter consecutive requests (N segments of rows, not one a row);
-  ``lora-1 tiny``: every request on one rank-1 adapter of o_proj alone (the cost of a pass
-  with adapter rows, which runs the model's modules eagerly, nearly without LoRA math);
+  ``lora-1 tiny``: every request on one rank-1 adapter of o_proj alone (what a pass with
+  adapter rows costs beyond their low-rank arithmetic);
 - ``merged``: for each of the first ``--merged`` adapters of the ``--merged-of``-adapter
   spread, the adapter merged into the base weights (PEFT ``merge_and_unload``, a float32
   model directory like the base checkpoint, written untimed), an Engine started on it,
@@ -41,7 +41,7 @@ Rates are given by the wall clock and by the CPU time of the engine's scheduler 
         [--requests 256] [--new-tokens 32] [--merged 4] [--float32] [--all-threads]
         [--schedule-policy fcfs] [--json out.json]
 
-(Defaults take 12-15 minutes on 2 cores, mostly the mixed-adapter systems; a merged Engine
+(Defaults take 3-5 minutes on 2 cores, most of it the mixed-adapter systems; a merged Engine
 takes 8-60 s to start there, by load, so 4 of the 16 run and the rest are extrapolated.)
 """
 # ruff: noqa: I001 - radixlm is imported before torch (machine.py), for the reason given there
@@ -72,8 +72,7 @@ def uptime() -> str:
 
 TINY, TINY_ADAPTER = "lora-1 tiny", "tiny"
 """A system whose every request uses one rank-1 adapter of ``o_proj`` alone: the cost of a
-pass with adapter rows (the model's modules run eagerly, not the fused decode layers) with
-next to no low-rank arithmetic."""
+pass with adapter rows with next to no low-rank arithmetic."""
 BATCH = 64
 """``max_running_requests``' default: the requests one decode batch holds."""
 
@@ -130,10 +129,14 @@ def cpu_seconds(process) -> float:
 
 def serve(engine, scheduler, prompts: list[list[int]], new_tokens: int,
           adapters: list | None) -> dict:
-    """One non-streamed call of every prompt: its outputs, wall seconds, the scheduler's CPU
-    seconds and output tokens."""
+    """One non-streamed call of every prompt, from an empty prefix cache (every system
+    computes its prompts: the base engine's cache would otherwise keep its prompts from round
+    to round, while the adapters sharing the LoRA engine evict each other's): its outputs,
+    wall seconds, the scheduler's CPU seconds and output tokens."""
     params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
     extra = {} if adapters is None else {"lora_path": adapters}
+    if not engine.flush_cache():
+        raise RuntimeError("the engine did not flush its prefix cache")
     cpu = cpu_seconds(scheduler)
     start = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params, **extra)
@@ -314,7 +317,7 @@ def main() -> None:
     parser.add_argument("--grouped", type=int, nargs="*", default=[16],
                         help="spreads also run grouped: each adapter's requests consecutive")
     parser.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=True,
-                        help=f"run {TINY!r} (rank 1, o_proj: the eager pass's own cost)")
+                        help=f"run {TINY!r} (rank 1, o_proj: an adapter pass's own cost)")
     parser.add_argument("--adapters", type=int, default=64, help="adapters registered")
     parser.add_argument("--b-scale", type=float, default=0.1,
                         help="B's random entries scaled by this (lora_workloads.py)")
