@@ -364,3 +364,31 @@ def test_each_kv_transfer_failure_is_logged_with_its_request_room_and_peer(
             "(to its decode server)") in err, err
     assert (f"KV transfer failed: request lone-decode, bootstrap_room {rooms['decode']}, "
             f"prefill server 127.0.0.1:{port}") in err, err
+
+
+def test_a_decode_server_with_host_tiers_loads_an_evicted_prefix_back(engine_for):
+    """A decode server with the hierarchical cache: a prompt evicted from its small pool by
+    later ones comes back from its host tier when asked again (only the last token's KV
+    crosses), and both answers are a unified server's."""
+    port = free_port()
+    unified = engine_for()
+    prefill = engine_for(disaggregation_mode="prefill", disaggregation_bootstrap_port=port)
+    decode = engine_for(disaggregation_mode="decode", enable_hierarchical_cache=True,
+                        hicache_block_tokens=8, max_total_tokens=256)
+    first = random_ids(70, 64)
+    others = [random_ids(71 + i, 60) for i in range(6)]  # 360 tokens: more than the pool
+    want = unified.generate(input_ids=first, sampling_params=GREEDY)["output_ids"]
+    for prompt in [first, *others]:
+        _, got = paired(prefill, decode, port, input_ids=prompt, sampling_params=GREEDY)
+        assert not isinstance(got, BaseException), got
+    before = decode.get_server_info()
+    _, again = paired(prefill, decode, port, input_ids=first, sampling_params=GREEDY)
+    after = decode.get_server_info()
+    assert again["output_ids"] == want
+    tiers = after["hierarchical_cache"]
+    assert tiers["host_hit_tokens"] > before["hierarchical_cache"]["host_hit_tokens"], tiers
+    received = (after["disaggregation"]["kv_tokens_received"]
+                - before["disaggregation"]["kv_tokens_received"])
+    assert received < 64, received  # (the blocks it held came from its own host tier)
+    assert_engine_idle(prefill)
+    assert_engine_idle(decode)
