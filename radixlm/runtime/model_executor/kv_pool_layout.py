@@ -1,6 +1,9 @@
-"""Which KV pool a model gets: the plain one (every layer keeps every token's KV), or, for a
-model with sliding-window layers, the hybrid one whose sliding layers keep only the tokens
-inside their window (``kv_cache/hybrid_pool.py``).
+"""Which KV pool a model gets, and how many tokens it holds: the plain one (every layer keeps
+every token's KV: ``plain_kv_pool``), or, for a model with sliding-window layers, the hybrid
+one whose sliding layers keep only the tokens inside their window (``kv_cache/hybrid_pool.py``).
+The plain pool's tokens (``kv_pool_tokens``): ``max_total_tokens`` where given, else what a
+share of the free memory (``kv_cache_memory_fraction``) holds in the model's KV layout on
+this rank, at most what the running requests could use.
 
 The hybrid pool is used where everything that reads or moves KV follows its slot map;
 elsewhere the plain pool is kept and the reason logged (the backends still mask the
@@ -22,13 +25,14 @@ plus half as much again for the prefix cache's windows; never more than the full
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
 from radixlm.kernels.attention.backend_selection import BackendRequest, resolve_backend_name
 from radixlm.kv_cache.hybrid_pool import HybridAllocator, HybridKVPool
-from radixlm.kv_cache.memory_pool import RowWriter
+from radixlm.kv_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, RowWriter
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.server_args import ServerArgs
 
@@ -96,3 +100,45 @@ def build_hybrid_pools(layout: WindowedLayout, full_tokens: int, page_size: int,
                 "KV slots beside %d", layout.window, len(layout.sliding_layers), num_layers,
                 allocator.local.size, allocator.size)
     return allocator, pool
+
+
+def kv_pool_tokens(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
+                   device: torch.device, num_kv_heads: int,
+                   context_length: int) -> tuple[int, int | None]:
+    """(The plain pool's tokens, the memory budget they were sized by; None where
+    ``max_total_tokens`` gives them): see the module. ``num_kv_heads``: this rank's."""
+    if args.max_total_tokens is not None:
+        return args.max_total_tokens, None
+    per_token = config.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+    if not config.uses_mla:  # this rank's KV heads only
+        per_token = per_token // config.num_kv_heads * num_kv_heads
+    budget = int(available_memory(device) * args.kv_cache_memory_fraction)
+    useful = args.max_running_requests * context_length
+    return max(args.page_size, min(budget // per_token, useful)), budget
+
+
+def plain_kv_pool(config: ModelConfig, num_slots: int, num_kv_heads: int, dtype: torch.dtype,
+                  device: torch.device, write_rows: RowWriter
+                  ) -> MHATokenToKVPool | MLATokenToKVPool:
+    """The pool layout the model attends over: latents for MLA models, else K and V of this
+    rank's ``num_kv_heads``, stored by ``write_rows``."""
+    if config.uses_mla:
+        return MLATokenToKVPool(num_slots, config.num_layers, config.kv_lora_rank,
+                                config.qk_rope_head_dim, dtype, device, write_rows)
+    return MHATokenToKVPool(num_slots, config.num_layers, num_kv_heads, config.head_dim,
+                            dtype, device, write_rows)
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes on ``device`` (host memory available to new allocations on the CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

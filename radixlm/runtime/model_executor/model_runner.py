@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -21,8 +20,6 @@ from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
 from radixlm.kv_cache.memory_pool import (
-    MHATokenToKVPool,
-    MLATokenToKVPool,
     ReqToTokenPool,
     RowWriter,
     index_copy_rows,
@@ -42,7 +39,12 @@ from radixlm.runtime.model_executor.cpu_decode_runner import CpuDecodeRunner
 from radixlm.runtime.model_executor.cpu_matmul_path import build_cpu_plan
 from radixlm.runtime.model_executor.cuda_graph_runner import CudaGraphDecodeRunner
 from radixlm.runtime.model_executor.device_setup import make_device_current
-from radixlm.runtime.model_executor.kv_pool_layout import build_hybrid_pools, windowed_layout
+from radixlm.runtime.model_executor.kv_pool_layout import (
+    build_hybrid_pools,
+    kv_pool_tokens,
+    plain_kv_pool,
+    windowed_layout,
+)
 from radixlm.runtime.model_executor.rank_processes import LocalRanks
 from radixlm.runtime.model_executor.tensor_parallel_ranks import (
     StepSender,
@@ -108,7 +110,10 @@ class ModelRunner:
                                      args.lora_target_modules, args.lora_paths, self.dtype,
                                      self.device) if args.enable_lora else None)
         """The LoRA adapters served (``runtime/lora/adapter_pool.py``), or None."""
-        self.max_total_tokens = self._kv_pool_tokens()
+        self.max_total_tokens, self.kv_memory_budget = kv_pool_tokens(
+            args, model_config, self.dtype, self.device, self.attention_layer.num_kv_heads,
+            self.context_length)
+        """Pool tokens, and the memory budget they were sized by (None: given)."""
         if self.cpu_group is not None:
             self.max_total_tokens = agree_on_pool_size(self.max_total_tokens, self.cpu_group)
         page_size = args.page_size
@@ -119,7 +124,9 @@ class ModelRunner:
         if self.window_layout is None:
             self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, page_size,
                                                     self.device)
-            self.kv_pool = self._make_kv_pool(self.allocator.size + page_size)  # + padding
+            self.kv_pool = plain_kv_pool(  # (+ the padding page)
+                model_config, self.allocator.size + page_size,
+                self.attention_layer.num_kv_heads, self.dtype, self.device, self._row_writer())
         else:
             self.allocator, self.kv_pool = build_hybrid_pools(
                 self.window_layout, self.max_total_tokens, page_size, model_config.num_layers,
@@ -317,37 +324,6 @@ class ModelRunner:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
-    def _kv_pool_tokens(self) -> int:
-        """Pool tokens: ``max_total_tokens`` if given, else as many as the memory budget
-        (``kv_memory_budget``: a share of the free memory) holds in the model's KV layout,
-        at most what the running requests could use."""
-        self.kv_memory_budget: int | None = None
-        if self.args.max_total_tokens is not None:
-            return self.args.max_total_tokens
-        per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
-        if not self.model_config.uses_mla:  # this rank's KV heads only
-            per_token = per_token // self.model_config.num_kv_heads * (
-                self.attention_layer.num_kv_heads)
-        budget = int(_available_memory(self.device) * self.args.kv_cache_memory_fraction)
-        self.kv_memory_budget = budget
-        useful = self.args.max_running_requests * self.context_length
-        return max(self.args.page_size, min(budget // per_token, useful))
-
-    def _make_kv_pool(self, num_slots: int) -> MHATokenToKVPool | MLATokenToKVPool:
-        """The pool layout the model attends over: latents for MLA models, else K and V
-        (stored by the fused kernels' row copy where they are on)."""
-        config = self.model_config
-        write_rows = self._row_writer()
-        if config.uses_mla:
-            return MLATokenToKVPool(
-                num_slots, config.num_layers, config.kv_lora_rank, config.qk_rope_head_dim,
-                self.dtype, self.device, write_rows,
-            )
-        return MHATokenToKVPool(
-            num_slots, config.num_layers, self.attention_layer.num_kv_heads, config.head_dim,
-            self.dtype, self.device, write_rows,
-        )
-
     def _row_writer(self) -> RowWriter:
         return fused_ops.active().scatter_rows if self.fused_cpu_kernels else index_copy_rows
 
@@ -461,17 +437,3 @@ class ModelRunner:
             max_context_len=self.context_length,
         )
 
-
-def _available_memory(device: torch.device) -> int:
-    """Free bytes on ``device`` (host memory available to new allocations on the CPU)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
