@@ -410,13 +410,21 @@ def test_reset_empties_l1_and_l2_but_not_the_disk(make_rig, tmp_path):
 # ---- the disk tier -----------------------------------------------------------------------------
 
 
-def test_a_restart_prefetches_from_disk_and_loads_exactly(make_rig, tmp_path):
-    first = make_rig(page=2, block=4, disk_dir=tmp_path)
+def served_and_closed(make_rig, disk_dir):
+    """A rig with a disk tier under ``disk_dir`` that served prompts a (13 tokens) and b
+    (8, namespace "ns"), evicted them and closed (its queued disk writes finished):
+    (the rig, a, b)."""
+    first = make_rig(page=2, block=4, disk_dir=disk_dir)
     a, b = prompt(13), prompt(8, start=6000)
     first.serve(a)
     first.serve(b, "ns")
     first.evict_all()
-    first.cache.close()  # the queued disk writes finish; the disk tier is closed
+    first.cache.close()
+    return first, a, b
+
+
+def test_a_restart_prefetches_from_disk_and_loads_exactly(make_rig, tmp_path):
+    first, a, b = served_and_closed(make_rig, tmp_path)
     assert len(list(tmp_path.glob("*.safetensors"))) == 3 + 2
     assert first.cache.counters.disk_writes_queued == 5
     restarted = make_rig(page=2, block=4, disk_dir=tmp_path)
@@ -433,12 +441,7 @@ def test_a_restart_prefetches_from_disk_and_loads_exactly(make_rig, tmp_path):
 
 
 def test_a_warm_start_reads_the_most_recent_blocks_into_the_host_tier(make_rig, tmp_path):
-    first = make_rig(page=2, block=4, disk_dir=tmp_path)
-    a, b = prompt(13), prompt(8, start=6000)
-    first.serve(a)
-    first.serve(b, "ns")
-    first.evict_all()
-    first.cache.close()
+    _, a, b = served_and_closed(make_rig, tmp_path)
     restarted = make_rig(page=2, block=4, disk_dir=tmp_path)
     assert restarted.cache.warm_up().result() == 20  # every block: the tier holds them
     assert restarted.cache.counters.warmed_tokens == 20

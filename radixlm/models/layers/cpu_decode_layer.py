@@ -36,19 +36,24 @@ ProjectionOperands = tuple[list[int], list[torch.Tensor], list[torch.Tensor]]
 _NO_ADAPTERS = [torch.empty(0)] * 5  # a projection's lora_add operands where it has none
 
 
-def lora_operands(forward_batch: ForwardBatch, projections: Sequence[Linear]
+def lora_operands(forward_batch: ForwardBatch, projections: Sequence[Linear], known: dict
                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """decode_layer's (lora_pass, lora_weights) for ``projections`` in a step: the step's
     adapter groups and five ``lora_add`` operands a projection (empty ones where it has no
-    adapters); both empty where no row of the step uses an adapter."""
+    adapters); both empty where no row of the step uses an adapter. The operands are kept
+    in ``known`` while every projection holds the adapter weights it held then (a slot is
+    loaded in place, so they change only if a projection's ``lora`` is replaced)."""
     if forward_batch.lora is None:
         return [], []
+    held = tuple(projection.lora for projection in projections)
+    cached = known.get("lora")
+    if cached is None or any(a is not b for a, b in zip(cached[0], held, strict=True)):
+        weights = []
+        for lora in held:
+            weights += _NO_ADAPTERS if lora is None else lora.kernel_operands()
+        known["lora"] = cached = (held, weights)
     groups = forward_batch.lora.groups()
-    weights = []
-    for projection in projections:
-        weights += (_NO_ADAPTERS if projection.lora is None
-                    else projection.lora.kernel_operands())
-    return [groups.rows, groups.starts, groups.slots], weights
+    return [groups.rows, groups.starts, groups.slots], cached[1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,7 +68,7 @@ class FusedDecodeLayer:
     heads: int
     kv_heads: int
     scale: float
-    _known: dict = field(default_factory=dict)  # see _products
+    _known: dict = field(default_factory=dict)  # see products and lora_operands
 
     @classmethod
     def build(cls, layer_id: int, input_norm: RMSNorm, post_norm: RMSNorm,
@@ -95,7 +100,7 @@ class FusedDecodeLayer:
         if tables is None:
             return None
         k_buffer, v_buffer = pool.get_kv(self.layer_id)
-        lora_pass, lora_weights = lora_operands(forward_batch, self.projections)
+        lora_pass, lora_weights = lora_operands(forward_batch, self.projections, self._known)
         return kernels.decode_layer(
             x, x if residual is None else residual, residual is not None,
             input_norm, post_norm, self.input_norm.eps, *products, *rope, k_buffer,

@@ -41,7 +41,7 @@ class FusedDecodeStack:
     """The fused decode steps of a model's decoder layers, in order, run as one call."""
 
     layers: tuple[FusedDecodeLayer, ...] = field(repr=False)
-    _known: dict = field(default_factory=dict, repr=False)  # see _operands
+    _known: dict = field(default_factory=dict, repr=False)  # see _operands, lora_operands
 
     @classmethod
     def build(cls, layers: Sequence[FusedDecodeLayer | None]) -> FusedDecodeStack | None:
@@ -76,7 +76,7 @@ class FusedDecodeStack:
         norms, products = operands
         first = self.layers[0]
         lora_pass, lora_weights = lora_operands(
-            forward_batch, [p for layer in self.layers for p in layer.projections])
+            forward_batch, [p for layer in self.layers for p in layer.projections], self._known)
         return kernels.decode_layers(
             x, norms, first.input_norm.eps, *products, *rope, kv_buffers,
             forward_batch.out_cache_loc, *tables, first.heads, first.kv_heads, first.scale,

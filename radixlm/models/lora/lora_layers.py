@@ -125,7 +125,7 @@ class LoraProjection:
         first checkpoint input column of the ``in_features`` here (a row-parallel
         projection's share)."""
         self.state, self.layer, self.shards = state, layer, shards
-        self.rank, self.in_start, self.in_features = max_rank, in_start, in_features
+        self.rank, self.in_start = max_rank, in_start
         self.a = torch.zeros((slots, len(shards) * max_rank, in_features), dtype=dtype,
                              device=device)
         self.b_t = torch.zeros((slots, max_rank, out_features), dtype=dtype, device=device)
@@ -145,7 +145,7 @@ class LoraProjection:
         self.b_t[slot].zero_()
         self.scaling[slot].zero_()
         self.ranks[slot].zero_()
-        columns = slice(self.in_start, self.in_start + self.in_features)
+        columns = slice(self.in_start, self.in_start + self.a.shape[2])  # (this rank's inputs)
         for i, shard in enumerate(self.shards):
             found = adapter.weights.get((self.layer, shard.name))
             if found is None:

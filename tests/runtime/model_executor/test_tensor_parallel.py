@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU (gloo): a model split across 2 or 4 ranks serves what the
-whole model serves (prompt logprobs within 1e-4 + 1e-4 relative, greedy tokens equal) for every family,
-alone and batched, with prefix-cache hits, chunked prefill and retraction; each rank's pool
-holds its share of the KV; two "nodes" started as two commands serve the same; and a rank
-that dies fails the requests in flight within seconds, leaving no process behind."""
+whole model serves (prompt logprobs within 1e-4 + 1e-4 relative, greedy tokens equal) for
+every family, alone and batched, with prefix-cache hits, chunked prefill and retraction;
+each rank's pool holds its share of the KV; two "nodes" started as two commands serve the
+same; and a rank that dies fails the requests in flight within seconds, leaving no process
+behind."""
 
 from __future__ import annotations
 
