@@ -29,6 +29,12 @@ Movement.
   cost more a token than the prefill does (``recompute_seconds_per_token``, the
   scheduler's measured prefill pace; loads are timed as they run).
 
+Tensor parallelism: the tiers exist on rank 0, over its share of the KV; ``host.mirror``
+(a ``TierMirror``) has the other ranks copy their shares to and from the same host rows and
+write and read their own files under the same keys. A run of rows filled from disk is
+loaded only once every rank confirmed it holds its share (``HostKVBlocks.confirmed_run``);
+a block some rank lacks is dropped from the host tier and from rank 0's disk.
+
 Invariants: the tree's accounting is the radix tree's (loaded KV enters it as any
 request's KV does: ``free + cached + held == pool``); a block is only ever stored whole in a
 tier; the eviction hook never raises (a failed write-back loses the block from the lower
@@ -75,6 +81,8 @@ class TierCounters:
     write_backs: int = 0
     """Blocks copied from L1 to the host tier."""
     disk_writes_queued: int = 0
+    rank_misses: int = 0
+    """Blocks read from disk that another tensor-parallel rank lacked (dropped, recomputed)."""
 
 
 class HierarchicalCache(PrefixCache):
@@ -168,7 +176,10 @@ class HierarchicalCache(PrefixCache):
         cached, size = len(match.indices), self.block_tokens
         keys = self.block_keys(key, extra_key)
         first = cached // size
-        run = self.host.run_length(keys[first:])
+        run, lost = self.host.confirmed_run(keys[first:])
+        for lost_key in lost:  # (another rank lacks it: of no use on disk either)
+            self.disk.delete(lost_key)
+        self.counters.rank_misses += len(lost)
         end = (first + run) * size
         if end - cached < max(self.min_load_tokens, 1) or not self._load_pays():
             return 0
@@ -228,6 +239,8 @@ class HierarchicalCache(PrefixCache):
             wanted.append((keys[block], key[start : start + self.block_tokens]))
         if not wanted:
             return None
+        if self.host.mirror is not None:
+            self.host.mirror.fetching([block_key for block_key, _ in wanted])
         return self._prefetcher.submit(self._read_blocks, wanted)
 
     def warm_up(self) -> Future | None:
@@ -237,7 +250,11 @@ class HierarchicalCache(PrefixCache):
         if self.disk is None:
             return None
         keys = self.disk.recent_keys(self.host.capacity)[::-1]
-        return self._prefetcher.submit(self._warm_blocks, keys) if keys else None
+        if not keys:
+            return None
+        if self.host.mirror is not None:
+            self.host.mirror.fetching(keys)
+        return self._prefetcher.submit(self._warm_blocks, keys)
 
     def stats(self) -> dict:
         """Per-tier occupancy and traffic (``/get_server_info``, ``/metrics``)."""
@@ -266,6 +283,8 @@ class HierarchicalCache(PrefixCache):
             self._write_device_blocks()
         finally:
             self.disk.close()
+            if self.host.mirror is not None:
+                self.host.mirror.close()
 
     def _write_device_blocks(self) -> None:
         """Every whole block of the tree not on disk yet, straight from the device pool."""
@@ -280,9 +299,11 @@ class HierarchicalCache(PrefixCache):
                 if self.disk.contains(key):
                     continue
                 rows = slots[block * size : (block + 1) * size]
+                block_tokens = tokens[block * size : (block + 1) * size]
                 tensors = [buffer.index_select(0, rows).cpu()
                            for buffer in self.pool.layer_buffers()]
-                self.disk.write(key, tokens[block * size : (block + 1) * size], tensors)
+                if self.disk.write(key, block_tokens, tensors) and self.host.mirror:
+                    self.host.mirror.device_written(key, block_tokens, rows)
 
     # Internals ---------------------------------------------------------------------------------
 
@@ -320,9 +341,11 @@ class HierarchicalCache(PrefixCache):
             if end <= after:
                 continue
             block_tokens = tokens[start:end]
-            if self.host.put_from_pool(key, block_tokens, self.pool, slots[start:end]):
+            to_disk = self._worker is not None and not self.disk.contains(key)
+            if self.host.put_from_pool(key, block_tokens, self.pool, slots[start:end],
+                                       to_disk):
                 self.counters.write_backs += 1
-                if self._worker is not None and not self.disk.contains(key):
+                if to_disk:
                     self.counters.disk_writes_queued += 1
                     self._worker.submit(self._write_block, key, block_tokens)
 

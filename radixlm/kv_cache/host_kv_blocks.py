@@ -24,6 +24,15 @@ pass queued after a load reads the loaded KV, and a slot freed after a write-bac
 overwritten only after it was read, without a host wait). The host side waits
 (``wait_for_copies``) only where it touches a row itself: reading one for a file, or
 writing a block from disk into a row whose copies may still be in flight.
+
+Tensor parallelism: each rank's pool holds its share of the heads under the same slots, so
+each rank holds its share of every block in the same row. Rank 0's tier decides everything
+(keys, rows, LRU) and reports each change of a row to its ``mirror`` (``TierMirror``), under
+the tier's lock, so the changes reach the other ranks in the order they happened here; the
+other ranks copy the same slots into the same rows (``copy_from_pool``, ``copy_into_pool``,
+``write_row``). A row filled from a file stays *unconfirmed* until every rank says it read
+its own share of that block (``confirmed_run``): a block some rank could not read is dropped
+before any rank loads it.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -44,6 +54,34 @@ class HostTierStats:
     bytes_written: int  # from the device pool (and from files) into the tier
     bytes_loaded: int  # from the tier into the device pool
     dropped: int  # blocks dropped to make room
+
+
+class TierMirror(Protocol):
+    """Where rank 0's host tier reports each change of a row, for the other ranks to make
+    (``runtime/model_executor/host_tier_ranks.py``); every call but ``confirm`` only records."""
+
+    def stored(self, row: int, slots: torch.Tensor, disk_key: str | None,
+               tokens: Sequence[int]) -> None:
+        """Row ``row`` now holds the KV of ``slots``; also write it to disk as ``disk_key``
+        (None: not)."""
+
+    def fetched(self, row: int, key: str) -> None:
+        """Row ``row`` now holds block ``key`` as read from disk."""
+
+    def loaded(self, row: int, skip: int, slots: torch.Tensor) -> None:
+        """Row ``row``'s tokens from ``skip`` on were copied into ``slots``."""
+
+    def confirm(self, rows: list[int]) -> list[bool]:
+        """Whether every rank holds its share of each of ``rows`` (waits for the ranks)."""
+
+    def fetching(self, keys: Sequence[str]) -> None:
+        """The disk tier starts reading ``keys``: the other ranks start reading theirs."""
+
+    def device_written(self, key: str, tokens: Sequence[int], slots: torch.Tensor) -> None:
+        """The KV of ``slots`` (device pool) is written to disk as ``key``, on every rank."""
+
+    def close(self) -> None:
+        """Sends what is recorded; the other ranks finish their disk writes."""
 
 
 class HostKVBlocks:
@@ -67,6 +105,10 @@ class HostKVBlocks:
         self._lock = threading.Lock()
         self._copies = torch.cuda.Event() if pin else None
         self._bytes_written = self._bytes_loaded = self._dropped = 0
+        self.mirror: TierMirror | None = None
+        """The other ranks' tiers (rank 0 of a tensor-parallel model), or None."""
+        self._unconfirmed: set[int] = set()
+        """Rows filled from files that not every rank has confirmed (with a mirror)."""
 
     # Queries ------------------------------------------------------------------------------
 
@@ -95,15 +137,16 @@ class HostKVBlocks:
 
     # Into the tier ------------------------------------------------------------------------
 
-    def put_from_pool(self, key: str, tokens: Sequence[int], pool,
-                      slots: torch.Tensor) -> bool:
+    def put_from_pool(self, key: str, tokens: Sequence[int], pool, slots: torch.Tensor,
+                      to_disk: bool = False) -> bool:
         """Stores the KV of ``slots`` ((block_tokens,) on the pool's device) of ``pool`` as
-        block ``key``; False if it was stored already (refreshed)."""
+        block ``key``; False if it was stored already (refreshed). ``to_disk``: the caller
+        writes the block to disk (the other ranks write their shares too)."""
         def copy(row: int) -> None:
-            for host, device in zip(self.buffers, pool.layer_buffers(), strict=True):
-                host[row].copy_(device.index_select(0, slots), non_blocking=True)
-            if self._copies is not None:
-                self._copies.record()
+            self.copy_from_pool(row, pool, slots)
+            self._unconfirmed.discard(row)
+            if self.mirror is not None:
+                self.mirror.stored(row, slots, key if to_disk else None, tokens)
         return self._put(key, tokens, copy)
 
     def put_tensors(self, key: str, tokens: Sequence[int], tensors: list[torch.Tensor]) -> bool:
@@ -114,9 +157,10 @@ class HostKVBlocks:
             raise ValueError(f"a block has {len(self.buffers)} buffers, got {len(tensors)}")
 
         def copy(row: int) -> None:
-            self.wait_for_copies()
-            for host, tensor in zip(self.buffers, tensors, strict=True):
-                host[row].copy_(tensor)
+            self.write_row(row, tensors)
+            if self.mirror is not None:
+                self._unconfirmed.add(row)
+                self.mirror.fetched(row, key)
         return self._put(key, tokens, copy)
 
     def _put(self, key: str, tokens: Sequence[int], copy) -> bool:
@@ -154,23 +198,65 @@ class HostKVBlocks:
                 return False
             self._index.move_to_end(key)
             row = found[0]
-            for host, device in zip(self.buffers, pool.layer_buffers()):
-                rows = host[row, skip:].to(device.device, non_blocking=True)
-                pool.write_rows(device, slots, rows)
-            if self._copies is not None:
-                self._copies.record()
+            self.copy_into_pool(row, pool, slots, skip)
+            if self.mirror is not None:
+                self.mirror.loaded(row, skip, slots)
             self._bytes_loaded += (self.block_tokens - skip) * self.block_bytes \
                 // self.block_tokens
             return True
 
+    def confirmed_run(self, keys: Sequence[str]) -> tuple[int, list[str]]:
+        """How many of ``keys``, from the first, are stored and held by every rank, and the
+        keys of the run that some rank could not read (dropped here; the caller drops
+        them from the disk too). Without a mirror: ``run_length``, nothing dropped."""
+        with self._lock:  # (held while the ranks answer: no row changes meanwhile)
+            run = 0
+            while run < len(keys) and keys[run] in self._index:
+                run += 1
+            rows = [self._index[key][0] for key in keys[:run]]
+            doubtful = [row for row in rows if row in self._unconfirmed]
+            if not doubtful:
+                return run, []
+            held = dict(zip(doubtful, self.mirror.confirm(doubtful), strict=True))
+            self._unconfirmed.difference_update(doubtful)
+            lost = [key for key, row in zip(keys[:run], rows) if not held.get(row, True)]
+            for key in lost:
+                self._free.append(self._index.pop(key)[0])
+            return next((n for n, row in enumerate(rows) if not held.get(row, True)), run), lost
+
+    # Rows (each rank's copies; the index above is rank 0's) -------------------------------
+
+    def copy_from_pool(self, row: int, pool, slots: torch.Tensor) -> None:
+        """Row ``row`` = the KV of ``slots`` ((block_tokens,) on the pool's device)."""
+        for host, device in zip(self.buffers, pool.layer_buffers(), strict=True):
+            host[row].copy_(device.index_select(0, slots), non_blocking=True)
+        if self._copies is not None:
+            self._copies.record()
+
+    def copy_into_pool(self, row: int, pool, slots: torch.Tensor, skip: int = 0) -> None:
+        """``slots`` ((block_tokens - skip,)) of ``pool`` = row ``row``'s tokens from ``skip``."""
+        for host, device in zip(self.buffers, pool.layer_buffers(), strict=True):
+            rows = host[row, skip:].to(device.device, non_blocking=True)
+            pool.write_rows(device, slots, rows)
+        if self._copies is not None:
+            self._copies.record()
+
+    def write_row(self, row: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Row ``row`` = ``tensors`` (CPU, one per buffer), once copies in flight landed."""
+        self.wait_for_copies()
+        for host, tensor in zip(self.buffers, tensors, strict=True):
+            host[row].copy_(tensor)
+
+    def row_tensors(self, row: int) -> list[torch.Tensor]:
+        """Copies of row ``row``'s buffers (CPU), once copies in flight landed."""
+        self.wait_for_copies()
+        return [host[row].clone() for host in self.buffers]
+
     def block_tensors(self, key: str) -> list[torch.Tensor] | None:
         """Copies of block ``key``'s buffers (CPU), for a file; None if not stored."""
-        self.wait_for_copies()
         with self._lock:
             found = self._index.get(key)
-            if found is None:
-                return None
-            return [host[found[0]].clone() for host in self.buffers]
+            return None if found is None else self.row_tensors(found[0])
 
     def wait_for_copies(self) -> None:
         """Waits until the copies to and from the device pool issued so far have landed
@@ -182,4 +268,5 @@ class HostKVBlocks:
     def clear(self) -> None:
         with self._lock:
             self._index.clear()
+            self._unconfirmed.clear()
             self._free = list(range(self.capacity - 1, -1, -1))

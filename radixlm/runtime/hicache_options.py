@@ -9,6 +9,7 @@ from the environment). The default write policy is ``write_back`` (SGLang's is
 
 from __future__ import annotations
 
+GB = 1 << 30
 WRITE_POLICIES = ("write_back", "write_through")
 STORAGE_BACKENDS = ("file",)
 
@@ -41,6 +42,14 @@ def check_hicache_options(args) -> None:
     if args.disable_radix_cache:
         raise ValueError("enable_hierarchical_cache needs the radix cache (not "
                          "disable_radix_cache)")
-    if args.tp_size > 1:
-        raise ValueError("enable_hierarchical_cache and tensor parallelism (tp_size > 1) do "
-                         "not combine yet")
+
+
+def host_tier_blocks(args, bytes_per_token: int, pool_tokens: int) -> int:
+    """The host tier's capacity in blocks: ``hicache_size`` GB, else ``hicache_ratio`` times
+    the device pool (``pool_tokens``); every tensor-parallel rank counts the same."""
+    block = args.hicache_block_tokens
+    if args.hicache_size:
+        capacity = int(args.hicache_size * GB) // (bytes_per_token * block)
+    else:
+        capacity = int(args.hicache_ratio * pool_tokens) // block
+    return max(capacity, 1)

@@ -37,7 +37,6 @@ ON = {"enable_hierarchical_cache": True}
     ({"hicache_write_policy": "bogus"}, "hicache_write_policy"),  # checked with it off too
     ({"hicache_storage_backend": "file"}, "hicache_storage_backend.*enable_hierarchical_cache"),
     ({**ON, "disable_radix_cache": True}, "enable_hierarchical_cache.*disable_radix_cache"),
-    ({**ON, "tp_size": 2}, "enable_hierarchical_cache.*tp_size"),
 ])
 def test_a_bad_hicache_option_is_a_value_error_naming_it(options, named):
     with pytest.raises(ValueError, match=named):

@@ -21,6 +21,10 @@ step of their own (``send_logits``): rank 0 broadcasts the hidden rows it wants 
 every rank projects them onto its share of the vocabulary, and the shares are gathered.
 Rank 0 alone samples.
 
+With the hierarchical prefix cache, rank 0's changes to its host rows go first, before any
+other message (``HOST_TIER``: ``host_tier_ranks``), so every rank copies the same slots to
+and from the same rows before the pass that depends on them.
+
 Between steps the other ranks wait inside a broadcast, which gloo and NCCL end after the
 collective timeout (``--dist-timeout``); an idle rank 0 sends keep-alives (``keep_alive``),
 which also find a rank that died meanwhile. What crosses between ranks is int64 and hidden-
@@ -44,7 +48,7 @@ from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.kv_cache.memory_pool import ReqToTokenPool
 from radixlm.models.layers.tensor_parallel import TensorParallel
 
-FORWARD, LOGITS, SHUTDOWN, KEEP_ALIVE, LORA_SLOT = 1, 2, 3, 4, 5
+FORWARD, LOGITS, SHUTDOWN, KEEP_ALIVE, LORA_SLOT, HOST_TIER = 1, 2, 3, 4, 5, 6
 HEADER_LEN = 7
 JOIN_TIMEOUT_S = 300
 """Longest the ranks wait for each other at start (other nodes' commands may come later)."""
@@ -82,6 +86,15 @@ class LoraSlot:
     name: str
     path: str
     fingerprint: str
+
+
+@dataclass
+class HostTierChanges:
+    """Rank 0's host tier changed rows (``host_tier_ranks``): its record, host ints, and the
+    slots it names (on the model's device), for every rank to make the same changes."""
+
+    host: list[int]
+    slots: torch.Tensor | None
 
 
 def init_ranks(rank: int, size: int, init_address: str, backend: str,
@@ -132,18 +145,50 @@ class StepSender:
         self.keep_alive_s = timeout_s / KEEP_ALIVES_PER_TIMEOUT
         self.last_sent = time.monotonic()
         self.lock = threading.Lock()
+        self.host_tier = None
+        """Rank 0's ``HostTierLog`` (the hierarchical prefix cache), whose changes go before
+        every message; None without one."""
 
     def keep_alive(self) -> None:
-        """Sends a keep-alive if nothing was sent for a while (call it only while no step
-        is in flight). A rank that died shows here as a ``RuntimeError``."""
+        """Sends a keep-alive if nothing was sent for a while, and the host tier's changes
+        (call it only while no step is in flight). A rank that died shows here as a
+        ``RuntimeError``."""
         if time.monotonic() - self.last_sent >= self.keep_alive_s:
             self._send_header([KEEP_ALIVE, 0, 0, 0, 0, 0, 0])
+        elif self.host_tier is not None:
+            self.exchange_tier_changes()
+
+    def exchange_tier_changes(self, agree: int = 0) -> list[bool]:
+        """Sends the host tier's changes now; with ``agree`` (the changes end in a
+        ``CONFIRM`` of that many rows), each row's flag agreed by every rank (the minimum)."""
+        with self.lock:
+            self._send_tier_changes()
+            if not agree:
+                return []
+            held = torch.ones(agree, dtype=torch.int64)
+            dist.all_reduce(held, op=dist.ReduceOp.MIN, group=self.cpu_group)
+            return [bool(flag) for flag in held.tolist()]
+
+    def _send_tier_changes(self) -> None:
+        """(Holding the lock.) The host tier's changes recorded so far, if any."""
+        changes = None if self.host_tier is None else self.host_tier.take()
+        if changes is None:
+            return
+        host, slots = changes
+        count = 0 if slots is None else len(slots)
+        dist.broadcast(torch.tensor([HOST_TIER, 0, len(host), count, 0, 0, 0],
+                                    dtype=torch.int64), 0, group=self.cpu_group)
+        dist.broadcast(torch.tensor(host, dtype=torch.int64), 0, group=self.cpu_group)
+        if count:
+            dist.broadcast(slots, 0, group=self.tp.group)
+        self.last_sent = time.monotonic()
 
     def _send_header(self, fields: list[int], payload: torch.Tensor | None = None,
                      lengths: list[int] | None = None) -> None:
         """The header, then (a forward pass) its host ``lengths`` on the CPU group, then the
         ``payload`` on the model's group."""
         with self.lock:
+            self._send_tier_changes()
             dist.broadcast(torch.tensor(fields, dtype=torch.int64), 0, group=self.cpu_group)
             if lengths is not None:
                 dist.broadcast(torch.tensor(lengths, dtype=torch.int64), 0,
@@ -182,6 +227,7 @@ class StepSender:
         texts = [adapter.name.encode(), adapter.path.encode(), adapter.fingerprint.encode()]
         data = torch.tensor(list(b"".join(texts)), dtype=torch.int64)
         with self.lock:
+            self._send_tier_changes()
             dist.broadcast(torch.tensor([LORA_SLOT, slot, *map(len, texts), 0, 0],
                                         dtype=torch.int64), 0, group=self.cpu_group)
             dist.broadcast(data, 0, group=self.cpu_group)
@@ -199,14 +245,15 @@ class StepSender:
 
 class StepReceiver:
     """Ranks 1..N-1: the next step rank 0 sends: a forward pass, hidden rows (N, H) to
-    compute logits of, an adapter to load (``LoraSlot``), or None (shut down)."""
+    compute logits of, an adapter to load (``LoraSlot``), host-tier changes
+    (``HostTierChanges``), or None (shut down)."""
 
     def __init__(self, tp: TensorParallel, cpu_group, device: torch.device,
                  hidden_size: int, dtype: torch.dtype):
         self.tp, self.cpu_group, self.device = tp, cpu_group, device
         self.hidden_size, self.dtype = hidden_size, dtype
 
-    def receive(self) -> Step | torch.Tensor | LoraSlot | None:
+    def receive(self) -> Step | torch.Tensor | LoraSlot | HostTierChanges | None:
         command = KEEP_ALIVE
         while command == KEEP_ALIVE:
             header = torch.zeros(HEADER_LEN, dtype=torch.int64)
@@ -221,6 +268,14 @@ class StepReceiver:
             name, path, fingerprint = (bytes(part.tolist()).decode()
                                        for part in data.split(sizes))
             return LoraSlot(extend, name, path, fingerprint)
+        if command == HOST_TIER:
+            host = torch.empty(tokens, dtype=torch.int64)  # (tokens: the host ints' count)
+            dist.broadcast(host, 0, group=self.cpu_group)
+            slots = None
+            if batch_size:  # (the slots' count)
+                slots = torch.empty(batch_size, dtype=torch.int64, device=self.device)
+                dist.broadcast(slots, 0, group=self.tp.group)
+            return HostTierChanges(host.tolist(), slots)
         if command == LOGITS:
             hidden = torch.empty(tokens, self.hidden_size, dtype=self.dtype, device=self.device)
             dist.broadcast(hidden, 0, group=self.tp.group)

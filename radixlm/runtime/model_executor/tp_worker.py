@@ -19,9 +19,16 @@ import torch.distributed as dist
 from radixlm.host_to_device import to_device
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
 from radixlm.models.model_config import ModelConfig
+from radixlm.runtime.hicache_options import GB, host_tier_blocks
+from radixlm.runtime.model_executor.host_tier_ranks import HostTierFollower
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.model_executor.rank_processes import RankConfig
-from radixlm.runtime.model_executor.tensor_parallel_ranks import LoraSlot, Step, StepReceiver
+from radixlm.runtime.model_executor.tensor_parallel_ranks import (
+    HostTierChanges,
+    LoraSlot,
+    Step,
+    StepReceiver,
+)
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -44,14 +51,33 @@ def run_rank(args: ServerArgs, model_path: str, rank: int) -> None:
                          rank=rank)
     receiver = StepReceiver(runner.tp, runner.cpu_group, runner.device,
                             runner.model_config.hidden_size, runner.dtype)
+    host_tier = host_tier_follower(args, runner, rank)
     while (step := receiver.receive()) is not None:
         if isinstance(step, torch.Tensor):  # hidden rows: this rank's share of the logits
             runner.compute_logits(step)
         elif isinstance(step, LoraSlot):
             runner.lora.load_slot(step.slot, step.name, step.path, step.fingerprint)
+        elif isinstance(step, HostTierChanges):
+            host_tier.apply(step.host, step.slots, runner.cpu_group)
         else:
             runner.forward(step_batch(runner, step))
+    if host_tier is not None:
+        host_tier.close()
     dist.destroy_process_group()
+
+
+def host_tier_follower(args: ServerArgs, runner: ModelRunner,
+                       rank: int) -> HostTierFollower | None:
+    """This rank's share of the hierarchical prefix cache's host and disk tiers (as large
+    as rank 0's), or None without one."""
+    if not args.enable_hierarchical_cache:
+        return None
+    pool = runner.kv_pool
+    return HostTierFollower(
+        pool, args.hicache_block_tokens,
+        host_tier_blocks(args, pool.bytes_per_token(), runner.max_total_tokens),
+        args.hicache_storage_dir if args.hicache_storage_backend == "file" else None,
+        int(args.hicache_storage_size * GB), args.page_size, rank, args.tp_size)
 
 
 def step_batch(runner: ModelRunner, step: Step) -> ForwardBatch:

@@ -6,6 +6,11 @@ model (its resolved path, a hash of its config, the weight format), the KV dtype
 (the pool's buffers), the page and block sizes and the tokenizer (a hash of its vocabulary
 and rules). A disk tier written under any other identity is ignored, and every block key
 includes it, so no block computed by another model, dtype or tokenizer is ever loaded.
+
+With tensor parallelism (rank 0's scheduler builds this) the identity is rank 0's, which
+names the number of ranks too; each rank's disk tier is a directory of its own under
+``hicache_storage_dir`` (``host_tier_ranks.rank_directory``), and the tiers report their
+changes of host rows to the other ranks (``host_tier_ranks.HostTierLog``).
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ from radixlm.kv_cache.hierarchical_cache import HierarchicalCache
 from radixlm.kv_cache.host_kv_blocks import HostKVBlocks
 from radixlm.kv_cache.kv_block_format import StoreIdentity
 from radixlm.kv_cache.radix_tree import RadixCache
+from radixlm.runtime.hicache_options import GB, host_tier_blocks
+from radixlm.runtime.model_executor.host_tier_ranks import HostTierLog, rank_directory
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.server_args import ServerArgs
-
-GB = 1 << 30
 
 
 def build_hierarchical_cache(args: ServerArgs, runner: ModelRunner, tree: RadixCache,
@@ -31,20 +36,22 @@ def build_hierarchical_cache(args: ServerArgs, runner: ModelRunner, tree: RadixC
     if runner.window_layout is not None or not isinstance(tree, RadixCache):
         raise ValueError("enable_hierarchical_cache needs the plain KV pool and radix cache "
                          "(this model's sliding-window layers keep a hybrid pool)")
-    pool, block = runner.kv_pool, args.hicache_block_tokens
+    pool, block, ranks = runner.kv_pool, args.hicache_block_tokens, args.tp_size
     identity = StoreIdentity.of_pool(
         pool, model=model_identity(model_path, runner), tokenizer=tokenizer_identity(tokenizer),
-        page_size=args.page_size, block_tokens=block)
-    block_bytes = pool.bytes_per_token() * block
-    if args.hicache_size:
-        capacity = int(args.hicache_size * GB) // block_bytes
-    else:
-        capacity = int(args.hicache_ratio * runner.max_total_tokens) // block
-    host = HostKVBlocks(pool, block, max(capacity, 1))
+        page_size=args.page_size, block_tokens=block, tp_size=ranks)
+    host = HostKVBlocks(pool, block, host_tier_blocks(args, pool.bytes_per_token(),
+                                                      runner.max_total_tokens))
+    log = None
+    if runner.step_sender is not None:  # (the other ranks mirror the rows)
+        log = host.mirror = runner.step_sender.host_tier = HostTierLog(runner.step_sender,
+                                                                       block)
     disk = None
     if args.hicache_storage_backend == "file":
-        disk = DiskKVStore(args.hicache_storage_dir, identity,
+        disk = DiskKVStore(rank_directory(args.hicache_storage_dir, 0, ranks), identity,
                            int(args.hicache_storage_size * GB))
+        if log is not None:
+            log.opened(identity.fingerprint())
     cache = HierarchicalCache(tree, pool, host, disk, identity.fingerprint(),
                               write_through=args.hicache_write_policy == "write_through",
                               min_load_tokens=args.page_size)
