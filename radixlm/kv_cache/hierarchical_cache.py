@@ -187,14 +187,10 @@ class HierarchicalCache(PrefixCache):
         slots = self._slots_for(match, end - cached)
         if slots is None:
             return 0
-        done = cached
-        for block in range(first, first + run):
-            skip = done - block * size
-            count = size - skip
-            if not self.host.load_into_pool(keys[block], self.pool,
-                                            slots[done - cached : done - cached + count], skip):
-                break  # dropped meanwhile (the disk worker made room): load what came before
-            done += count
+        # (fewer than ``run`` blocks if some were dropped meanwhile: the disk worker made room)
+        loaded = self.host.load_run_into_pool(keys[first : first + run], self.pool, slots,
+                                              skip=cached - first * size)
+        done = (first + loaded) * size if loaded else cached
         if done < end:
             self.tree.allocator.free(slots[done - cached :])
         if done == cached:
@@ -336,14 +332,17 @@ class HierarchicalCache(PrefixCache):
         """Copies the blocks of ``tokens`` that end past token ``after`` into the host tier
         (and queues them for the disk)."""
         size = self.block_tokens
-        for block, key in enumerate(self.block_keys(tokens, extra_key)):
-            start, end = block * size, (block + 1) * size
-            if end <= after:
-                continue
-            block_tokens = tokens[start:end]
-            to_disk = self._worker is not None and not self.disk.contains(key)
-            if self.host.put_from_pool(key, block_tokens, self.pool, slots[start:end],
-                                       to_disk):
+        keys = self.block_keys(tokens, extra_key)
+        first = min(after // size, len(keys))  # (the first block ending past ``after``)
+        blocks = [(key, tokens[block * size : (block + 1) * size],
+                   self._worker is not None and not self.disk.contains(key))
+                  for block, key in enumerate(keys[first:], first)]
+        if not blocks:
+            return
+        stored = self.host.put_run_from_pool(blocks, self.pool,
+                                             slots[first * size : len(keys) * size])
+        for (key, block_tokens, to_disk), now in zip(blocks, stored):
+            if now:
                 self.counters.write_backs += 1
                 if to_disk:
                     self.counters.disk_writes_queued += 1

@@ -68,8 +68,9 @@ class TierMirror(Protocol):
     def fetched(self, row: int, key: str) -> None:
         """Row ``row`` now holds block ``key`` as read from disk."""
 
-    def loaded(self, row: int, skip: int, slots: torch.Tensor) -> None:
-        """Row ``row``'s tokens from ``skip`` on were copied into ``slots``."""
+    def loaded(self, rows: list[int], skip: int, slots: torch.Tensor) -> None:
+        """The tokens of ``rows``, from the first one's token ``skip`` on, were copied into
+        ``slots``."""
 
     def confirm(self, rows: list[int]) -> list[bool]:
         """Whether every rank holds its share of each of ``rows`` (waits for the ranks)."""
@@ -142,12 +143,55 @@ class HostKVBlocks:
         """Stores the KV of ``slots`` ((block_tokens,) on the pool's device) of ``pool`` as
         block ``key``; False if it was stored already (refreshed). ``to_disk``: the caller
         writes the block to disk (the other ranks write their shares too)."""
-        def copy(row: int) -> None:
-            self.copy_from_pool(row, pool, slots)
-            self._unconfirmed.discard(row)
-            if self.mirror is not None:
-                self.mirror.stored(row, slots, key if to_disk else None, tokens)
-        return self._put(key, tokens, copy)
+        return self.put_run_from_pool([(key, tokens, to_disk)], pool, slots)[0]
+
+    def put_run_from_pool(self, blocks: Sequence[tuple[str, Sequence[int], bool]], pool,
+                          slots: torch.Tensor) -> list[bool]:
+        """Stores block i of ``blocks`` ((key, tokens, to_disk) each, as ``put_from_pool``)
+        from ``slots[i * block_tokens : (i + 1) * block_tokens]``, copying all of them with
+        one gather a buffer; for each, whether it was stored now (False: stored already, and
+        refreshed, or the run is longer than the tier and it was among its first blocks)."""
+        size = self.block_tokens
+        for _, tokens, _ in blocks:
+            if len(tokens) != size:
+                raise ValueError(f"a block holds {size} tokens, got {len(tokens)}")
+        stored = [False] * len(blocks)
+        with self._lock:
+            fresh = []
+            for i, (key, _, _) in enumerate(blocks):
+                if key in self._index:
+                    self._index.move_to_end(key)
+                else:
+                    fresh.append(i)
+            if len(fresh) > self.capacity:  # (its first blocks would be dropped at once)
+                self._dropped += len(fresh) - self.capacity
+                fresh = fresh[len(fresh) - self.capacity:]
+            if not fresh:
+                return stored
+            rows = []
+            for _ in fresh:
+                if not self._free:
+                    _, (dropped, _) = self._index.popitem(last=False)
+                    self._free.append(dropped)
+                    self._dropped += 1
+                rows.append(self._free.pop())
+            whole = len(fresh) * size == len(slots)
+            try:
+                self.copy_from_pool(rows, pool, slots if whole else torch.cat(
+                    [slots[i * size : (i + 1) * size] for i in fresh]))
+            except BaseException:
+                self._free.extend(rows)
+                raise
+            for i, row in zip(fresh, rows):
+                key, tokens, to_disk = blocks[i]
+                self._unconfirmed.discard(row)
+                if self.mirror is not None:
+                    self.mirror.stored(row, slots[i * size : (i + 1) * size],
+                                       key if to_disk else None, tokens)
+                self._index[key] = (row, tuple(tokens))
+                stored[i] = True
+            self._bytes_written += len(fresh) * self.block_bytes
+            return stored
 
     def put_tensors(self, key: str, tokens: Sequence[int], tensors: list[torch.Tensor]) -> bool:
         """Stores a block read from elsewhere (the disk tier: CPU tensors, one per buffer).
@@ -192,18 +236,30 @@ class HostKVBlocks:
     def load_into_pool(self, key: str, pool, slots: torch.Tensor, skip: int = 0) -> bool:
         """Copies block ``key``'s tokens from ``skip`` on into ``slots`` ((block_tokens -
         skip,) on the pool's device) of ``pool``; False if the block is not stored."""
+        return self.load_run_into_pool([key], pool, slots, skip) == 1
+
+    def load_run_into_pool(self, keys: Sequence[str], pool, slots: torch.Tensor,
+                           skip: int = 0) -> int:
+        """Copies the blocks ``keys`` (a run of a prompt's blocks), from the first one's
+        token ``skip`` on, into ``slots`` of ``pool``, with one scatter a buffer; returns how
+        many of ``keys``, from the first, were stored and copied (their tokens into the
+        first ``n * block_tokens - skip`` slots)."""
         with self._lock:
-            found = self._index.get(key)
-            if found is None:
-                return False
-            self._index.move_to_end(key)
-            row = found[0]
-            self.copy_into_pool(row, pool, slots, skip)
+            rows = []
+            for key in keys:
+                found = self._index.get(key)
+                if found is None:
+                    break
+                self._index.move_to_end(key)
+                rows.append(found[0])
+            if not rows:
+                return 0
+            count = len(rows) * self.block_tokens - skip
+            self.copy_into_pool(rows, pool, slots[:count], skip)
             if self.mirror is not None:
-                self.mirror.loaded(row, skip, slots)
-            self._bytes_loaded += (self.block_tokens - skip) * self.block_bytes \
-                // self.block_tokens
-            return True
+                self.mirror.loaded(rows, skip, slots[:count])
+            self._bytes_loaded += count * self.block_bytes // self.block_tokens
+            return len(rows)
 
     def confirmed_run(self, keys: Sequence[str]) -> tuple[int, list[str]]:
         """How many of ``keys``, from the first, are stored and held by every rank, and the
@@ -226,18 +282,39 @@ class HostKVBlocks:
 
     # Rows (each rank's copies; the index above is rank 0's) -------------------------------
 
-    def copy_from_pool(self, row: int, pool, slots: torch.Tensor) -> None:
-        """Row ``row`` = the KV of ``slots`` ((block_tokens,) on the pool's device)."""
+    def copy_from_pool(self, rows: Sequence[int], pool, slots: torch.Tensor) -> None:
+        """Rows ``rows`` = the KV of ``slots`` ((len(rows) * block_tokens,) on the pool's
+        device), one block a row: one gather a buffer, one copy a run of adjacent rows."""
+        size, runs = self.block_tokens, _adjacent_runs(rows)
         for host, device in zip(self.buffers, pool.layer_buffers(), strict=True):
-            host[row].copy_(device.index_select(0, slots), non_blocking=True)
+            data = device.index_select(0, slots)  # (len(rows) * size, *slot shape)
+            at = 0
+            for row, count in runs:
+                host[row : row + count].copy_(
+                    data[at * size : (at + count) * size].view(count, size, *host.shape[2:]),
+                    non_blocking=True)
+                at += count
         if self._copies is not None:
             self._copies.record()
 
-    def copy_into_pool(self, row: int, pool, slots: torch.Tensor, skip: int = 0) -> None:
-        """``slots`` ((block_tokens - skip,)) of ``pool`` = row ``row``'s tokens from ``skip``."""
+    def copy_into_pool(self, rows: Sequence[int], pool, slots: torch.Tensor,
+                       skip: int = 0) -> None:
+        """``slots`` ((len(rows) * block_tokens - skip,)) of ``pool`` = the tokens of rows
+        ``rows``, one after another, from the first one's token ``skip`` on: one scatter a
+        buffer (from pinned rows, on CUDA, through a device buffer filled a run at a time)."""
+        runs = _adjacent_runs(rows)
         for host, device in zip(self.buffers, pool.layer_buffers(), strict=True):
-            rows = host[row, skip:].to(device.device, non_blocking=True)
-            pool.write_rows(device, slots, rows)
+            parts = [host[row : row + count].flatten(0, 1) for row, count in runs]
+            if self._copies is not None:  # (CUDA: no pageable staging, no host wait)
+                staged = torch.empty((sum(len(p) for p in parts), *host.shape[2:]),
+                                     dtype=host.dtype, device=device.device)
+                at = 0
+                for part in parts:
+                    staged[at : at + len(part)].copy_(part, non_blocking=True)
+                    at += len(part)
+            else:
+                staged = parts[0] if len(parts) == 1 else torch.cat(parts)
+            pool.write_rows(device, slots, staged[skip:])
         if self._copies is not None:
             self._copies.record()
 
@@ -270,3 +347,14 @@ class HostKVBlocks:
             self._index.clear()
             self._unconfirmed.clear()
             self._free = list(range(self.capacity - 1, -1, -1))
+
+
+def _adjacent_runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """``rows`` as (first row, count) runs of consecutive rows, in order."""
+    runs: list[tuple[int, int]] = []
+    for row in rows:
+        if runs and runs[-1][0] + runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((row, 1))
+    return runs

@@ -97,6 +97,43 @@ def test_a_missing_block_loads_nothing():
     assert host.stats().bytes_loaded == 0
 
 
+@pytest.mark.parametrize("layout", ["mha", "mla"])
+def test_a_run_of_blocks_goes_in_and_out_whole_through_rows_that_are_not_adjacent(layout):
+    """A run stored in one call takes the rows of the blocks it drops (here rows 0, 2 and 3:
+    not one span) and loads back, from a token inside its first block, into slots in any
+    order, with the bytes that storing and loading block by block gives."""
+    source, target = make_pool(layout, torch.float32, 1), make_pool(layout, torch.float32, 2)
+    host = HostKVBlocks(source, BLOCK, capacity=5)
+    for i, key in enumerate("pqrst"):  # rows 0-4
+        put(host, source, key, 4 * i)
+    assert host.load_into_pool("q", target, torch.arange(4))  # q (row 1) the most recent
+    slots = torch.randperm(SLOTS)[:3 * BLOCK].tolist()
+    blocks = [(key, tokens(10 + i), False) for i, key in enumerate("xyz")]
+    assert host.put_run_from_pool(blocks, source, torch.tensor(slots)) == [True, True, True]
+    assert "q" in host and not any(key in host for key in "prs")
+    for i, key in enumerate("xyz"):
+        assert_same_bytes(host.block_tensors(key), rows(source, slots[4 * i : 4 * i + 4]))
+    assert host.put_run_from_pool([blocks[1], ("w", tokens(1), False)], source,
+                                  torch.tensor(slots[:8])) == [False, True]  # y: refreshed
+    target_slots = torch.randperm(SLOTS)[: 3 * BLOCK - 1].tolist()
+    assert host.load_run_into_pool(list("xyz"), target, torch.tensor(target_slots), 1) == 3
+    assert_same_bytes(rows(target, target_slots), rows(source, slots[1:]))
+
+
+def test_a_run_loads_up_to_its_first_missing_block_and_a_run_too_long_keeps_its_last():
+    pool = make_pool("mha", torch.float32)
+    host = HostKVBlocks(pool, BLOCK, capacity=2)
+    blocks = [(key, tokens(i), False) for i, key in enumerate("abc")]
+    assert host.put_run_from_pool(blocks, pool, torch.arange(12)) == [False, True, True]
+    assert "a" not in host
+    assert_same_bytes(host.block_tensors("c"), rows(pool, [8, 9, 10, 11]))
+    before = rows(pool, list(range(SLOTS)))
+    assert host.load_run_into_pool(["b", "a", "c"], pool, torch.arange(20, 32)) == 1
+    assert_same_bytes(rows(pool, [20, 21, 22, 23]), rows(pool, [4, 5, 6, 7]))
+    assert_same_bytes(rows(pool, list(range(24, 32))), [b[24:32] for b in before])
+    assert host.load_run_into_pool(["a"], pool, torch.arange(20, 24)) == 0
+
+
 # ---- LRU ---------------------------------------------------------------------------------------
 
 

@@ -100,8 +100,8 @@ class HostTierLog:
     def fetched(self, row: int, key: str) -> None:
         self._record([FETCHED, row, *key_ints(key)])
 
-    def loaded(self, row: int, skip: int, slots: torch.Tensor) -> None:
-        self._record([LOAD, row, skip, len(slots)], slots)
+    def loaded(self, rows: list[int], skip: int, slots: torch.Tensor) -> None:
+        self._record([LOAD, skip, len(slots), len(rows), *rows], slots)
 
     def confirm(self, rows: list[int]) -> list[bool]:
         self._record([CONFIRM, len(rows), *rows])
@@ -170,8 +170,8 @@ class HostTierFollower:
                 key, tokens = (key_of(take(KEY_INTS)), take(size)) if to_disk else (None, None)
                 self._store(row, slot_run(count), key, tokens)
             elif op == LOAD:
-                row, skip, count = take(3)
-                self._load(row, skip, slot_run(count))
+                skip, count, rows = take(3)
+                self._load(take(rows), skip, slot_run(count))
             elif op == FETCH:
                 self._fetch(key_of(take(KEY_INTS)))
             elif op == FETCHED:
@@ -212,7 +212,7 @@ class HostTierFollower:
 
     def _store(self, row: int, slots: torch.Tensor, key: str | None, tokens) -> None:
         self._changed(row)
-        self.host.copy_from_pool(row, self.pool, slots)
+        self.host.copy_from_pool([row], self.pool, slots)
         if key is not None and self._writer is not None:
             self._writer.submit(self._write_row, row, self._generation[row], key, tokens)
 
@@ -260,11 +260,13 @@ class HostTierFollower:
             return
         self.host.write_row(row, read[1])
 
-    def _load(self, row: int, skip: int, slots: torch.Tensor) -> None:
-        self._resolve(row)
-        if row in self._bad:  # (rank 0 confirms every row read from disk before a load)
-            logger.error("host row %d has no block on rank %d but is loaded", row, self.rank)
-        self.host.copy_into_pool(row, self.pool, slots, skip)
+    def _load(self, rows: list[int], skip: int, slots: torch.Tensor) -> None:
+        for row in rows:
+            self._resolve(row)
+            if row in self._bad:  # (rank 0 confirms every row read from disk before a load)
+                logger.error("host row %d has no block on rank %d but is loaded", row,
+                             self.rank)
+        self.host.copy_into_pool(rows, self.pool, slots, skip)
 
     def held(self, rows: list[int]) -> list[bool]:
         """Whether this rank holds its share of each of ``rows`` (reads finished first)."""
