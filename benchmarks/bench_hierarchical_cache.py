@@ -3,11 +3,19 @@ alone, side by side in one run on the default model, on a multi-turn workload wh
 set is several times the device pool (L1), and the first turn after a restart with the disk
 tier (L3).
 
-Workload (``hierarchical_workloads.py``, deterministic): ``--conversations`` conversations
-of ``--turns`` turns over a few shared system prompts; turn k + 1's prompt is turn k's
-prompt, its answer and a new question, in the model's chat template. Requests go turn by
-turn, round-robin over the conversations, ``--batch`` at a time (one call, streamed): a
-conversation comes back to its context after all the others have pushed it out of L1.
+Workloads (``hierarchical_workloads.py``, deterministic), chosen by ``--workload``:
+``chat`` (the default): ``--conversations`` conversations of ``--turns`` turns over a few
+shared system prompts, questions of some tens of tokens. ``agent``: the issue's motivating
+case, an agent that returns to the same long context every few minutes; ``--conversations``
+sessions of ``--turns`` turns, each over one shared system prompt and its own document of
+``--document-tokens`` tokens (a tool's output), every later turn a follow-up of at most 40
+tokens. On the chat workload a call's new tokens are a large share of what the radix cache
+alone prefills (it keeps the shared system prompts), which bounds what a slower tier can
+save; on the agent workload they are a small share of a long per-session context, as in the
+issue's case. In both, turn k + 1's prompt is turn k's prompt, its answer and a new
+question, in the model's chat template. Requests go turn by turn, round-robin over the
+conversations, ``--batch`` at a time (one call, streamed): a conversation comes back to its
+context after all the others have pushed it out of L1.
 Answers are greedy, ``--new-tokens`` long (``ignore_eos``). The first engine a request goes
 to decides its answer, which the conversation's later prompts carry; every system is sent the
 same prompts, in the same order, and its outputs are compared with those answers (bfloat16
@@ -37,7 +45,8 @@ Each round starts fresh engines (and empty disk directories); medians over round
 per-round figures and ratios are printed.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_hierarchical_cache.py [--quick]
-        [--conversations 40] [--turns 8] [--max-total-tokens 6144] [--rounds 1] [--json out]
+        [--workload chat|agent] [--conversations 40 (agent: 24)] [--turns 8 (agent: 6)]
+        [--document-tokens 1500] [--max-total-tokens 6144] [--rounds 1] [--json out]
 """
 # ruff: noqa: I001 - radixlm is imported before torch (machine.py), for the reason given there
 
@@ -52,12 +61,19 @@ import subprocess
 import tempfile
 import time
 
-from hierarchical_workloads import Conversations, conversations, first_prompt, next_prompt
-from hierarchical_workloads import template_pieces
+from hierarchical_workloads import Conversations, agent_sessions, conversations, first_prompt
+from hierarchical_workloads import next_prompt, template_pieces
 
 SYSTEMS = ("radix", "L1+L2", "L1+L2+L3", "L1+L2+L3 write-through")
 DISK_SYSTEMS = SYSTEMS[2:]
 WARM_UP = "Say hello in French."
+SIZES = {"chat": {"conversations": 40, "turns": 8},
+         "agent": {"conversations": 24, "turns": 6}}
+"""The workloads' default sizes (the agent's contexts are longer: fewer, shorter sessions
+keep a run's time near the chat workload's)."""
+QUICK_SIZES = {"chat": {"conversations": 16, "turns": 3, "max_total_tokens": 2560},
+               "agent": {"conversations": 16, "turns": 3, "max_total_tokens": 2560,
+                         "document_tokens": 600}}
 TIER_STATS = ("device_hit_tokens", "host_hit_tokens", "disk_hit_tokens", "loads",
               "load_seconds", "disk_read_seconds", "write_backs", "disk_writes_queued")
 
@@ -238,7 +254,7 @@ def median_over_rounds(rounds: list[dict[str, dict]], system: str, key: str,
 
 def working_set(history: History, args) -> tuple[int, int]:
     """The sum of the conversations' final contexts, and their distinct tokens (the shared
-    system prompts counted once)."""
+    system prompts, or the agent sessions' one, counted once)."""
     final = [len(history.prompt(c, args.turns - 1)) + args.new_tokens
              for c in range(args.conversations)]
     shared = sum(len(s) for s in history.convs.system[: min(len(history.convs.system),
@@ -255,6 +271,22 @@ def estimated_working_set(history: History, args) -> int:
     return sum(len(history.prompt(c, 0)) + args.turns * per_turn
                + sum(map(len, history.convs.questions[c][1 : args.turns]))
                for c in range(args.conversations))
+
+
+def workload_history(tokenizer, args) -> History:
+    if args.workload == "agent":
+        convs = agent_sessions(tokenizer, args.conversations, args.turns,
+                               args.document_tokens, args.seed)
+    else:
+        convs = conversations(tokenizer, args.conversations, args.turns, seed=args.seed)
+    return History(convs, template_pieces(tokenizer))
+
+
+def workload_name(args) -> str:
+    if args.workload == "agent":
+        return (f"{args.conversations} agent sessions (one shared system prompt, then a "
+                f"{args.document_tokens}-token document each)")
+    return f"{args.conversations} conversations"
 
 
 def tables(rounds: list[dict[str, dict]], args) -> str:
@@ -305,9 +337,14 @@ def tables(rounds: list[dict[str, dict]], args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: 16 conversations of 3 turns, L1 of 2560 tokens")
-    parser.add_argument("--conversations", type=int, default=40)
-    parser.add_argument("--turns", type=int, default=8)
+                        help="a smoke run: 16 conversations of 3 turns, L1 of 2560 tokens "
+                        "(agent: documents of 600 tokens)")
+    parser.add_argument("--workload", choices=tuple(SIZES), default="chat")
+    parser.add_argument("--conversations", type=int, default=None,
+                        help="conversations (agent: sessions); default 40 (agent: 24)")
+    parser.add_argument("--turns", type=int, default=None, help="default 8 (agent: 6)")
+    parser.add_argument("--document-tokens", type=int, default=1500,
+                        help="each agent session's document (agent only)")
     parser.add_argument("--batch", type=int, default=4, help="requests sent in one call")
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--max-total-tokens", type=int, default=6144,
@@ -318,8 +355,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the raw records here")
     args = parser.parse_args()
+    for key, value in SIZES[args.workload].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.quick:
-        args.conversations, args.turns, args.max_total_tokens = 16, 3, 2560
+        vars(args).update(QUICK_SIZES[args.workload])
+    if args.document_tokens < 1:
+        parser.error(f"--document-tokens must be at least 1, not {args.document_tokens}")
 
     import radixlm  # (before torch, which machine.py imports: radixlm sets the OpenMP wait)
     from machine import describe_machine
@@ -330,8 +372,7 @@ def main() -> None:
     del radixlm
     path = str(default_model_path())
     tokenizer = AutoTokenizer.from_pretrained(path)
-    history = History(conversations(tokenizer, args.conversations, args.turns,
-                                    seed=args.seed), template_pieces(tokenizer))
+    history = workload_history(tokenizer, args)
     if args.hicache_ratio is None:
         args.hicache_ratio = max(2.0, math.ceil(1.5 * estimated_working_set(history, args)
                                                 / args.max_total_tokens))
@@ -349,7 +390,7 @@ def main() -> None:
     total, distinct = working_set(history, args)
     print("load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout
           .strip())
-    print(f"\n{args.conversations} conversations x {args.turns} turns (+1 after the restart), "
+    print(f"\n{workload_name(args)} x {args.turns} turns (+1 after the restart), "
           f"{args.new_tokens} new tokens, batches of {args.batch}; L1 (max_total_tokens) "
           f"{args.max_total_tokens}, host tier hicache_ratio {args.hicache_ratio:g}; working "
           f"set: final contexts {total} tokens ({total / args.max_total_tokens:.1f}x L1), "

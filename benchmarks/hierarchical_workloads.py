@@ -1,15 +1,26 @@
-"""The multi-turn workload of ``bench_hierarchical_cache.py``: conversations over a few
-shared system prompts, built here, deterministic (seeded), from text the standard library
-carries (module docstrings).
+"""The multi-turn workloads of ``bench_hierarchical_cache.py``, built here, deterministic
+(seeded), from text the standard library carries (module docstrings).
 
-Conversation c uses system prompt ``c % len(SYSTEM_MODULES)`` (a reference passage of a
-few hundred tokens); its user turns are questions of some tens of tokens about sentences
-of other modules' docstrings. Prompts are built as token ids, the way a chat client's
-history grows: turn k + 1's prompt is turn k's prompt, the model's answer (its output ids),
-then the chat template's tokens that close the answer, open a user message with the new
-question and open the next answer. So each prompt extends the last one's prompt and output
-token for token, as a prefix cache needs (``template_pieces`` checks the pieces against
-the tokenizer's own chat template).
+``chat`` (``conversations``): conversations over a few shared system prompts. Conversation c
+uses system prompt ``c % len(SYSTEM_MODULES)`` (a reference passage of a few hundred tokens);
+its user turns are questions of some tens of tokens about sentences of other modules'
+docstrings.
+
+``agent`` (``agent_sessions``): the issue's own motivating case, an agent that comes back to
+the same long context every few minutes. Every session shares one system prompt; its first
+user message carries the session's own document (a tool's output: ``document_tokens`` tokens
+of docstring sentences in a seeded order, so two sessions share no more than the system
+prompt and a few tokens of the header) and a first question; every later turn is the last
+answer and a short follow-up (at most 40 tokens, some 30 on average). Each later turn thus
+adds a few tens of tokens to a context of some thousand or more that only a cache which kept
+it can skip; the radix cache alone keeps the shared system prompt but loses the documents
+once the other sessions have pushed them out of L1.
+
+Prompts are built as token ids, the way a chat client's history grows: turn k + 1's prompt
+is turn k's prompt, the model's answer (its output ids), then the chat template's tokens
+that close the answer, open a user message with the new question and open the next answer.
+So each prompt extends the last one's prompt and output token for token, as a prefix cache
+needs (``template_pieces`` checks the pieces against the tokenizer's own chat template).
 """
 
 from __future__ import annotations
@@ -24,6 +35,12 @@ QUESTIONS = ("In one short sentence, how does the reference relate to this: {}",
              "Give a one-line answer. Which part of the reference helps with: {}",
              "Briefly, is this consistent with the reference? {}",
              "Name one option from the reference that matters for: {}")
+FOLLOW_UPS = ("Look at the document again. Does it say anything about this: {}",
+              "One line, from the document only: {}",
+              "Has anything in the document changed this? {}",
+              "Quote the document's closest line to: {}")
+AGENT_SYSTEM = ("You are an agent. A tool's output is given in the user's first message; "
+                "answer the user's follow-up questions from it, in one short line.")
 PLACEHOLDER = "\x00ANSWER\x00"
 
 
@@ -125,3 +142,27 @@ def conversations(tokenizer, count: int, turns: int, system_chars: int = 1500,
             asked.append(tokenizer(text, add_special_tokens=False)["input_ids"][:80])
         questions.append(asked)
     return Conversations(system, [c % len(system) for c in range(count)], questions)
+
+
+def agent_sessions(tokenizer, count: int, turns: int, document_tokens: int = 1500,
+                   seed: int = 0) -> Conversations:
+    """``count`` agent sessions of ``turns`` questions (plus one), seeded: one shared system
+    prompt; a session's first question opens with its own document of ``document_tokens``
+    tokens, its later ones are follow-ups of at most 40 tokens."""
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    rng = random.Random(seed)
+    pool = sentences()
+    system = ids(AGENT_SYSTEM + "\n\nTools reference:\n" + passage(SYSTEM_MODULES[0], 1500))
+    questions = []
+    for session in range(count):
+        text = f"Tool output (session {session}):\n"
+        while len(text) < 6 * document_tokens:  # (a token is 4-5 characters of prose)
+            text += "\n".join(rng.sample(pool, len(pool))) + "\n"
+        document = ids(text)[:document_tokens]
+        asked = [document + ids("\n\n" + rng.choice(QUESTIONS).format(rng.choice(pool)))[:80]]
+        for _ in range(turns):
+            asked.append(ids(rng.choice(FOLLOW_UPS).format(rng.choice(pool)))[:40])
+        questions.append(asked)
+    return Conversations([system], [0] * count, questions)
