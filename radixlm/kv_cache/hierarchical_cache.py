@@ -119,6 +119,9 @@ class HierarchicalCache(PrefixCache):
         self._readers = (ThreadPoolExecutor(DISK_READERS, "radixlm-kv-read")
                          if disk is not None else None)
         """Read a prompt's blocks side by side (file reads and checksums free the GIL)."""
+        self._warmer = ThreadPoolExecutor(1, "radixlm-kv-warm") if disk is not None else None
+        """Runs ``warm_up``'s reads, apart from the prompts' (which pass it: see there)."""
+        self._closing = False
         tree.on_evict = self._write_back
 
     # The radix tree's interface (L1) -------------------------------------------------------
@@ -242,15 +245,16 @@ class HierarchicalCache(PrefixCache):
     def warm_up(self) -> Future | None:
         """Starts reading the disk tier's most recently used blocks into the host tier (as
         many as it holds, the most recent last, so they stay), so that a restarted
-        server's first requests find them in host memory; None without a disk tier."""
+        server's first requests find them in host memory; None without a disk tier.
+
+        A request that comes meanwhile does not wait for the warm-up: the warm-up gives the
+        readers ``DISK_READERS`` blocks at a time, so a prompt's own reads (``prefetch``)
+        are queued behind one such group at most, and it skips blocks they brought in.
+        (With tensor parallelism the other ranks read a warm block once rank 0 has it.)"""
         if self.disk is None:
             return None
         keys = self.disk.recent_keys(self.host.capacity)[::-1]
-        if not keys:
-            return None
-        if self.host.mirror is not None:
-            self.host.mirror.fetching(keys)
-        return self._prefetcher.submit(self._warm_blocks, keys)
+        return self._warmer.submit(self._warm_blocks, keys) if keys else None
 
     def stats(self) -> dict:
         """Per-tier occupancy and traffic (``/get_server_info``, ``/metrics``)."""
@@ -272,6 +276,8 @@ class HierarchicalCache(PrefixCache):
         if self._worker is None:
             return
         worker, self._worker = self._worker, None  # (later blocks reach the host tier only)
+        self._closing = True  # (the warm-up stops after its current group)
+        self._warmer.shutdown(wait=True)
         self._prefetcher.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         worker.shutdown(wait=True)
@@ -356,11 +362,15 @@ class HierarchicalCache(PrefixCache):
     def _warm_blocks(self, keys: list[str]) -> int:
         """Reads ``keys`` (tokens unknown: their headers') into the host tier."""
         started, read = time.perf_counter(), 0
-        for found, key in zip(self._readers.map(self.disk.read_recorded, keys), keys):
-            if found is not None and key not in self.host:
-                tokens, tensors = found
-                self.host.put_tensors(key, tokens, tensors)
-                read += len(tokens)
+        for first in range(0, len(keys), DISK_READERS):
+            if self._closing:
+                break
+            group = [key for key in keys[first : first + DISK_READERS] if key not in self.host]
+            for found, key in zip(self._readers.map(self.disk.read_recorded, group), group):
+                if found is not None and key not in self.host:
+                    tokens, tensors = found
+                    self.host.put_tensors(key, tokens, tensors)
+                    read += len(tokens)
         self.counters.warmed_tokens += read
         self.counters.disk_hit_tokens += read
         self.counters.disk_read_seconds += time.perf_counter() - started
