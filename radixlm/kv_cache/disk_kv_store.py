@@ -2,7 +2,8 @@
 
 A block is the KV of ``block_tokens`` consecutive tokens (a multiple of the pool's page
 size): one tensor per per-slot buffer of the pool, in the order of ``layer_buffers()``,
-each (block_tokens, *slot_shape) of the pool's dtype. It is keyed by a chained hash over
+each (block_tokens, *slot_shape) of the pool's dtype, stored as one byte payload
+(``kv_block_format``). It is keyed by a chained hash over
 the whole prefix up to its end,
 
     key_{-1} = H(identity fingerprint, extra_key)      key_i = H(key_{i-1}, tokens of block i)
@@ -17,7 +18,8 @@ Invariants:
 - a file is indexed only if its header names this format version, this identity and the
   key of its file name; files of another identity or version are left alone, never read;
 - a read returns tensors only after every check passed (key, identity, the caller's tokens,
-  tensor names, shapes, dtypes, checksum); a file failing one is deleted and the read misses;
+  the payload's name, dtype and size, checksum); a file failing one is deleted and the read
+  misses;
 - a block file appears only whole: it is written to ``<key>.<tag>.tmp`` beside it, fsynced
   and renamed over the final name, so a crash leaves at most a temp file, which the next
   start-up of the same identity deletes (one live store per identity and directory);
@@ -61,7 +63,9 @@ from radixlm.kv_cache.kv_block_format import (
     StoreIdentity,
     chained_block_keys,
     header_metadata,
+    pack_payload,
     payload_checksum,
+    unpack_payload,
 )
 
 logger = logging.getLogger(__name__)
@@ -191,13 +195,13 @@ class DiskKVStore:
                 return True
             if self._closed:
                 return False
-        cpu_buffers = [t.detach().to("cpu").contiguous() for t in buffers]
+        payload = pack_payload([t.detach().to("cpu") for t in buffers])
         metadata = {
             "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
             "identity": self._identity_json, "key": key, "tokens": json.dumps(tokens),
-            "checksum": payload_checksum(cpu_buffers),
+            "checksum": payload_checksum([payload]),
         }
-        data = save_safetensors({f"buffer_{i}": t for i, t in enumerate(cpu_buffers)}, metadata)
+        data = save_safetensors({"payload": payload}, metadata)
         with self._lock:
             if key in self._index or self._closed:  # written meanwhile by another thread
                 return not self._closed
@@ -335,15 +339,13 @@ class DiskKVStore:
         for field, expected in checks:
             if metadata.get(field) != expected:
                 raise CorruptBlock(f"its {field} is not the expected one")
-        names = [f"buffer_{i}" for i in range(len(self.identity.buffer_shapes))]
-        if sorted(tensors) != sorted(names):
-            raise CorruptBlock(f"holds tensors {sorted(tensors)}, expected {names}")
-        buffers = [tensors[name] for name in names]
-        for i, (t, shape) in enumerate(zip(buffers, self.identity.buffer_shapes)):
-            expected = (self.identity.block_tokens, *shape)
-            if tuple(t.shape) != expected or t.dtype != self.identity.torch_dtype:
-                raise CorruptBlock(f"buffer {i} is {t.dtype} {tuple(t.shape)}")
-        if metadata.get("checksum") != payload_checksum(buffers):
+        if sorted(tensors) != ["payload"]:
+            raise CorruptBlock(f"holds tensors {sorted(tensors)}, expected ['payload']")
+        try:
+            buffers = unpack_payload(tensors["payload"], self.identity)
+        except ValueError as e:
+            raise CorruptBlock(str(e)) from None
+        if metadata.get("checksum") != payload_checksum([tensors["payload"]]):
             raise CorruptBlock("payload checksum mismatch")
         return tokens, buffers
 

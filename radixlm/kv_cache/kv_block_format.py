@@ -1,11 +1,13 @@
 """The disk tier's file format: a block's identity, key and checksum, and its header.
 
-A block file is safetensors (never a pickle): tensors ``buffer_0``, ``buffer_1``, ... (one
-per per-slot buffer of the pool, ``layer_buffers()`` order) and string metadata naming the
-format and its version, the writer's ``StoreIdentity``, the block's key and tokens, and a
-checksum of the payload. Keys chain over whole prefixes (``chained_block_keys``, see
-``disk_kv_store.py``), so a key names one content under one identity; everything here is
-pure (no I/O), shared by the store and the tiers above it.
+A block file is safetensors (never a pickle): one uint8 tensor ``payload``, the bytes of
+every per-slot buffer of the pool one after another (``layer_buffers()`` order, each
+(block_tokens, *slot_shape) of the pool's dtype: ``pack_payload``), and string metadata
+naming the format and its version, the writer's ``StoreIdentity``, the block's key and
+tokens, and a checksum of the payload (version 1 stored a tensor a buffer). Keys chain over
+whole prefixes (``chained_block_keys``, see ``disk_kv_store.py``), so a key names one
+content under one identity; everything here is pure (no I/O), shared by the store and the
+tiers above it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import struct
 from collections.abc import Sequence
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 FORMAT_NAME = "radixlm-kv-block"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 KEY_PATTERN = re.compile(r"[0-9a-f]{64}")
 
 
@@ -101,13 +104,32 @@ def chained_block_keys(fingerprint: str, block_tokens: int, tokens: Sequence[int
 
 
 def payload_checksum(buffers: Sequence[torch.Tensor]) -> str:
-    """A hash over the raw bytes of each tensor, any dtype (bfloat16 included)."""
-    h = hashlib.blake2b(digest_size=32)
+    """A hash (SHA-256: CPUs hash it in hardware) over the raw bytes of each tensor, any
+    dtype (bfloat16 included)."""
+    h = hashlib.sha256()
     for t in buffers:
         raw = t.contiguous().view(torch.uint8).reshape(-1).numpy()
         h.update(struct.pack("<Q", raw.nbytes))
         h.update(raw.data)
     return h.hexdigest()
+
+
+def pack_payload(buffers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The raw bytes of ``buffers`` (CPU tensors, any dtype), one after another: (N,) uint8."""
+    return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in buffers])
+
+
+def unpack_payload(payload: torch.Tensor, identity: StoreIdentity) -> list[torch.Tensor]:
+    """``pack_payload``'s buffers back, as views of ``payload``; ValueError if its size is
+    not what ``identity``'s block holds."""
+    dtype = identity.torch_dtype
+    shapes = [(identity.block_tokens, *shape) for shape in identity.buffer_shapes]
+    sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
+    if payload.dtype != torch.uint8 or tuple(payload.shape) != (sum(sizes),):
+        raise ValueError(f"a payload of {payload.dtype} {tuple(payload.shape)}, expected "
+                         f"{sum(sizes)} bytes")
+    return [part.view(dtype).view(shape)
+            for part, shape in zip(payload.split(sizes), shapes, strict=True)]
 
 
 def header_metadata(data: bytes) -> dict[str, str]:

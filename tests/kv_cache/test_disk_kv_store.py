@@ -265,7 +265,7 @@ def test_a_later_format_version_is_left_alone(tmp_path, caplog):
         (key, block_tokens, _), = fill(store, prompt(1))
     path = store.path_of(key)
     with safe_open(str(path), framework="pt") as f:
-        metadata = {**f.metadata(), "format_version": "2"}
+        metadata = {**f.metadata(), "format_version": "3"}
     save_file(load_file(str(path)), str(path), metadata)
     caplog.set_level(logging.WARNING, logger=LOGGER)
     restarted = DiskKVStore(tmp_path, identity, 1 << 20)
