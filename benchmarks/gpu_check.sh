@@ -20,6 +20,9 @@
 #   engine_tests     pytest tests/runtime/engine/test_engine_on_cuda.py -k "triton or bfloat16"
 #                    (the Triton and bf16-graph cases; the rest of the file is left out
 #                    to stay within the limit)
+#   host_tier        pytest -k cuda tests/kv_cache/test_host_kv_blocks.py and
+#                    test_disk_kv_store.py: the hierarchical cache's pinned host tier (its
+#                    write-backs on a side stream, no host wait) and the disk tier from CUDA
 #   host_waits       benchmarks/gpu_host_waits.py: host waits per decode step on every thread
 #                    (what torch.cuda.set_sync_debug_mode("warn") flags, and event and
 #                    device synchronizations), overlap and CUDA graphs on / off
@@ -108,8 +111,10 @@ log "== environment"
 part agreement 75 "$PYTHON" benchmarks/gpu_kernel_agreement.py
 part kernel_tests 90 "$PYTHON" -m pytest -q -p no:cacheprovider -m "triton and not slow" \
   tests/kernels
-part engine_tests 210 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=5 \
+part engine_tests 180 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=5 \
   -k "triton or bfloat16" tests/runtime/engine/test_engine_on_cuda.py
+part host_tier 30 "$PYTHON" -m pytest -q -p no:cacheprovider -k cuda \
+  tests/kv_cache/test_host_kv_blocks.py tests/kv_cache/test_disk_kv_store.py
 part host_waits 45 "$PYTHON" benchmarks/gpu_host_waits.py
 part flashinfer_vs_triton 45 "$PYTHON" benchmarks/bench_gpu_decode.py --parts attention \
   --batch 32 --context 2048 --page-sizes 16 --warmup 2 --iters 10

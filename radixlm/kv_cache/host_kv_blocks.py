@@ -17,13 +17,20 @@ Invariants:
 - every method holds ``_lock``, so the scheduler thread (writes from the device pool, loads
   into it) and the disk worker (blocks read from files, blocks read for files) may share it.
 
-Copies between the tiers are issued on the caller's thread: from the device pool with
-``index_select`` and ``copy_``, into it with the pool's ``write_rows`` (on CUDA both are
-queued on the current stream, in order with the passes before and after them, so a forward
-pass queued after a load reads the loaded KV, and a slot freed after a write-back is
-overwritten only after it was read, without a host wait). The host side waits
-(``wait_for_copies``) only where it touches a row itself: reading one for a file, or
-writing a block from disk into a row whose copies may still be in flight.
+Copies between the tiers are issued on the caller's thread, never waited for by the host:
+- from the device pool (a write-back): the blocks' slots are gathered on the current stream
+  into a device buffer first (``index_select``), so the pool's slots may be overwritten by
+  the next pass at once; on CUDA the copy from that buffer into the pinned rows runs on a
+  side stream of its own (after an event of the gather), overlapping the passes queued
+  after it; the buffer is kept for that stream (``record_stream``), and ``_stored`` marks
+  the copies' end;
+- into it (a load): on the current stream, after ``_stored`` (a row just written back may
+  be the one read), from the pinned rows into a device buffer and through the pool's
+  ``write_rows``, in order with the passes before and after it, so a pass queued after a
+  load reads the loaded KV; ``_loaded`` marks its end.
+The host side waits (``wait_for_copies``: both events) only where it touches a row itself:
+reading one for a file, or writing a block from disk into a row whose copies may still be
+in flight.
 
 Tensor parallelism: each rank's pool holds its share of the heads under the same slots, so
 each rank holds its share of every block in the same row. Rank 0's tier decides everything
@@ -37,6 +44,7 @@ before any rank loads it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -104,7 +112,10 @@ class HostKVBlocks:
         self._index: OrderedDict[str, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._free = list(range(capacity - 1, -1, -1))
         self._lock = threading.Lock()
-        self._copies = torch.cuda.Event() if pin else None
+        self._side = torch.cuda.Stream(device=self.device) if pin else None
+        """CUDA: the stream write-backs copy into the rows on."""
+        self._stored = torch.cuda.Event() if pin else None
+        self._loaded = torch.cuda.Event() if pin else None
         self._bytes_written = self._bytes_loaded = self._dropped = 0
         self.mirror: TierMirror | None = None
         """The other ranks' tiers (rank 0 of a tensor-parallel model), or None."""
@@ -284,28 +295,42 @@ class HostKVBlocks:
 
     def copy_from_pool(self, rows: Sequence[int], pool, slots: torch.Tensor) -> None:
         """Rows ``rows`` = the KV of ``slots`` ((len(rows) * block_tokens,) on the pool's
-        device), one block a row: one gather a buffer, one copy a run of adjacent rows."""
+        device), one block a row: one gather a buffer, one copy a run of adjacent rows (on
+        CUDA on the side stream: see the module)."""
         size, runs = self.block_tokens, _adjacent_runs(rows)
-        for host, device in zip(self.buffers, pool.layer_buffers(), strict=True):
-            data = device.index_select(0, slots)  # (len(rows) * size, *slot shape)
-            at = 0
-            for row, count in runs:
-                host[row : row + count].copy_(
-                    data[at * size : (at + count) * size].view(count, size, *host.shape[2:]),
-                    non_blocking=True)
-                at += count
-        if self._copies is not None:
-            self._copies.record()
+        # (the current stream: the KV as the passes before left it)
+        gathered = [device.index_select(0, slots) for device in pool.layer_buffers()]
+        side = self._side
+        if side is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+            side.wait_event(ready)
+        with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
+            for host, data in zip(self.buffers, gathered, strict=True):
+                at = 0
+                for row, count in runs:
+                    host[row : row + count].copy_(
+                        data[at * size : (at + count) * size].view(count, size,
+                                                                   *host.shape[2:]),
+                        non_blocking=True)
+                    at += count
+                if side is not None:
+                    data.record_stream(side)
+            if side is not None:
+                self._stored.record(side)
 
     def copy_into_pool(self, rows: Sequence[int], pool, slots: torch.Tensor,
                        skip: int = 0) -> None:
         """``slots`` ((len(rows) * block_tokens - skip,)) of ``pool`` = the tokens of rows
         ``rows``, one after another, from the first one's token ``skip`` on: one scatter a
-        buffer (from pinned rows, on CUDA, through a device buffer filled a run at a time)."""
+        buffer (on CUDA from the pinned rows through a device buffer, on the current stream
+        once the side stream's write-backs landed)."""
         runs = _adjacent_runs(rows)
+        if self._side is not None:
+            torch.cuda.current_stream().wait_event(self._stored)
         for host, device in zip(self.buffers, pool.layer_buffers(), strict=True):
             parts = [host[row : row + count].flatten(0, 1) for row, count in runs]
-            if self._copies is not None:  # (CUDA: no pageable staging, no host wait)
+            if self._side is not None:  # (no pageable staging, no host wait)
                 staged = torch.empty((sum(len(p) for p in parts), *host.shape[2:]),
                                      dtype=host.dtype, device=device.device)
                 at = 0
@@ -315,8 +340,8 @@ class HostKVBlocks:
             else:
                 staged = parts[0] if len(parts) == 1 else torch.cat(parts)
             pool.write_rows(device, slots, staged[skip:])
-        if self._copies is not None:
-            self._copies.record()
+        if self._loaded is not None:
+            self._loaded.record()
 
     def write_row(self, row: int, tensors: Sequence[torch.Tensor]) -> None:
         """Row ``row`` = ``tensors`` (CPU, one per buffer), once copies in flight landed."""
@@ -337,10 +362,11 @@ class HostKVBlocks:
 
     def wait_for_copies(self) -> None:
         """Waits until the copies to and from the device pool issued so far have landed
-        (CUDA: they run on the stream that issued them, in order with the passes around
+        (CUDA: the write-backs on the side stream, the loads on the stream that issued
         them; a CPU copy is done when issued)."""
-        if self._copies is not None:
-            self._copies.synchronize()
+        if self._side is not None:
+            self._stored.synchronize()
+            self._loaded.synchronize()
 
     def clear(self) -> None:
         with self._lock:

@@ -332,3 +332,38 @@ def test_two_threads_putting_and_loading_keep_the_counts_consistent():
     assert stats.bytes_written == sum(puts) * host.block_bytes
     assert stats.bytes_loaded == sum(loads) * host.block_bytes
     assert stats.dropped == sum(puts) - 8
+
+
+# ---- CUDA (the device check, benchmarks/gpu_check.sh, runs these) ------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_write_back_keeps_the_kv_of_its_time_and_no_copy_waits_on_the_host():
+    """The write-back's copy runs on the side stream while the current stream overwrites
+    the slots it came from (a freed slot's next use): the row holds the old KV, a load
+    brings it back into other slots, and neither call makes the host wait."""
+    torch.manual_seed(0)
+    pool = MHATokenToKVPool(1 << 14, 4, 8, 128, torch.bfloat16, "cuda")
+    for buffer in pool.layer_buffers():
+        buffer.copy_(torch.randn(buffer.shape, device="cuda").to(torch.bfloat16))
+    block = 512
+    host = HostKVBlocks(pool, block, capacity=4)
+    assert all(b.is_pinned() for b in host.buffers)
+    slots = torch.randperm(1 << 14, device="cuda")[: 3 * block]
+    expected = [b.index_select(0, slots).cpu() for b in pool.layer_buffers()]
+    blocks = [(f"k{i}", list(range(block)), False) for i in range(3)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert host.put_run_from_pool(blocks, pool, slots) == [True] * 3
+        for buffer in pool.layer_buffers():  # the slots' next use, at once
+            buffer.index_fill_(0, slots, -1.0)
+        target = torch.arange(3 * block - 7, device="cuda")
+        assert host.load_run_into_pool(["k0", "k1", "k2"], pool, target, skip=7) == 3
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    host.wait_for_copies()
+    for i in range(3):
+        got = host.block_tensors(f"k{i}")
+        assert_same_bytes(got, [e[i * block : (i + 1) * block] for e in expected])
+    assert_same_bytes([b[: 3 * block - 7].cpu() for b in pool.layer_buffers()],
+                      [e[7:] for e in expected])
