@@ -13,18 +13,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from radixlm.runtime import device_choice
 from radixlm.runtime.hicache_options import check_hicache_options
 from radixlm.runtime.lora_options import check_lora_options
+from radixlm.runtime.scale_out_options import check_scale_out_options
+from radixlm.runtime.scheduling_options import check_scheduling_options
 from radixlm.runtime.speculative.options import check_speculative_options
 
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-BATCHING_MODES = ("continuous", "static")
-SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 GRAMMAR_BACKENDS = ("xgrammar",)
-DISAGGREGATION_MODES = ("null", "prefill", "decode")
-TRANSFER_BACKENDS = ("tcp", "mooncake", "fake")
-DIST_BACKENDS = ("auto", "gloo", "nccl")
 REQUEST_CAPS = ("max_logprobs", "max_n", "max_samples_per_request", "max_prompt_logprob_entries",
                 "max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_logit_bias",
                 "max_request_parameter_entries",
@@ -305,32 +303,19 @@ class ServerArgs:
         _check_positive("page_size", self.page_size)
         _check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
         _check_positive("torch_compile_max_bs", self.torch_compile_max_bs)
-        if (self.enable_torch_compile and self.tp_size > 1
-                and self.resolved_device().type == "cpu"):
-            raise ValueError("enable_torch_compile and tensor parallelism (tp_size > 1) do "
-                             "not combine yet")
         if self.max_queued_requests is not None and (
             not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0
         ):
             raise ValueError(
                 f"max_queued_requests must be an integer >= 0, got {self.max_queued_requests!r}"
             )
-        if self.disaggregation_mode not in DISAGGREGATION_MODES:
-            raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, "
-                             f"got {self.disaggregation_mode!r}")
-        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
-            raise ValueError(f"disaggregation_transfer_backend must be one of "
-                             f"{TRANSFER_BACKENDS}, got {self.disaggregation_transfer_backend!r}")
-        if not 0 < self.disaggregation_bootstrap_port < 65536:
-            raise ValueError("disaggregation_bootstrap_port must be in 1..65535, got "
-                             f"{self.disaggregation_bootstrap_port}")
         for name in ("shutdown_timeout", "health_timeout", "disaggregation_timeout",
                      "dist_timeout"):
             seconds = getattr(self, name)
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
                     seconds >= 0):
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {seconds!r}")
-        self._check_parallelism()
+        check_scale_out_options(self)
         check_speculative_options(self)
         check_hicache_options(self)
         check_lora_options(self)
@@ -343,31 +328,14 @@ class ServerArgs:
             _check_positive("context_length", self.context_length)
         if self.num_threads is not None:
             _check_positive("num_threads", self.num_threads)
-        _check_positive("max_prefill_tokens", self.max_prefill_tokens)
         for name in REQUEST_CAPS:
             _check_positive(name, getattr(self, name))
         if self.chunked_prefill_size == -1:  # SGLang's spelling of "no chunking"
             self.chunked_prefill_size = None
-        if self.chunked_prefill_size is not None:
-            _check_positive("chunked_prefill_size", self.chunked_prefill_size)
-        if self.chunked_prefill_step_ms is not None:
-            _check_positive("chunked_prefill_step_ms", self.chunked_prefill_step_ms)
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(
-                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
-            )
+        check_scheduling_options(self)
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(
                 f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}"
-            )
-        if self.batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
-        for name in ("init_new_token_ratio", "min_new_token_ratio"):
-            if not 0.0 < getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
-        if not 0.0 <= self.new_token_ratio_decay < 1.0:
-            raise ValueError(
-                f"new_token_ratio_decay must be in [0, 1), got {self.new_token_ratio_decay}"
             )
         if not 0.0 < self.kv_cache_memory_fraction < 1.0:
             raise ValueError(
@@ -388,29 +356,6 @@ class ServerArgs:
         if self.resolved_device().type != "cpu":
             raise ValueError(f"quantization {self.quantization!r} is a CPU weight format; "
                              f"device {self.device!r} is not a CPU")
-
-    def _check_parallelism(self) -> None:
-        for name in ("tp_size", "nnodes"):
-            _check_positive(name, getattr(self, name))
-        if self.tp_size % self.nnodes:
-            raise ValueError(f"tp_size ({self.tp_size}) must be a multiple of nnodes "
-                             f"({self.nnodes}): each node hosts an equal share of the ranks")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
-        if self.dist_init_addr is not None:
-            host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
-        if not self.dist_timeout > 0:
-            raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout!r}")
-        if self.dist_backend not in DIST_BACKENDS:
-            raise ValueError(f"dist_backend must be one of {DIST_BACKENDS}, "
-                             f"got {self.dist_backend!r}")
-        if self.tp_size > 1 and self.disaggregation_mode != "null":
-            raise ValueError("tensor parallelism (tp_size > 1) and disaggregation_mode "
-                             f"{self.disaggregation_mode!r} do not combine yet")
 
     @classmethod
     def from_kwargs(cls, model_path: str | None = None, **options) -> ServerArgs:
@@ -436,51 +381,14 @@ class ServerArgs:
         return not self.disable_overlap_schedule
 
     def resolved_device(self) -> torch.device:
-        import torch
-
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return device_choice.resolved_device(self.device)
 
     def resolved_dtype(self) -> torch.dtype:
-        import torch
-
-        if self.dtype != "auto":
-            return getattr(torch, self.dtype)
-        if self.resolved_device().type == "cuda":
-            return torch.bfloat16
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return device_choice.resolved_dtype(self.dtype, self.resolved_device())
 
     def dtype_warning(self) -> str | None:
-        """Why the chosen dtype is a poor choice on this machine, or None.
-
-        On a CPU without native bf16, bf16 matmuls are emulated (about 9x slower than
-        float32) and round differently from CPUs that have it, so a greedy answer near a
-        tie can differ from both float32's and a native-bf16 machine's."""
-        if self.dtype != "bfloat16" or self.resolved_device().type != "cpu":
-            return None
-        if cpu_has_native_bf16():
-            return None
-        return (
-            "dtype=bfloat16 on a CPU without native bf16 (AVX512-BF16 or AMX) is slow (its "
-            "matmuls are emulated, several times slower than float32) and imprecise (answers "
-            "near a tie differ from float32's and from a native-bf16 CPU's); dtype=auto "
-            "picks float32 here"
-        )
-
-
-def cpu_has_native_bf16() -> bool:
-    """True where the CPU computes bf16 matmuls natively (AVX512-BF16 or AMX) and torch's
-    kernels run at that level (``ATEN_CPU_CAPABILITY=avx2`` holds them back to AVX2)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    has_flag = "avx512_bf16" in flags or "amx_bf16" in flags
-    import torch
-
-    return has_flag and torch.backends.cpu.get_cpu_capability() == "AVX512"
+        """Why the chosen dtype is a poor choice on this machine, or None."""
+        return device_choice.dtype_warning(self.dtype, self.resolved_device())
 
 
 def _check_positive(name: str, value: int) -> None:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from radixlm.cli import add_server_options
-from radixlm.runtime.server_args import ServerArgs, cpu_has_native_bf16
+from radixlm.runtime.device_choice import cpu_has_native_bf16
+from radixlm.runtime.server_args import ServerArgs
 
 
 def test_float32_never_warns_and_bfloat16_warns_only_without_native_bf16():

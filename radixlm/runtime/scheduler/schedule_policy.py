@@ -25,7 +25,7 @@ from radixlm.kv_cache.allocator import TokenToKVPoolAllocator
 from radixlm.kv_cache.base import MatchResult, PrefixCache
 from radixlm.kv_cache.radix_tree import RadixCache, TreeNode
 from radixlm.runtime.request import Req
-from radixlm.runtime.server_args import SCHEDULE_POLICIES
+from radixlm.runtime.scheduling_options import SCHEDULE_POLICIES
 
 LPM_QUEUE_LIMIT = 512
 """Above this many waiting requests, ``lpm`` and ``dfs-weight`` fall back to ``fcfs``: each

@@ -12,7 +12,7 @@ from runtime_checks import assert_engine_idle
 
 import radixlm
 from radixlm.models.default_model import default_model_path
-from radixlm.runtime.server_args import cpu_has_native_bf16
+from radixlm.runtime.device_choice import cpu_has_native_bf16
 
 pytestmark = pytest.mark.default_model
 
