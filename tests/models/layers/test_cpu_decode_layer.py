@@ -33,10 +33,11 @@ from radixlm.models.layers.weight_formats import (
 )
 from radixlm.models.layers.weight_storage import BlockedWeight
 from radixlm.models.model_config import ModelConfig
+from radixlm.runtime.device_choice import cpu_has_native_bf16
 from radixlm.runtime.model_executor import cpu_matmul_path
 from radixlm.runtime.model_executor.cpu_decode_runner import fused_decode_layer
 from radixlm.runtime.model_executor.model_runner import ModelRunner
-from radixlm.runtime.server_args import ServerArgs, cpu_has_native_bf16
+from radixlm.runtime.server_args import ServerArgs
 
 PROMPTS = [[3, 9, 4, 11, 7], [5, 2, 8] * 8, [12, 6] * 21]  # 5, 24 and 42 tokens
 DECODE_STEPS = 6

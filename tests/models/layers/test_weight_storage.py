@@ -23,7 +23,7 @@ from radixlm.models.layers.weight_storage import (
 )
 from radixlm.models.loader import load_model
 from radixlm.models.model_config import ModelConfig
-from radixlm.runtime.server_args import cpu_has_native_bf16
+from radixlm.runtime.device_choice import cpu_has_native_bf16
 
 PROMPT = ("The quick brown fox jumps over the lazy dog; Paris is the capital of France, "
           "Berlin the capital of Germany, and Rome the capital of Italy. Numbers: 1 2 3 4. "
