@@ -32,7 +32,7 @@ it. Not ``s`` after a letter-led word (``fp8s``), nor ``'s``; ``1.7x`` is no tim
 
 ALLOWLIST: dict[tuple[str, str], str] = {
     # (path under radixlm/, exact phrase on the line): why it is not a measurement
-    ("runtime/server_args.py", "dist_timeout must be > 0 seconds"):
+    ("runtime/scale_out_options.py", "dist_timeout must be > 0 seconds"):
         "the allowed range of a configured timeout, in an error message",
 }
 
