@@ -63,10 +63,9 @@ class HostTierLog:
     """Rank 0: the changes its tiers made to host rows, recorded until ``StepSender`` sends
     them (``take``); a ``TierMirror``."""
 
-    def __init__(self, sender, block_tokens: int):
+    def __init__(self, sender):
         """``sender``: rank 0's ``StepSender`` (it sends what ``take`` gives)."""
         self.sender = sender
-        self.block_tokens = block_tokens
         self._lock = threading.Lock()
         self._host: list[int] = []
         self._slots: list[torch.Tensor] = []

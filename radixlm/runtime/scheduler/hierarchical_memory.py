@@ -44,8 +44,7 @@ def build_hierarchical_cache(args: ServerArgs, runner: ModelRunner, tree: RadixC
                                                       runner.max_total_tokens))
     log = None
     if runner.step_sender is not None:  # (the other ranks mirror the rows)
-        log = host.mirror = runner.step_sender.host_tier = HostTierLog(runner.step_sender,
-                                                                       block)
+        log = host.mirror = runner.step_sender.host_tier = HostTierLog(runner.step_sender)
     disk = None
     if args.hicache_storage_backend == "file":
         disk = DiskKVStore(rank_directory(args.hicache_storage_dir, 0, ranks), identity,

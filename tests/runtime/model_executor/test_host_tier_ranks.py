@@ -67,7 +67,7 @@ class TwoRanks:
     def __init__(self, directory=None, pools=None):
         self.pools = pools or (random_pool(0), random_pool(1))
         self.host = HostKVBlocks(self.pools[0], BLOCK, CAPACITY)
-        self.log = self.host.mirror = HostTierLog(sender=None, block_tokens=BLOCK)
+        self.log = self.host.mirror = HostTierLog(sender=None)
         self.follower = HostTierFollower(self.pools[1], BLOCK, CAPACITY,
                                          None if directory is None else str(directory),
                                          1 << 30, 1, rank=1, size=2)
@@ -179,7 +179,7 @@ def test_a_block_the_follower_cannot_read_is_flagged_not_held(tmp_path):
 
     follower = HostTierFollower(random_pool(1), BLOCK, CAPACITY, str(tmp_path), 1 << 30, 1,
                                 rank=1, size=2)
-    log = HostTierLog(sender=None, block_tokens=BLOCK)
+    log = HostTierLog(sender=None)
     log.opened(fingerprint)
     log.fetching(ranks.keys[:3])
     for row, block in enumerate(range(3)):
