@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from hierarchical_rig import (
+    Rig,
     block_kv,
     kv_of,
     prompt,
@@ -117,14 +118,21 @@ def test_loads_stop_once_measured_to_cost_more_than_recomputing(make_rig):
     assert rig.cache.load_back(b) == 8 and rig.matched(b) == 8
 
 
-def test_prefetch_reads_only_what_l1_and_l2_lack(make_rig, tmp_path):
-    rig = make_rig(block=4, disk_dir=tmp_path)
+def only_on_disk(make_rig, disk_dir) -> tuple[Rig, list[int]]:
+    """A rig that served a 16-token prompt whose blocks are now on disk only (L1 and L2
+    emptied): (the rig, the prompt)."""
+    rig = make_rig(block=4, disk_dir=disk_dir)
     tokens = prompt(16)
     rig.serve(tokens)
     rig.evict_all()
     rig.drain()
     rig.cache.reset()
     rig.allocator.reset()
+    return rig, tokens
+
+
+def test_prefetch_reads_only_what_l1_and_l2_lack(make_rig, tmp_path):
+    rig, tokens = only_on_disk(make_rig, tmp_path)
     rig.serve(tokens[:4], load=False)  # block 0 in L1
     assert rig.cache.prefetch(tokens).result() == 12
     assert rig.disk.stats().read_hits == 3
@@ -153,13 +161,7 @@ def damage_delete(path: Path) -> None:
                                     damage_same_size_garbage, damage_delete])
 def test_a_damaged_file_under_a_live_cache_loads_only_the_whole_blocks(make_rig, tmp_path,
                                                                         caplog, damage):
-    rig = make_rig(block=4, disk_dir=tmp_path)
-    tokens = prompt(16)
-    rig.serve(tokens)
-    rig.evict_all()
-    rig.drain()
-    rig.cache.reset()
-    rig.allocator.reset()
+    rig, tokens = only_on_disk(make_rig, tmp_path)
     keys = rig.cache.block_keys(tokens, None)
     damage(rig.disk.path_of(keys[2]))
     caplog.set_level(logging.WARNING)

@@ -122,12 +122,19 @@ def identity_of(pool, rank: int) -> StoreIdentity:
                                  block_tokens=BLOCK, tp_rank=rank, tp_size=2)
 
 
-def test_a_followers_share_goes_to_its_own_directory_and_comes_back_from_it(tmp_path):
+def with_disks(tmp_path) -> tuple[TwoRanks, str, DiskKVStore]:
+    """Two ranks whose disk tiers are open under ``tmp_path``: (the ranks, rank 0's key
+    fingerprint, rank 0's disk tier)."""
     ranks = TwoRanks(tmp_path)
     fingerprint = identity_of(ranks.pools[0], 0).fingerprint()
     ranks.log.opened(fingerprint)
     disk = DiskKVStore(rank_directory(str(tmp_path), 0, 2), identity_of(ranks.pools[0], 0),
                        1 << 30)
+    return ranks, fingerprint, disk
+
+
+def test_a_followers_share_goes_to_its_own_directory_and_comes_back_from_it(tmp_path):
+    ranks, fingerprint, disk = with_disks(tmp_path)
     ranks.store(0, 0, disk)
     ranks.store(1, 4, disk)
     # A block only the device pool holds, written at shutdown straight from the slots.
@@ -161,11 +168,7 @@ def test_a_followers_share_goes_to_its_own_directory_and_comes_back_from_it(tmp_
 
 
 def test_a_block_the_follower_cannot_read_is_flagged_not_held(tmp_path):
-    ranks = TwoRanks(tmp_path)
-    fingerprint = identity_of(ranks.pools[0], 0).fingerprint()
-    ranks.log.opened(fingerprint)
-    disk = DiskKVStore(rank_directory(str(tmp_path), 0, 2), identity_of(ranks.pools[0], 0),
-                       1 << 30)
+    ranks, fingerprint, disk = with_disks(tmp_path)
     for block in range(3):
         ranks.store(block, 4 * block, disk)
     ranks.sync()
