@@ -366,6 +366,7 @@ def test_each_kv_transfer_failure_is_logged_with_its_request_room_and_peer(
             f"prefill server 127.0.0.1:{port}") in err, err
 
 
+@pytest.mark.slow  # (two servers: the tiers' own tests run in the default stage)
 def test_a_decode_server_with_host_tiers_loads_an_evicted_prefix_back(engine_for):
     """A decode server with the hierarchical cache: a prompt evicted from its small pool by
     later ones comes back from its host tier when asked again (only the last token's KV

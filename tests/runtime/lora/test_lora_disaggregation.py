@@ -29,6 +29,7 @@ def adapters(tiny_model_dir, tmp_path_factory) -> dict:
             for i, (name, config) in enumerate(ADAPTERS.items())}
 
 
+@pytest.mark.slow  # (two servers; LoRA and PD each run in the default stage)
 def test_paired_requests_on_adapters_decode_as_peft_does(engine_for, tiny_model_dir,
                                                          adapters):
     lora = dict(lora_paths=tuple(f"{n}={p}" for n, p in adapters.items()),

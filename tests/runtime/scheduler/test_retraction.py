@@ -63,7 +63,8 @@ def run(scheduler, prompts, params, **fields) -> list:
 # Through the Engine ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["lpm", pytest.param("fcfs", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (the tests below retract in the default stage)
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
 def test_requests_retracted_when_the_pool_runs_out_all_complete_with_their_own_tokens(
     engine_for, policy
 ):
