@@ -131,10 +131,17 @@ class HostKVBlocks:
     def run_length(self, keys: Sequence[str]) -> int:
         """How many of ``keys``, from the first, are stored."""
         with self._lock:
-            for n, key in enumerate(keys):
-                if key not in self._index:
-                    return n
-            return len(keys)
+            return len(self._leading_rows(keys))
+
+    def _leading_rows(self, keys: Sequence[str]) -> list[int]:
+        """(Holding the lock.) The rows of ``keys``, from the first, up to one not stored."""
+        rows = []
+        for key in keys:
+            found = self._index.get(key)
+            if found is None:
+                break
+            rows.append(found[0])
+        return rows
 
     def tokens_of(self, key: str) -> tuple[int, ...] | None:
         with self._lock:
@@ -179,13 +186,7 @@ class HostKVBlocks:
                 fresh = fresh[len(fresh) - self.capacity:]
             if not fresh:
                 return stored
-            rows = []
-            for _ in fresh:
-                if not self._free:
-                    _, (dropped, _) = self._index.popitem(last=False)
-                    self._free.append(dropped)
-                    self._dropped += 1
-                rows.append(self._free.pop())
+            rows = [self._take_row() for _ in fresh]
             whole = len(fresh) * size == len(slots)
             try:
                 self.copy_from_pool(rows, pool, slots if whole else torch.cat(
@@ -228,11 +229,7 @@ class HostKVBlocks:
             if key in self._index:
                 self._index.move_to_end(key)
                 return False
-            if not self._free:
-                _, (dropped, _) = self._index.popitem(last=False)
-                self._free.append(dropped)
-                self._dropped += 1
-            row = self._free.pop()
+            row = self._take_row()
             try:
                 copy(row)
             except BaseException:
@@ -241,6 +238,15 @@ class HostKVBlocks:
             self._index[key] = (row, tuple(tokens))
             self._bytes_written += self.block_bytes
             return True
+
+    def _take_row(self) -> int:
+        """(Holding the lock.) A free row, the least recently used block dropped if none is
+        (the caller indexes it, or gives it back to ``_free``)."""
+        if not self._free:
+            _, (dropped, _) = self._index.popitem(last=False)
+            self._free.append(dropped)
+            self._dropped += 1
+        return self._free.pop()
 
     # Out of the tier ----------------------------------------------------------------------
 
@@ -256,13 +262,9 @@ class HostKVBlocks:
         many of ``keys``, from the first, were stored and copied (their tokens into the
         first ``n * block_tokens - skip`` slots)."""
         with self._lock:
-            rows = []
-            for key in keys:
-                found = self._index.get(key)
-                if found is None:
-                    break
+            rows = self._leading_rows(keys)
+            for key in keys[: len(rows)]:
                 self._index.move_to_end(key)
-                rows.append(found[0])
             if not rows:
                 return 0
             count = len(rows) * self.block_tokens - skip
@@ -277,10 +279,8 @@ class HostKVBlocks:
         keys of the run that some rank could not read (dropped here; the caller drops
         them from the disk too). Without a mirror: ``run_length``, nothing dropped."""
         with self._lock:  # (held while the ranks answer: no row changes meanwhile)
-            run = 0
-            while run < len(keys) and keys[run] in self._index:
-                run += 1
-            rows = [self._index[key][0] for key in keys[:run]]
+            rows = self._leading_rows(keys)
+            run = len(rows)
             doubtful = [row for row in rows if row in self._unconfirmed]
             if not doubtful:
                 return run, []

@@ -4,6 +4,8 @@ prefill/decode disaggregation (light: the CLI's parser reads them).
 
 from __future__ import annotations
 
+from radixlm.runtime.option_checks import check_positive
+
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "mooncake", "fake")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
@@ -22,9 +24,7 @@ def check_scale_out_options(args) -> None:
         raise ValueError("disaggregation_bootstrap_port must be in 1..65535, got "
                          f"{args.disaggregation_bootstrap_port}")
     for name in ("tp_size", "nnodes"):
-        value = getattr(args, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(name, getattr(args, name))
     if args.tp_size % args.nnodes:
         raise ValueError(f"tp_size ({args.tp_size}) must be a multiple of nnodes "
                          f"({args.nnodes}): each node hosts an equal share of the ranks")

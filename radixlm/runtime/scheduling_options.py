@@ -4,6 +4,8 @@ chunks and the new-token ratios admission reserves by (light: the CLI's parser r
 
 from __future__ import annotations
 
+from radixlm.runtime.option_checks import check_positive
+
 BATCHING_MODES = ("continuous", "static")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 
@@ -15,9 +17,7 @@ def check_scheduling_options(args) -> None:
     names += [name for name in ("chunked_prefill_size", "chunked_prefill_step_ms")
               if getattr(args, name) is not None]
     for name in names:
-        value = getattr(args, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(name, getattr(args, name))
     if args.schedule_policy not in SCHEDULE_POLICIES:
         raise ValueError(
             f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")

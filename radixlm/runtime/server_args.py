@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 from radixlm.runtime import device_choice
 from radixlm.runtime.hicache_options import check_hicache_options
 from radixlm.runtime.lora_options import check_lora_options
+from radixlm.runtime.option_checks import check_positive
 from radixlm.runtime.scale_out_options import check_scale_out_options
 from radixlm.runtime.scheduling_options import check_scheduling_options
 from radixlm.runtime.speculative.options import check_speculative_options
@@ -300,9 +301,9 @@ class ServerArgs:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         self._check_quantization()
-        _check_positive("page_size", self.page_size)
-        _check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
-        _check_positive("torch_compile_max_bs", self.torch_compile_max_bs)
+        check_positive("page_size", self.page_size)
+        check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
+        check_positive("torch_compile_max_bs", self.torch_compile_max_bs)
         if self.max_queued_requests is not None and (
             not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0
         ):
@@ -321,15 +322,15 @@ class ServerArgs:
         check_lora_options(self)
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        _check_positive("max_running_requests", self.max_running_requests)
+        check_positive("max_running_requests", self.max_running_requests)
         if self.max_total_tokens is not None:
-            _check_positive("max_total_tokens", self.max_total_tokens)
+            check_positive("max_total_tokens", self.max_total_tokens)
         if self.context_length is not None:
-            _check_positive("context_length", self.context_length)
+            check_positive("context_length", self.context_length)
         if self.num_threads is not None:
-            _check_positive("num_threads", self.num_threads)
+            check_positive("num_threads", self.num_threads)
         for name in REQUEST_CAPS:
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.chunked_prefill_size == -1:  # SGLang's spelling of "no chunking"
             self.chunked_prefill_size = None
         check_scheduling_options(self)
@@ -389,8 +390,3 @@ class ServerArgs:
     def dtype_warning(self) -> str | None:
         """Why the chosen dtype is a poor choice on this machine, or None."""
         return device_choice.dtype_warning(self.dtype, self.resolved_device())
-
-
-def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
