@@ -60,7 +60,9 @@ def chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 MAX_LIVE_ENGINES = 3
 """Cached engines alive at once (each holds two child processes of a few hundred MB): the
-least recently used one that the running test does not use is shut down past this."""
+least recently used one that the running test does not use is shut down past this. They
+outlive their module: starting an engine costs seconds (mostly its scheduler's imports),
+and many modules ask for the same one."""
 
 _ENGINES: OrderedDict[tuple, radixlm.Engine] = OrderedDict()
 
@@ -89,14 +91,24 @@ def _test_settings_restored(_module_settings_restored):
     before.apply()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _shut_down_engines():
-    """An engine lives at most for its module: the cached engines (and in-process
-    schedulers) stop when it ends."""
+@pytest.fixture(scope="session", autouse=True)
+def _shut_down_engines_at_the_end():
+    """The cached engines stop when the session ends."""
     yield
     engines = list(_ENGINES.values())
     _ENGINES.clear()
     _shut_down(engines)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shut_down_engines(_shut_down_engines_at_the_end):
+    """A module hands on its cached engines as it would find a new one: each that still
+    serves with its prefix cache emptied, any other stopped. Its in-process schedulers stop
+    when it ends."""
+    yield
+    for key, engine in list(_ENGINES.items()):
+        if not (engine.is_healthy() and engine.flush_cache()):
+            _shut_down([_ENGINES.pop(key)])
     for scheduler, _ in _SCHEDULERS.values():
         scheduler.shutdown()
     _SCHEDULERS.clear()

@@ -1,7 +1,10 @@
 // The kernels' Python module: exactly the names of fused_ops.FUNCTIONS (the build names the
 // module, TORCH_EXTENSION_NAME). Errors raised in a kernel reach Python as torch's.
 
-#include <torch/extension.h>
+// (pybind11 and torch's casters only: torch/extension.h would add the whole C++ frontend,
+// doubling this file's build time)
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "kernels.h"
 
