@@ -5,8 +5,9 @@ torch's GEMM, side by side for passes of T rows; where they cross is
 
     PYTHONPATH=. python benchmarks/bench_gguf_matmul.py [--rows 1 4 16 64 512] [--repeats 5]
 
-Prints a markdown table (median milliseconds per pass) for a projection-sized weight in
-Q4_K and Q8_0 and a vocabulary head in Q8_0, float32 and bfloat16 activations. With
+Prints a markdown table (median milliseconds per pass) for projection-sized weights in
+Q4_K, Q6_K, Q5_0 and Q8_0 and a vocabulary head in Q8_0, float32 and bfloat16 activations
+(``--dtypes`` to choose). With
 ``--one-row-types``: instead, one bfloat16 row against every served type on 2048 x 1024 and
 8192 x 2048 weights (out x in) and the Q8_0 head, in ms and GB/s of blocks (a decode step's
 products).
@@ -31,8 +32,12 @@ from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.quantized.block_formats import NATIVE_TYPES, QType, row_bytes
 
 MATRICES = [("projection 640x2048", QType.Q4_K, 640, 2048),
+            ("projection 640x2048", QType.Q6_K, 640, 2048),
+            ("projection 2048x640", QType.Q5_0, 2048, 640),
             ("projection 640x2048", QType.Q8_0, 640, 2048),
             ("vocabulary head 262144x640", QType.Q8_0, 262144, 640)]
+SCALES = {QType.Q4_K: (0, 2), QType.Q6_K: (208,), QType.Q5_0: (0,), QType.Q8_0: (0,)}
+"""Where each block of these types keeps its float16 scales."""
 
 
 def random_blocks(qtype: QType, out_features: int, in_features: int) -> torch.Tensor:
@@ -41,9 +46,9 @@ def random_blocks(qtype: QType, out_features: int, in_features: int) -> torch.Te
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, (out_features, row_bytes(qtype, in_features)),
                           dtype=np.uint8)
-    size = {QType.Q4_K: 144, QType.Q8_0: 34}[qtype]
-    per_block = blocks.reshape(-1, size)
-    per_block[:, 0:4] = np.full((1, 2), 0.01, dtype=np.float16).view(np.uint8)
+    per_block = blocks.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
+    for at in SCALES[qtype]:
+        per_block[:, at:at + 2] = np.full((1, 1), 0.01, dtype=np.float16).view(np.uint8)
     return torch.from_numpy(blocks)
 
 
@@ -68,6 +73,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--one-row-types", action="store_true")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = parser.parse_args()
     if not fused_ops.enable():
         raise SystemExit(f"the fused CPU kernels are unavailable: "
@@ -80,7 +86,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, qtype, out_features, in_features in MATRICES:
         blocks = random_blocks(qtype, out_features, in_features)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (getattr(torch, name) for name in args.dtypes):
             buffer = torch.empty(out_features, in_features, dtype=dtype)
             decode = median_ms(partial(kernels.dequantize_blocks, blocks, int(qtype), buffer),
                                args.repeats)

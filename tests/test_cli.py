@@ -59,6 +59,7 @@ def test_generate_streams_a_raw_prompt_through_a_tiny_model(tiny_model_dir):
     assert len(result.stdout.strip()) > 0
 
 
+@pytest.mark.slow  # three CLI processes (8 s): CI's last stage
 def test_generate_reports_bad_input_without_a_traceback(tiny_model_dir):
     path = tiny_model_dir()
     result = run_cli("generate", "hello", "--model-path", str(path), "--temperature", "-1")

@@ -38,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add", torch::wrap_pybind_function(lora_add), "lora_add");
   m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
   m.def("quantized_matmul", torch::wrap_pybind_function(quantized_matmul), "quantized_matmul");
+  m.def("quantized_matmul_parts", torch::wrap_pybind_function(quantized_matmul_parts),
+        "quantized_matmul_parts");
   m.def("dequantize_blocks", torch::wrap_pybind_function(dequantize_blocks),
         "dequantize_blocks");
   m.def("quantized_bf16_dots_serve", torch::wrap_pybind_function(quantized_bf16_dots_serve),

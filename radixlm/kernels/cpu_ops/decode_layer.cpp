@@ -1,6 +1,7 @@
 // A pre-norm decoder layer's decode step (Llama's block: RMSNorm, QKV, RoPE, paged attention,
 // O, RMSNorm, gated SiLU MLP) in one call from Python. It calls the kernels of fused_ops.cpp,
-// few_rows_matmul.cpp, blocked_matmul.cpp and pair_matmul.cpp (or torch's linear) in the
+// few_rows_matmul.cpp, blocked_matmul.cpp, pair_matmul.cpp and quantized_matmul.cpp (or
+// torch's linear) in the
 // order and on the operands the layer's modules give them, so its outputs equal theirs to
 // the bit; what it leaves out is the Python between them (module calls, views, the
 // attention backend's dispatch: a quarter of a batch-1 step of the default model,
@@ -11,7 +12,7 @@
 #include "kernels.h"
 
 // fused_ops.ProjectionKernel's values, which the build passes (fused_ops._shared_constants).
-#if !defined(RADIXLM_PROJECTION_PAIRS) || !defined(RADIXLM_PROJECTION_INT8_BLOCKED)
+#if !defined(RADIXLM_PROJECTION_PAIRS) || !defined(RADIXLM_PROJECTION_GGUF)
 #error "build through fused_ops.py, which defines RADIXLM_PROJECTION_* from ProjectionKernel"
 #endif
 
@@ -30,6 +31,7 @@ enum ProjectionKernel : int64_t {
   kInt8Pairs = RADIXLM_PROJECTION_INT8_PAIRS,
   kBlocked = RADIXLM_PROJECTION_BLOCKED,
   kInt8Blocked = RADIXLM_PROJECTION_INT8_BLOCKED,
+  kGguf = RADIXLM_PROJECTION_GGUF,
 };
 
 // A pass's LoRA groups (lora_add's rows, starts, slots), or none (rows undefined).
@@ -43,13 +45,16 @@ struct LoraWeights {
   at::Tensor a, b_t, scales, ranks, bounds;
 };
 
-// A projection's weight (and int8 scales, else an empty tensor) and the kernel that
-// multiplies it, as the layer's Linear module would for this step's rows, then its adapters'
-// terms for the pass's rows that use one (lora_add, as the module's LoraProjection adds them).
+// A projection's weight (and int8 scales, else an empty tensor; for GGUF blocks, the parts
+// and their types) and the kernel that multiplies it, as the layer's Linear module would for
+// this step's rows, then its adapters' terms for the pass's rows that use one (lora_add, as
+// the module's LoraProjection adds them).
 struct Projection {
   int64_t kernel;
   at::Tensor weight, scales;
   LoraWeights lora;
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> types;
 
   at::Tensor operator()(const at::Tensor& x, const LoraPass& pass) const {
     at::Tensor y = multiply(x);
@@ -69,6 +74,7 @@ struct Projection {
       case kInt8Pairs: return int8_pair_matmul(x, weight, scales);
       case kBlocked: return blocked_matmul(x, weight);
       case kInt8Blocked: return blocked_int8_matmul(x, weight, scales);
+      case kGguf: return quantized_matmul_parts(x, parts, types);
     }
     TORCH_CHECK(false, "unknown projection kernel ", kernel);
   }
@@ -116,14 +122,30 @@ std::tuple<at::Tensor, at::Tensor> layer_step(
 }
 
 // Layer l's four projections from lists of four a layer (and five LoRA operands a
-// projection, where lora_weights is not empty).
+// projection, where lora_weights is not empty). A GGUF projection's scales are int64
+// (parts, 2): each part's ggml type and its index in gguf_parts.
 void layer_projections(const std::vector<int64_t>& kernels,
                        const std::vector<at::Tensor>& weights,
                        const std::vector<at::Tensor>& scales,
-                       const std::vector<at::Tensor>& lora_weights, size_t l,
+                       const std::vector<at::Tensor>& lora_weights,
+                       const std::vector<at::Tensor>& gguf_parts, size_t l,
                        Projection (&out)[4]) {
   for (size_t i = 0; i < 4; ++i) {
-    out[i] = Projection{kernels[4 * l + i], weights[4 * l + i], scales[4 * l + i], {}};
+    out[i] = Projection{kernels[4 * l + i], weights[4 * l + i], scales[4 * l + i], {}, {}, {}};
+    if (out[i].kernel == kGguf) {
+      const at::Tensor& table = out[i].scales;
+      TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 2 &&
+                      table.size(0) > 0 && table.is_contiguous(),
+                  "a GGUF projection's scales must be int64 (parts, 2): type and index");
+      const int64_t* entry = table.data_ptr<int64_t>();
+      for (int64_t p = 0; p < table.size(0); ++p) {
+        const int64_t type = entry[2 * p], index = entry[2 * p + 1];
+        TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(gguf_parts.size()),
+                    "a GGUF part's index is outside gguf_parts");
+        out[i].types.push_back(type);
+        out[i].parts.push_back(gguf_parts[index]);
+      }
+    }
     if (!lora_weights.empty()) {
       const at::Tensor* w = &lora_weights[5 * (4 * l + i)];
       out[i].lora = LoraWeights{w[0], w[1], w[2], w[3], w[4]};
@@ -151,7 +173,8 @@ LoraPass lora_pass_of(const std::vector<at::Tensor>& lora_pass) {
 //   read through kv_slots (T, S) and seq_lens (T,) as paged_decode_attention reads them.
 //   lora_pass: empty, or the pass's LoRA groups (rows, starts, slots: lora_add's), and then
 //   lora_weights: five lora_add operands (a, b_t, scales, ranks, bounds) for each of the four
-//   projections, an empty a where the projection has no adapters.
+//   projections, an empty a where the projection has no adapters. gguf_parts: the GGUF
+//   projections' blocks (quantized_matmul_parts' parts), which their scales index.
 //   Returns (the layer's output, the residual stream after its attention), both (T, hidden).
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& x, const at::Tensor& residual, bool has_residual,
@@ -161,14 +184,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     at::Tensor k_buffer, at::Tensor v_buffer, const at::Tensor& out_cache_loc,
     const at::Tensor& kv_slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
     double scale, const std::vector<at::Tensor>& lora_pass,
-    const std::vector<at::Tensor>& lora_weights) {
+    const std::vector<at::Tensor>& lora_weights, const std::vector<at::Tensor>& gguf_parts) {
   TORCH_CHECK(kernels.size() == 4 && weights.size() == 4 && scales.size() == 4,
               "four projections expected: qkv, o, gate_up, down");
   TORCH_CHECK(lora_weights.size() == (lora_pass.empty() ? 0 : 20),
               "lora_weights: five operands for each of the four projections with lora_pass");
   radixlm_decode_layer::Projection projections[4];
-  radixlm_decode_layer::layer_projections(kernels, weights, scales, lora_weights, 0,
-                                          projections);
+  radixlm_decode_layer::layer_projections(kernels, weights, scales, lora_weights, gguf_parts,
+                                          0, projections);
   return radixlm_decode_layer::layer_step(x, residual, has_residual, input_norm, post_norm,
                                           eps, projections, cos, signed_sin, k_buffer,
                                           v_buffer, out_cache_loc, kv_slots, seq_lens, heads,
@@ -190,7 +213,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     std::vector<at::Tensor> kv_buffers, const at::Tensor& out_cache_loc,
     const at::Tensor& kv_slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
     double scale, const std::vector<at::Tensor>& lora_pass,
-    const std::vector<at::Tensor>& lora_weights) {
+    const std::vector<at::Tensor>& lora_weights, const std::vector<at::Tensor>& gguf_parts) {
   const size_t layers = norms.size() / 2;
   TORCH_CHECK(layers > 0 && norms.size() == 2 * layers && kernels.size() == 4 * layers &&
                   weights.size() == 4 * layers && scales.size() == 4 * layers &&
@@ -203,8 +226,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   at::Tensor h = x, stream = x;
   for (size_t l = 0; l < layers; ++l) {
     radixlm_decode_layer::Projection projections[4];
-    radixlm_decode_layer::layer_projections(kernels, weights, scales, lora_weights, l,
-                                            projections);
+    radixlm_decode_layer::layer_projections(kernels, weights, scales, lora_weights,
+                                            gguf_parts, l, projections);
     std::tie(h, stream) = radixlm_decode_layer::layer_step(
         h, stream, l > 0, norms[2 * l], norms[2 * l + 1], eps, projections, cos, signed_sin,
         kv_buffers[2 * l], kv_buffers[2 * l + 1], out_cache_loc, kv_slots, seq_lens, heads,

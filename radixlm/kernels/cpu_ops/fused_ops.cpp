@@ -72,9 +72,9 @@ inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-// y = x / sqrt(mean(x^2) + eps) * w over one row of d.
-template <typename T>
-void norm_row(const T* x, const T* w, T* y, int64_t d, float eps) {
+// y = x / sqrt(mean(x^2) + eps) * w over one row of d (w stored as T or as float32).
+template <typename T, typename W>
+void norm_row(const T* x, const W* w, T* y, int64_t d, float eps) {
   const float scale = 1.f / std::sqrt(dot(x, x, d) / static_cast<float>(d) + eps);
   const Vec scale_vec(scale);
   int64_t i = 0;
@@ -85,8 +85,8 @@ void norm_row(const T* x, const T* w, T* y, int64_t d, float eps) {
 }
 
 // Rows [begin, end) of (rows, d) x: s = x + residual (rounded, if residual is given), y = norm(s).
-template <typename T>
-void norm_rows(const T* x, const T* residual, const T* w, T* s, T* y, int64_t begin,
+template <typename T, typename W>
+void norm_rows(const T* x, const T* residual, const W* w, T* s, T* y, int64_t begin,
                int64_t end, int64_t d, float eps) {
   for (int64_t r = begin; r < end; ++r) {
     const T* row = x + r * d;
@@ -172,7 +172,8 @@ void silu_mul_rows(const T* x, T* y, int64_t begin, int64_t end, int64_t width,
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors expected");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight dtypes differ");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() || weight.scalar_type() == at::kFloat,
+              "weight must be x's dtype or float32");
   TORCH_CHECK(weight.dim() == 1 && x.dim() >= 1 && x.size(-1) == weight.size(0),
               "weight must be (d,) for x (..., d)");
 }
@@ -198,9 +199,15 @@ std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* r
   DISPATCH_STORAGE_TYPES(x.scalar_type(), "rms_norm", [&] {
     const scalar_t* bp = residual != nullptr ? b.data_ptr<scalar_t>() : nullptr;
     scalar_t* sp = residual != nullptr ? sum.data_ptr<scalar_t>() : nullptr;
+    const bool wide = w.scalar_type() == at::kFloat;
     at::parallel_for(0, rows, row_grain(d), [&](int64_t begin, int64_t end) {
-      norm_rows(a.data_ptr<scalar_t>(), bp, w.data_ptr<scalar_t>(), sp,
-                out.data_ptr<scalar_t>(), begin, end, d, static_cast<float>(eps));
+      if (wide) {
+        norm_rows(a.data_ptr<scalar_t>(), bp, w.data_ptr<float>(), sp,
+                  out.data_ptr<scalar_t>(), begin, end, d, static_cast<float>(eps));
+      } else {
+        norm_rows(a.data_ptr<scalar_t>(), bp, w.data_ptr<scalar_t>(), sp,
+                  out.data_ptr<scalar_t>(), begin, end, d, static_cast<float>(eps));
+      }
     });
   });
   return {out, sum};
@@ -208,7 +215,9 @@ std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* r
 
 }  // namespace
 
-// rms_norm(x (..., d), weight (d,)) -> (..., d): F.rms_norm's result (one rounding).
+// rms_norm(x (..., d), weight (d,)) -> (..., d): F.rms_norm's result (one rounding). The
+// weight is x's dtype or float32 (then x / rms(x) * weight is taken in float32 and rounded
+// once, as Gemma's norm in float32 then cast back).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return std::get<0>(norm(x, nullptr, weight, eps));
 }

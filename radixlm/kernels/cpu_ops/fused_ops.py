@@ -53,13 +53,14 @@ operations inside ``F.rms_norm`` (figures in benchmarks/RESULTS.md). The kernels
 - ``argmax_rows(x)`` (in ``argmax.cpp``): ``x.argmax(dim=-1)`` over float32 logits, the
   same answers (ties, NaN) from vector lanes instead of torch's one value at a time
   (greedy sampling, ``runtime/sampling/sampler.py``);
-- ``quantized_matmul(x, blocks, type)`` and ``dequantize_blocks(blocks, type, out)`` (in
-  ``quantized_matmul.cpp``): rows against a GGUF block-quantized weight (llama.cpp's Q4_0 to
-  Q8_K layouts, ``kernels/quantized/block_formats.py``, ``gguf_blocks.h``), a few weight
-  rows' blocks decoded in registers against up to 4 rows of x at a time, float32 sums (in
-  ``quantized_matmul_bf16.cpp``, passes of up to 4 bfloat16 rows on a build with AVX-512 BF16:
-  each block's integers, unscaled, on bfloat16 dot products, its scales applied once to their
-  sums; ``quantized_bf16_dots_serve(x, type)`` says where); and
+- ``quantized_matmul(x, blocks, type)``, ``quantized_matmul_parts(x, parts, types)`` (a
+  weight stacked from parts of several types, one output) and ``dequantize_blocks(blocks,
+  type, out)`` (in ``quantized_matmul.cpp``): rows against a GGUF block-quantized weight
+  (llama.cpp's Q4_0 to Q8_K layouts, ``kernels/quantized/block_formats.py``,
+  ``gguf_blocks.h``), a few weight rows' blocks decoded in registers against up to 4 rows of
+  x at a time, float32 sums (in ``quantized_matmul_bf16.cpp``, bfloat16 rows on a build with
+  AVX-512 BF16: each block's integers, unscaled, on bfloat16 dot products, its scales
+  applied once to their sums; ``quantized_bf16_dots_serve(x, type)`` says where); and
   the weight decoded into a reused buffer for torch's GEMM (``models/layers/gguf_weight.py``
   picks between them by rows).
 
@@ -119,7 +120,8 @@ FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "si
              "paged_prefill_attention", "prefill_attention_available", "pair_matmul",
              "int8_pair_matmul", "pair_matmul_silu", "int8_pair_matmul_silu",
              "pair_matmul_available", "decode_layer", "decode_layers", "lora_add",
-             "argmax_rows", "quantized_matmul", "dequantize_blocks", "quantized_bf16_dots_serve")
+             "argmax_rows", "quantized_matmul", "quantized_matmul_parts", "dequantize_blocks",
+             "quantized_bf16_dots_serve")
 COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
@@ -134,6 +136,7 @@ class ProjectionKernel(enum.IntEnum):
     INT8_PAIRS = 4  # int8_pair_matmul(x, weight, scales)
     BLOCKED = 5  # blocked_matmul(x, weight), weight in column blocks
     INT8_BLOCKED = 6  # blocked_int8_matmul(x, weight, scales), int8 column blocks
+    GGUF = 7  # quantized_matmul_parts(x, parts, types): scales index the call's gguf_parts
 
 
 OLD_BUILD_DAYS = 30

@@ -58,7 +58,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     at::Tensor k_buffer, at::Tensor v_buffer, const at::Tensor& out_cache_loc,
     const at::Tensor& kv_slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
     double scale, const std::vector<at::Tensor>& lora_pass,
-    const std::vector<at::Tensor>& lora_weights);
+    const std::vector<at::Tensor>& lora_weights, const std::vector<at::Tensor>& gguf_parts);
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
     const std::vector<int64_t>& kernels, const std::vector<at::Tensor>& weights,
@@ -66,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     std::vector<at::Tensor> kv_buffers, const at::Tensor& out_cache_loc,
     const at::Tensor& kv_slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
     double scale, const std::vector<at::Tensor>& lora_pass,
-    const std::vector<at::Tensor>& lora_weights);
+    const std::vector<at::Tensor>& lora_weights, const std::vector<at::Tensor>& gguf_parts);
 
 // argmax.cpp
 void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& rows, const at::Tensor& starts,
@@ -77,10 +77,12 @@ at::Tensor argmax_rows(const at::Tensor& x);
 
 // quantized_matmul.cpp
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type);
+at::Tensor quantized_matmul_parts(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                                  const std::vector<int64_t>& types);
 void dequantize_blocks(const at::Tensor& blocks, int64_t type, at::Tensor& out);
 
 // quantized_matmul_bf16.cpp: quantized_matmul's few bfloat16 rows; _dots returns whether it
-// served (x contiguous, w its weight's blocks of N rows, out (M, N) bfloat16).
+// served (x contiguous, w its weight's blocks of N rows, out (M, N) bfloat16, rows ld apart).
 bool quantized_bf16_dots_serve(const at::Tensor& x, int64_t type);
 bool quantized_matmul_bf16_dots(const at::Tensor& x, const uint8_t* w, int64_t N, int64_t type,
-                                at::Tensor& out);
+                                at::BFloat16* out, int64_t ld);

@@ -3,7 +3,9 @@
 //
 // quantized_matmul(x, blocks, type): out = x @ W.T for x (M, K) float32 or bfloat16 and W
 // (N, K) stored as `blocks`, uint8 (N, row bytes), each row K / values blocks of the ggml
-// type `type` (gguf.GGMLQuantizationType's number). The blocks of a few weight rows are
+// type `type` (gguf.GGMLQuantizationType's number). quantized_matmul_parts(x, parts, types):
+// the same for W stacked from parts of possibly different types along N (a checkpoint's q, k
+// and v), each part's product written into its columns of one output. The blocks of a few weight rows are
 // decoded in registers and multiplied there with up to 4 rows of x at a time, again for each
 // further 4 rows (from L1). Sums in float32, each output rounded once to x's type. Threads
 // split the output rows.
@@ -47,14 +49,14 @@ inline void decode_span(const uint8_t* row, int64_t first, int64_t count, float*
 }
 
 // Rows [0, MB) of x against weight rows [0, R), decoded in registers block by block into
-// out[m * N + r]: for a few rows of x (each further group of rows would decode them again).
+// out[m * ld + r]: for a few rows of x (each further group of rows would decode them again).
 // The weights kPrefetchBytes past each block are asked for as it is read: a tile's rows are
 // contiguous, so that is the same columns of the rows some tiles on.
 using radixlm_matmul::kPrefetchBytes;
 
 template <typename F, int R, int MB, typename X>
 inline void register_tile(const X* x, int64_t K, const uint8_t* w, int64_t row_bytes, X* out,
-                          int64_t N) {
+                          int64_t ld) {
   Lanes acc[MB][R] = {};
   const int64_t blocks = K / F::kValues;
   for (int64_t i = 0; i < blocks; ++i) {
@@ -73,7 +75,7 @@ inline void register_tile(const X* x, int64_t K, const uint8_t* w, int64_t row_b
     for (int r = 0; r < R; ++r) {
       float sum = 0.f;
       for (int64_t i = 0; i < kWidth; ++i) sum += acc[m][r][i];
-      out[m * N + r] = static_cast<X>(sum);
+      out[m * ld + r] = static_cast<X>(sum);
     }
   }
 }
@@ -82,53 +84,54 @@ inline void register_tile(const X* x, int64_t K, const uint8_t* w, int64_t row_b
 // few KiB, stay in L1 while each group decodes them again).
 template <typename F, int R, typename X>
 inline void register_rows(const X* x, int64_t M, int64_t K, const uint8_t* w,
-                          int64_t row_bytes, X* out, int64_t N) {
+                          int64_t row_bytes, X* out, int64_t ld) {
   if constexpr (R > 4) {  // (the tiles of one row of x)
     for (int64_t m = 0; m < M; ++m) {
-      register_tile<F, R, 1>(x + m * K, K, w, row_bytes, out + m * N, N);
+      register_tile<F, R, 1>(x + m * K, K, w, row_bytes, out + m * ld, ld);
     }
     return;
   }
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) register_tile<F, R, 4>(x + m * K, K, w, row_bytes, out + m * N, N);
+  for (; m + 4 <= M; m += 4) register_tile<F, R, 4>(x + m * K, K, w, row_bytes, out + m * ld, ld);
   switch (M - m) {
-    case 3: return register_tile<F, R, 3>(x + m * K, K, w, row_bytes, out + m * N, N);
-    case 2: return register_tile<F, R, 2>(x + m * K, K, w, row_bytes, out + m * N, N);
-    case 1: return register_tile<F, R, 1>(x + m * K, K, w, row_bytes, out + m * N, N);
+    case 3: return register_tile<F, R, 3>(x + m * K, K, w, row_bytes, out + m * ld, ld);
+    case 2: return register_tile<F, R, 2>(x + m * K, K, w, row_bytes, out + m * ld, ld);
+    case 1: return register_tile<F, R, 1>(x + m * K, K, w, row_bytes, out + m * ld, ld);
     default: return;
   }
 }
 
-// out (M, N) = x (M, K) @ W.T in tiles of R weight rows (the rest one by one), split between
-// the threads.
+// out (M, N; rows ld apart) = x (M, K) @ W.T in tiles of R weight rows (the rest one by
+// one), split between the threads.
 template <typename F, int R, typename X>
-void register_matmul(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, X* out) {
+void register_matmul(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, X* out,
+                     int64_t ld) {
   const int64_t row_bytes = K / F::kValues * F::kBytes;
   const int64_t tiles = N / R;
   const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(R * K * M, 1));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      register_rows<F, R>(x, M, K, w + t * R * row_bytes, row_bytes, out + t * R, N);
+      register_rows<F, R>(x, M, K, w + t * R * row_bytes, row_bytes, out + t * R, ld);
     }
   });
   for (int64_t n = tiles * R; n < N; ++n) {
-    register_rows<F, 1>(x, M, K, w + n * row_bytes, row_bytes, out + n, N);
+    register_rows<F, 1>(x, M, K, w + n * row_bytes, row_bytes, out + n, ld);
   }
 }
 
 // One row of x: 8 weight rows a tile (8 streams of weights); more: 4 weight rows by 4 of x
 // on AVX-512's 32 registers, 3 by 4 on AVX2's 16.
 template <typename F, typename X>
-void matmul(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, X* out) {
+void matmul(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, X* out, int64_t ld) {
 #if defined(CPU_CAPABILITY_AVX512)
   constexpr int kWeightsPerTile = 4;
 #else
   constexpr int kWeightsPerTile = 3;
 #endif
   if (M == 1) {
-    register_matmul<F, 8>(x, M, K, w, N, out);
+    register_matmul<F, 8>(x, M, K, w, N, out, ld);
   } else {
-    register_matmul<F, kWeightsPerTile>(x, M, K, w, N, out);
+    register_matmul<F, kWeightsPerTile>(x, M, K, w, N, out, ld);
   }
 }
 
@@ -149,29 +152,47 @@ int64_t row_values(const at::Tensor& blocks, int64_t type) {
 
 }  // namespace radixlm_quant
 
-at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
-  const int64_t K = radixlm_quant::row_values(blocks, type);
+at::Tensor quantized_matmul_parts(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                                  const std::vector<int64_t>& types) {
+  TORCH_CHECK(!parts.empty() && parts.size() == types.size(),
+              "one type for each of one or more parts expected");
+  const int64_t K = radixlm_quant::row_values(parts[0], types[0]);
+  int64_t N = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    TORCH_CHECK(radixlm_quant::row_values(parts[i], types[i]) == K,
+                "every part must hold rows of ", K, " values");
+    N += parts[i].size(0);
+  }
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 CPU (M, K) tensor for K = ", K);
   const at::Tensor a = x.contiguous();
-  const int64_t M = a.size(0), N = blocks.size(0);
+  const int64_t M = a.size(0);
   at::Tensor out = at::empty({M, N}, a.options());
   if (M == 0 || N == 0) return out;
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  AT_DISPATCH_SWITCH(a.scalar_type(), "quantized_matmul", AT_DISPATCH_CASE(at::kFloat, [&] {
-    radixlm_quant::dispatch_format(type, [&](auto format) {
-      radixlm_quant::matmul<decltype(format)>(a.data_ptr<scalar_t>(), M, K, w, N,
-                                               out.data_ptr<scalar_t>());
-    });
-  }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-    if (quantized_matmul_bf16_dots(a, w, N, type, out)) return;
-    radixlm_quant::dispatch_format(type, [&](auto format) {
-      radixlm_quant::matmul<decltype(format)>(a.data_ptr<scalar_t>(), M, K, w, N,
-                                               out.data_ptr<scalar_t>());
-    });
-  }));
+  int64_t first = 0;  // the part's first output column
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const uint8_t* w = parts[i].data_ptr<uint8_t>();
+    const int64_t rows = parts[i].size(0), type = types[i];
+    AT_DISPATCH_SWITCH(a.scalar_type(), "quantized_matmul", AT_DISPATCH_CASE(at::kFloat, [&] {
+      radixlm_quant::dispatch_format(type, [&](auto format) {
+        radixlm_quant::matmul<decltype(format)>(a.data_ptr<scalar_t>(), M, K, w, rows,
+                                                 out.data_ptr<scalar_t>() + first, N);
+      });
+    }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      scalar_t* o = out.data_ptr<scalar_t>() + first;
+      if (quantized_matmul_bf16_dots(a, w, rows, type, o, N)) return;
+      radixlm_quant::dispatch_format(type, [&](auto format) {
+        radixlm_quant::matmul<decltype(format)>(a.data_ptr<scalar_t>(), M, K, w, rows, o, N);
+      });
+    }));
+    first += rows;
+  }
   return out;
+}
+
+at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+  return quantized_matmul_parts(x, {blocks}, {type});
 }
 
 void dequantize_blocks(const at::Tensor& blocks, int64_t type, at::Tensor& out) {

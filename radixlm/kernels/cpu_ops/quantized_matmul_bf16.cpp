@@ -1,6 +1,6 @@
-// quantized_matmul's passes of 1 to 4 bfloat16 rows (1 for Q4_0 to Q5_1) on AVX-512 BF16 dot
-// products (see quantized_matmul.cpp, which hands them here where quantized_bf16_dots_serve
-// says so).
+// quantized_matmul's passes of a few bfloat16 rows (up to kMaxRows; 1 for Q4_0 to Q5_1) on
+// AVX-512 BF16 dot products (see quantized_matmul.cpp, which hands them here where
+// quantized_bf16_dots_serve says so).
 //
 // Each block's quantized integers are decoded exactly, before any scale, and converted to
 // bfloat16 (exact for these small integers: a table lookup, vpermw, for the 4-, 5- and 6-bit
@@ -13,7 +13,8 @@
 // with the offset m (Q4_1, Q5_1) or -dmin * m (K types), and each 32 values' sum(x) of a row
 // of x computed once per call, shared by every weight row. The results differ from the
 // float32 lanes' (d * q decoded, then multiplied) only by float32 rounding of the sums.
-// Threads split the output rows, R weight rows a tile, as the float32 path does.
+// Threads split the output rows, R weight rows a tile, as the float32 path does; more than 4
+// rows of x go 4 at a time over each tile while its blocks are in L1.
 
 #include "common.h"
 #include "kernels.h"
@@ -29,7 +30,7 @@ using radixlm_matmul::kPrefetchBytes;
 using radixlm_quant::float_at;
 using radixlm_quant::half_at;
 
-constexpr int64_t kMaxRows = 4;
+constexpr int64_t kMaxRows = 32;  // (the row limits that pay are gguf_weight.py's)
 
 // bfloat16 lookup tables of the integers a type's indices stand for (vpermw reads an index's
 // low 5 bits; vpermt2w its low 6 from two tables).
@@ -254,11 +255,11 @@ struct Q8_K {
 };
 
 // Rows [0, MB) of x (widened at xf for Q8_0 and Q8_K; their sums of each 32 values in xsum,
-// K / 32 a row, for an affine one) against weight rows [0, R) into out[m * N + r].
+// K / 32 a row, for an affine one) against weight rows [0, R) into out[m * ld + r].
 template <typename F, int R, int MB>
 inline void tile(const at::BFloat16* x, const float* xf, const float* xsum, int64_t K,
                  const uint8_t* w,
-                 int64_t row_bytes, const Tables& t, at::BFloat16* out, int64_t N) {
+                 int64_t row_bytes, const Tables& t, at::BFloat16* out, int64_t ld) {
   constexpr int kSums = F::kValues / 32;
   __m512 acc[MB][R];
   float offset_acc[MB][R];
@@ -298,28 +299,50 @@ inline void tile(const at::BFloat16* x, const float* xf, const float* xsum, int6
   }
   for (int m = 0; m < MB; ++m) {
     for (int r = 0; r < R; ++r) {
-      out[m * N + r] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m][r]) + offset_acc[m][r]);
+      out[m * ld + r] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m][r]) + offset_acc[m][r]);
     }
   }
 }
 
-// out (MB, N) = x (MB, K) @ W.T in tiles of R weight rows (the rest one by one), split
-// between the threads.
+// Rows [0, M) of x against weight rows [0, R) into out[m * ld + r]: MB rows at a time while
+// the tile's blocks stay in L1 (each group decodes them again), the last group smaller.
 template <typename F, int R, int MB>
-void run(const at::BFloat16* x, const float* xf, const float* xsum, int64_t K,
-         const uint8_t* w, int64_t N, at::BFloat16* out) {
+inline void row_groups(const at::BFloat16* x, const float* xf, const float* xsum, int64_t M,
+                       int64_t K, const uint8_t* w, int64_t row_bytes, const Tables& t,
+                       at::BFloat16* out, int64_t ld) {
+  const auto group = [&](auto rows, int64_t m) {
+    constexpr int kRows = decltype(rows)::value;
+    tile<F, R, kRows>(x + m * K, xf + (xf != nullptr ? m * K : 0), xsum + m * (K / 32), K, w,
+                      row_bytes, t, out + m * ld, ld);
+  };
+  int64_t m = 0;
+  for (; m + MB <= M; m += MB) group(std::integral_constant<int, MB>(), m);
+  switch (M - m) {
+    case 3: return group(std::integral_constant<int, 3>(), m);
+    case 2: return group(std::integral_constant<int, 2>(), m);
+    case 1: return group(std::integral_constant<int, 1>(), m);
+    default: return;
+  }
+}
+
+// out (M, N; rows ld apart) = x (M, K) @ W.T in tiles of R weight rows (the rest one by
+// one), split between the threads.
+template <typename F, int R, int MB>
+void run(const at::BFloat16* x, const float* xf, const float* xsum, int64_t M, int64_t K,
+         const uint8_t* w, int64_t N, at::BFloat16* out, int64_t ld) {
   const int64_t row_bytes = K / F::kValues * F::kBytes;
   const int64_t tiles = N / R;
-  const int64_t grain = std::max<int64_t>(1, kParallelWork / (R * K * MB));
+  const int64_t grain = std::max<int64_t>(1, kParallelWork / (R * K * M));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     const Tables t = F::tables();
     for (int64_t i = begin; i < end; ++i) {
-      tile<F, R, MB>(x, xf, xsum, K, w + i * R * row_bytes, row_bytes, t, out + i * R, N);
+      row_groups<F, R, MB>(x, xf, xsum, M, K, w + i * R * row_bytes, row_bytes, t,
+                           out + i * R, ld);
     }
   });
   const Tables t = F::tables();
   for (int64_t n = tiles * R; n < N; ++n) {
-    tile<F, 1, MB>(x, xf, xsum, K, w + n * row_bytes, row_bytes, t, out + n, N);
+    row_groups<F, 1, MB>(x, xf, xsum, M, K, w + n * row_bytes, row_bytes, t, out + n, ld);
   }
 }
 
@@ -339,26 +362,23 @@ std::vector<float> sums_of_32(const at::BFloat16* x, int64_t M, int64_t K) {
 
 template <typename F>
 void matmul(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-            at::BFloat16* out) {
+            at::BFloat16* out, int64_t ld) {
   const std::vector<float> xsum = F::kAffine ? sums_of_32(x, M, K) : std::vector<float>();
   constexpr bool kWideX = std::is_same_v<F, Q8_0> || std::is_same_v<F, Q8_K>;
   std::vector<float> wide(kWideX ? M * K : 0);
   if (kWideX) at::vec::convert(x, wide.data(), M * K);
-  const float *s = xsum.data(), *xf = wide.data();
-  switch (M) {  // one row: 8 weight rows a tile (8 streams of weights); more: 4
-    case 1: return run<F, 8, 1>(x, xf, s, K, w, N, out);
-    case 2: return run<F, 4, 2>(x, xf, s, K, w, N, out);
-    case 3: return run<F, 4, 3>(x, xf, s, K, w, N, out);
-    default: return run<F, 4, 4>(x, xf, s, K, w, N, out);
-  }
+  const float *s = xsum.data(), *xf = kWideX ? wide.data() : nullptr;
+  // One row: 8 weight rows a tile (8 streams of weights); more: 4 by 4 rows of x.
+  if (M == 1) return run<F, 8, 1>(x, xf, s, M, K, w, N, out, ld);
+  return run<F, 4, 4>(x, xf, s, M, K, w, N, out, ld);
 }
 
 }  // namespace radixlm_quant_bf16
 
 #endif
 
-// Which passes the dot products take: bfloat16 x of 1 to 4 rows, on a build with AVX-512 BF16;
-// for the 32-value types of 4 and 5 bits (Q4_0 to Q5_1), one row only (over more rows, one
+// Which passes the dot products take: bfloat16 x of 1 to kMaxRows rows, on a build with
+// AVX-512 BF16; for the 32-value types of 4 and 5 bits (Q4_0 to Q5_1), one row only (over more rows, one
 // scale a row per 32 values costs as many multiply-adds as the float32 lanes' decoding saves).
 bool quantized_bf16_dots_serve(const at::Tensor& x, int64_t type) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
@@ -373,23 +393,22 @@ bool quantized_bf16_dots_serve(const at::Tensor& x, int64_t type) {
 }
 
 bool quantized_matmul_bf16_dots(const at::Tensor& x, const uint8_t* w, int64_t N, int64_t type,
-                                at::Tensor& out) {
+                                at::BFloat16* out, int64_t ld) {
   if (!quantized_bf16_dots_serve(x, type)) return false;
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
   namespace q = radixlm_quant_bf16;
   const at::BFloat16* a = x.data_ptr<at::BFloat16>();
-  at::BFloat16* o = out.data_ptr<at::BFloat16>();
   const int64_t M = x.size(0), K = x.size(1);
   switch (type) {
-    case radixlm_quant::kQ4_0: q::matmul<q::Q4_0>(a, M, K, w, N, o); break;
-    case radixlm_quant::kQ4_1: q::matmul<q::Q4_1>(a, M, K, w, N, o); break;
-    case radixlm_quant::kQ5_0: q::matmul<q::Q5_0>(a, M, K, w, N, o); break;
-    case radixlm_quant::kQ5_1: q::matmul<q::Q5_1>(a, M, K, w, N, o); break;
-    case radixlm_quant::kQ8_0: q::matmul<q::Q8_0>(a, M, K, w, N, o); break;
-    case radixlm_quant::kQ4_K: q::matmul<q::Q4_K>(a, M, K, w, N, o); break;
-    case radixlm_quant::kQ5_K: q::matmul<q::Q5_K>(a, M, K, w, N, o); break;
-    case radixlm_quant::kQ6_K: q::matmul<q::Q6_K>(a, M, K, w, N, o); break;
-    case radixlm_quant::kQ8_K: q::matmul<q::Q8_K>(a, M, K, w, N, o); break;
+    case radixlm_quant::kQ4_0: q::matmul<q::Q4_0>(a, M, K, w, N, out, ld); break;
+    case radixlm_quant::kQ4_1: q::matmul<q::Q4_1>(a, M, K, w, N, out, ld); break;
+    case radixlm_quant::kQ5_0: q::matmul<q::Q5_0>(a, M, K, w, N, out, ld); break;
+    case radixlm_quant::kQ5_1: q::matmul<q::Q5_1>(a, M, K, w, N, out, ld); break;
+    case radixlm_quant::kQ8_0: q::matmul<q::Q8_0>(a, M, K, w, N, out, ld); break;
+    case radixlm_quant::kQ4_K: q::matmul<q::Q4_K>(a, M, K, w, N, out, ld); break;
+    case radixlm_quant::kQ5_K: q::matmul<q::Q5_K>(a, M, K, w, N, out, ld); break;
+    case radixlm_quant::kQ6_K: q::matmul<q::Q6_K>(a, M, K, w, N, out, ld); break;
+    case radixlm_quant::kQ8_K: q::matmul<q::Q8_K>(a, M, K, w, N, out, ld); break;
     default: return false;
   }
   return true;

@@ -6,7 +6,8 @@ layer takes there is in benchmarks/RESULTS.md). Where every kernel of the layer'
 one of the fused CPU kernels' or torch's
 linear (attention over the pool, ``paged_decode_attention``; each projection as its
 ``Linear`` multiplies it for the step's rows, ``Linear.fused_projection``: weights by column
-pairs, int8 or float16 weight-only formats, float32 or bfloat16 rows), the kernels'
+pairs, int8 or float16 weight-only formats, a GGUF file's blocks, float32 or bfloat16 rows),
+the kernels'
 ``decode_layer`` runs the whole step in C++: the same kernels, in the same order, on the
 same operands, so the layer's outputs and the KV it stores equal the module path's to the
 bit (tests/models/layers/test_cpu_decode_layer.py).
@@ -30,9 +31,11 @@ from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.kv_cache.memory_pool import MHATokenToKVPool
 from radixlm.models.layers.layernorm import RMSNorm
 from radixlm.models.layers.linear import Linear
+from radixlm.models.layers.weight_formats import FusedProjection
 
-# decode_layer's kernels, weights and scales arguments: a list of four each.
-ProjectionOperands = tuple[list[int], list[torch.Tensor], list[torch.Tensor]]
+# decode_layer's kernels, weights and scales arguments (a list of four each, a layer) and
+# its gguf_parts (the GGUF projections' blocks, which their scales index).
+ProjectionOperands = tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
 _NO_ADAPTERS = [torch.empty(0)] * 5  # a projection's lora_add operands where it has none
 
 
@@ -54,6 +57,20 @@ def lora_operands(forward_batch: ForwardBatch, projections: Sequence[Linear], kn
         known["lora"] = cached = (held, weights)
     groups = forward_batch.lora.groups()
     return [groups.rows, groups.starts, groups.slots], cached[1]
+
+
+def append_products(operands: ProjectionOperands, products: Sequence[FusedProjection]) -> None:
+    """Appends ``products`` to a call's ``operands``: a GGUF projection's parts to its
+    gguf_parts, its table's indices moved past the parts already there."""
+    kernels, weights, scales, parts = operands
+    for product in products:
+        kernels.append(product.kernel)
+        weights.append(product.weight)
+        if product.parts:
+            scales.append(product.scales + torch.tensor([0, len(parts)]))
+            parts.extend(product.parts)
+        else:
+            scales.append(product.scales)
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,11 +118,12 @@ class FusedDecodeLayer:
             return None
         k_buffer, v_buffer = pool.get_kv(self.layer_id)
         lora_pass, lora_weights = lora_operands(forward_batch, self.projections, self._known)
+        kernel_kinds, weights, scales, gguf_parts = products
         return kernels.decode_layer(
             x, x if residual is None else residual, residual is not None,
-            input_norm, post_norm, self.input_norm.eps, *products, *rope, k_buffer,
-            v_buffer, forward_batch.out_cache_loc, *tables, self.heads, self.kv_heads,
-            self.scale, lora_pass, lora_weights)
+            input_norm, post_norm, self.input_norm.eps, kernel_kinds, weights, scales, *rope,
+            k_buffer, v_buffer, forward_batch.out_cache_loc, *tables, self.heads,
+            self.kv_heads, self.scale, lora_pass, lora_weights, gguf_parts)
 
     def weights(self) -> list:
         """The projections' weights as they multiply them now: each one's packed weight, or
@@ -123,9 +141,16 @@ class FusedDecodeLayer:
         known = self._known.get((rows, dtype))
         if known is not None and all(a is b for a, b in zip(known[0], weights)):
             return known[1]
-        products = [p.fused_projection(rows, dtype) for p in self.projections]
-        operands = None if any(p is None for p in products) else (
-            [p.kernel for p in products], [p.weight for p in products],
-            [p.scales for p in products])
+        products = self.fused_products(rows, dtype)
+        operands = None
+        if products is not None:
+            operands = ([], [], [], [])
+            append_products(operands, products)
         self._known[(rows, dtype)] = (weights, operands)
         return operands
+
+    def fused_products(self, rows: int, dtype: torch.dtype) -> list[FusedProjection] | None:
+        """Each projection as the kernels multiply it for passes of ``rows`` rows of
+        ``dtype`` (``Linear.fused_projection``), or None where one runs none of them."""
+        products = [p.fused_projection(rows, dtype) for p in self.projections]
+        return None if any(p is None for p in products) else products

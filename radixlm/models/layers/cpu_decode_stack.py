@@ -28,6 +28,7 @@ from radixlm.kv_cache.memory_pool import MHATokenToKVPool
 from radixlm.models.layers.cpu_decode_layer import (
     FusedDecodeLayer,
     ProjectionOperands,
+    append_products,
     lora_operands,
 )
 
@@ -73,14 +74,14 @@ class FusedDecodeStack:
         if tables is None:
             return None
         kv_buffers = [b for layer in self.layers for b in pool.get_kv(layer.layer_id)]
-        norms, products = operands
+        norms, (kernel_kinds, weights, scales, gguf_parts) = operands
         first = self.layers[0]
         lora_pass, lora_weights = lora_operands(
             forward_batch, [p for layer in self.layers for p in layer.projections], self._known)
         return kernels.decode_layers(
-            x, norms, first.input_norm.eps, *products, *rope, kv_buffers,
+            x, norms, first.input_norm.eps, kernel_kinds, weights, scales, *rope, kv_buffers,
             forward_batch.out_cache_loc, *tables, first.heads, first.kv_heads, first.scale,
-            lora_pass, lora_weights)
+            lora_pass, lora_weights, gguf_parts)
 
     def _operands(self, rows: int, dtype: torch.dtype) -> StackOperands | None:
         """Every layer's norms and projections for passes of ``rows`` rows of ``dtype``, or
@@ -95,19 +96,15 @@ class FusedDecodeStack:
         if known is not None and all(a is b for a, b in zip(known[0], held, strict=True)):
             return known[1]
         norms: list[torch.Tensor] = []
-        kernels: list[int] = []
-        weights: list[torch.Tensor] = []
-        scales: list[torch.Tensor] = []
-        operands = (norms, (kernels, weights, scales))
+        products: ProjectionOperands = ([], [], [], [])
+        operands = (norms, products)
         for layer in self.layers:
-            products = layer.products(rows, dtype)
-            if (products is None or layer.input_norm.weight.dtype != dtype
+            layer_products = layer.fused_products(rows, dtype)
+            if (layer_products is None or layer.input_norm.weight.dtype != dtype
                     or layer.post_norm.weight.dtype != dtype):
                 operands = None
                 break
             norms += (layer.input_norm.weight, layer.post_norm.weight)
-            kernels += products[0]
-            weights += products[1]
-            scales += products[2]
+            append_products(products, layer_products)
         self._known[(rows, dtype)] = (held, operands)
         return operands

@@ -12,7 +12,9 @@ on any device) and multiplies there with torch's GEMM. The crossover was measure
 rows asked for (the token embedding's lookup).
 
 ``StackedWeight`` stacks packed weights of possibly different types along the output
-dimension (a checkpoint's q, k and v as one projection).
+dimension (a checkpoint's q, k and v as one projection); GGUF parts on the kernels are
+multiplied in one call (``quantized_matmul_parts``). Both give the fused decode layer
+(``cpu_decode_layer``) their blocks for the passes that run the kernels.
 
 Invariants: outputs come back in x's dtype with float32 sums; the decoded weight equals
 ``gguf.quants.dequantize``'s; the buffer is shared by one model's layers, so a model's
@@ -85,9 +87,7 @@ class GGUFBlockWeight(PackedWeight):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> (T, out) in x's dtype."""
         kernels = fused_ops.for_tensor(x)
-        if (kernels is not None and self.blocks.device.type == "cpu"
-                and x.dtype in (torch.float32, torch.bfloat16)
-                and x.shape[0] <= kernel_max_rows(x.dtype)):
+        if kernels is not None and self.on_kernels(x.shape[0], x.dtype):
             return kernels.quantized_matmul(x, self.blocks, int(self.qtype))
         dtype = x.dtype
         compute = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
@@ -103,6 +103,12 @@ class GGUFBlockWeight(PackedWeight):
             out[:, first:first + len(rows)] = F.linear(
                 x, self._decoded_into(rows, compute, x.device, kernels))
         return out.to(dtype)
+
+    def on_kernels(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a pass of ``rows`` rows of ``dtype`` runs the kernels' ``quantized_matmul``
+        (where they are on)."""
+        return (self.blocks.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                and rows <= kernel_max_rows(dtype))
 
     def _decoded_into(self, blocks: torch.Tensor, dtype: torch.dtype, device: torch.device,
                       kernels) -> torch.Tensor:
@@ -128,7 +134,9 @@ class GGUFBlockWeight(PackedWeight):
                                self.qtype)
 
     def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
-        return None  # the fused decode layer has no block kernel: it takes the plain path
+        if not self.on_kernels(rows, dtype):
+            return None  # the weight decoded for torch's GEMM: no fused step
+        return FusedProjection.gguf([self.blocks], [int(self.qtype)])
 
     def nbytes(self) -> int:
         return self.blocks.numel()
@@ -159,11 +167,26 @@ class StackedWeight(PackedWeight):
         self.shape = (start, getattr(self.parts[0], "shape", (0, -1))[1])
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, in) -> (T, sum out_i) in x's dtype."""
+        """x (T, in) -> (T, sum out_i) in x's dtype: GGUF parts that all run the kernels in
+        one call of theirs, else part by part."""
+        kernels = fused_ops.for_tensor(x)
+        if kernels is not None and self._on_kernels(x.shape[0], x.dtype):
+            return kernels.quantized_matmul_parts(
+                x, [part.blocks for part in self.parts], [int(part.qtype) for part in self.parts])
         out = x.new_empty(x.shape[0], self.bounds[-1][1])
         for part, (start, end) in zip(self.parts, self.bounds, strict=True):
             out[:, start:end] = part.matmul(x)
         return out
+
+    def _on_kernels(self, rows: int, dtype: torch.dtype) -> bool:
+        return all(isinstance(part, GGUFBlockWeight) and part.on_kernels(rows, dtype)
+                   for part in self.parts)
+
+    def fused_projection(self, rows: int, dtype: torch.dtype) -> FusedProjection | None:
+        if not self._on_kernels(rows, dtype):
+            return None
+        return FusedProjection.gguf([part.blocks for part in self.parts],
+                                    [int(part.qtype) for part in self.parts])
 
     def dequantized(self) -> torch.Tensor:
         return torch.cat([part.dequantized() for part in self.parts])

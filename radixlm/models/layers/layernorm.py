@@ -47,22 +47,38 @@ class GemmaRMSNorm(nn.Module):
 
     ``weight`` keeps Hugging Face's convention (stored as w, applied as 1 + w; zeros are
     the identity scale), so checkpoints load unchanged. Same call signature as ``RMSNorm``.
+    With the fused kernels on, one kernel call takes the float32 scale 1 + w (kept while
+    ``weight`` is unchanged: its tensor and version).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
+        self._scale: tuple[tuple, torch.Tensor] | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual), the sum
         in x's dtype."""
+        kernels = fused_ops.for_tensor(x)
+        if kernels is not None and (residual is None or residual.dtype == x.dtype):
+            if residual is None:
+                return kernels.rms_norm(x, self.scale(), self.eps)
+            return kernels.add_rms_norm(x, residual, self.scale(), self.eps)
         if residual is not None:
             x = x + residual
             return self._norm(x), x
         return self._norm(x)
+
+    def scale(self) -> torch.Tensor:
+        """1 + weight in float32, (hidden,)."""
+        weight = self.weight
+        key = (weight.data_ptr(), weight._version, weight.device)
+        if self._scale is None or self._scale[0] != key:
+            self._scale = key, (1.0 + weight.detach().float()).contiguous()
+        return self._scale[1]
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # (x * (1 + w)) rounds once, in float32, as Gemma's reference does (not x.to(dtype) * w).

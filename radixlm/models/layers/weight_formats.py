@@ -42,7 +42,7 @@ model must not run concurrently (the scheduler runs them one at a time).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -131,16 +131,27 @@ def _(x: torch.Tensor, weight: torch.Tensor, first_fused_row: int) -> torch.Tens
 
 class FusedProjection(NamedTuple):
     """A projection as the fused kernels' ``decode_layer`` multiplies it: the kernel, the
-    weight in that kernel's layout, and the int8 scales (else an empty tensor)."""
+    weight in that kernel's layout, and the int8 scales (else an empty tensor). A GGUF
+    projection (``ProjectionKernel.GGUF``) has an empty weight, its parts' blocks in
+    ``parts``, and as scales an int64 (parts, 2) table of each part's ggml type and index in
+    ``parts`` (``decode_layer`` takes every projection's parts in one list: see
+    ``cpu_decode_layer.append_products``)."""
 
     kernel: ProjectionKernel
     weight: torch.Tensor
     scales: torch.Tensor
+    parts: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def of(cls, kernel: ProjectionKernel, weight: torch.Tensor,
            scales: torch.Tensor | None = None) -> FusedProjection:
         return cls(kernel, weight, weight.new_empty(0) if scales is None else scales)
+
+    @classmethod
+    def gguf(cls, blocks: Sequence[torch.Tensor], types: Sequence[int]) -> FusedProjection:
+        """The GGUF projection of parts ``blocks`` (uint8, in output order) of ``types``."""
+        table = torch.tensor([[int(t), i] for i, t in enumerate(types)], dtype=torch.int64)
+        return cls(ProjectionKernel.GGUF, blocks[0].new_empty(0), table, tuple(blocks))
 
 
 def plain_fused_projection(weight: torch.Tensor, rows: int, dtype: torch.dtype,

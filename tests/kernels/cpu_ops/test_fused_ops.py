@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixlm.models.layers.layernorm import GemmaRMSNorm
 from radixlm.models.layers.rotary_embedding import RotaryEmbedding
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -40,9 +41,29 @@ def test_norms_compute_what_f_rms_norm_computes(kernels, dtype, d):
                                F.rms_norm(x, (d,), weight, eps), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemmas_norm_on_the_kernels_computes_what_its_torch_path_computes(kernels, dtype):
+    """A float32 weight (Gemma's 1 + w) beside 16-bit x: the product taken in float32 and
+    rounded once, as GemmaRMSNorm's own chain of torch operations does."""
+    torch.manual_seed(2)
+    norm = GemmaRMSNorm(100, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(100) * 0.5)
+    x, residual = torch.randn(5, 100, dtype=dtype), torch.randn(5, 100, dtype=dtype)
+    heads = torch.randn(5, 3, 200, dtype=dtype)[..., ::2]  # q/k heads as a view
+    for inputs in [x, heads]:
+        torch.testing.assert_close(norm(inputs), norm._norm(inputs), **TOLERANCE[dtype])
+    normed, summed = norm(x, residual)
+    assert torch.equal(summed, x + residual)
+    torch.testing.assert_close(normed, norm._norm(x + residual), **TOLERANCE[dtype])
+    with torch.no_grad():
+        norm.weight.add_(1.0)  # a changed weight is read again
+    torch.testing.assert_close(norm(x), norm._norm(x), **TOLERANCE[dtype])
+
+
 def test_norms_reject_mismatched_arguments(kernels):
     x = torch.randn(3, 8)
-    with pytest.raises(RuntimeError, match="dtypes differ"):
+    with pytest.raises(RuntimeError, match="x's dtype or float32"):
         kernels.rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(RuntimeError, match=r"weight must be \(d,\)"):
         kernels.rms_norm(x, torch.ones(9), 1e-6)

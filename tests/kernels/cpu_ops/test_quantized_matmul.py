@@ -83,23 +83,24 @@ def test_bfloat16_rows_come_back_in_bfloat16_within_one_rounding(kernels, qtype,
 
 def bfloat16_dot_rows(qtype: QType) -> int:
     """The most bfloat16 rows a pass takes on the dot products (quantized_bf16_dots_serve):
-    one for the 32-value types of 4 and 5 bits, else 4."""
-    return 1 if qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1) else 4
+    one for the 32-value types of 4 and 5 bits, else 32."""
+    return 1 if qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1) else 32
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("in_features", [256, 640, 2048])
-def test_bfloat16_passes_of_up_to_4_rows_are_the_exact_product_rounded_once(
+def test_bfloat16_passes_of_a_few_rows_are_the_exact_product_rounded_once(
         kernels, qtype, in_features):
     """Each output is the bfloat16 rounding of a value within 1e-5 of sum |x| |w| of the
     float64 product of gguf's weight and x (bfloat16, upcast exactly): the sums' float32
-    rounding, then the output's one rounding to bfloat16. 21 outputs: whole tiles and a rest."""
+    rounding, then the output's one rounding to bfloat16. 21 outputs: whole tiles and a rest;
+    rows of x in groups of 4 and a rest."""
     values = gguf.GGML_QUANT_SIZES[qtype][0]
     if in_features % values:
         pytest.skip(f"{qtype.name} blocks hold {values} values")
     blocks, weight = case(qtype, 21, in_features // values, seed=in_features + int(qtype))
     torch.manual_seed(in_features)
-    for rows in (1, 2, 3, 4):
+    for rows in (1, 2, 3, 4, 7, 16):
         x = torch.randn(rows, in_features).to(torch.bfloat16)
         got = kernels.quantized_matmul(x, blocks, int(qtype))
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 21)
@@ -114,11 +115,30 @@ def test_bfloat16_passes_take_the_dot_products_where_the_cpu_has_them(kernels):
     up to bfloat16_dot_rows take the dot products there, and no others do."""
     has_dots = {"avx512f", "avx512bw", "avx512_bf16"} <= set(fused_ops._cpu_flags())
     for qtype in TYPES:
-        for rows in range(1, 6):
+        for rows in (1, 2, 5, 32, 33):
             x = torch.zeros(rows, 256, dtype=torch.bfloat16)
             taken = has_dots and rows <= bfloat16_dot_rows(qtype)
             assert kernels.quantized_bf16_dots_serve(x, int(qtype)) == taken, (qtype.name, rows)
         assert not kernels.quantized_bf16_dots_serve(torch.zeros(1, 256), int(qtype))
+
+
+@pytest.mark.parametrize("dtype, rows", [(torch.float32, 3), (torch.bfloat16, 1),
+                                         (torch.bfloat16, 6)])
+def test_stacked_parts_of_several_types_equal_each_parts_own_product(kernels, dtype, rows):
+    """quantized_matmul_parts writes each part's product, as quantized_matmul computes it,
+    into its columns of one output; parts must agree in their inputs."""
+    parts = [case(qtype, out, 512 // gguf.GGML_QUANT_SIZES[qtype][0], seed=out)[0]
+             for qtype, out in [(QType.Q4_K, 19), (QType.Q8_0, 5), (QType.Q6_K, 12)]]
+    types = [int(QType.Q4_K), int(QType.Q8_0), int(QType.Q6_K)]
+    x = torch.randn(rows, 512).to(dtype)
+    got = kernels.quantized_matmul_parts(x, parts, types)
+    each = [kernels.quantized_matmul(x, blocks, qtype) for blocks, qtype in zip(parts, types)]
+    assert torch.equal(got, torch.cat(each, dim=1))
+    with pytest.raises(RuntimeError, match="rows of 512 values"):
+        kernels.quantized_matmul_parts(x, [parts[0], case(QType.Q8_0, 3, 4, seed=1)[0]],
+                                       types[:2])
+    with pytest.raises(RuntimeError, match="one type for each"):
+        kernels.quantized_matmul_parts(x, parts, types[:2])
 
 
 def test_enough_work_to_split_between_threads_matches_one_thread(kernels):

@@ -15,6 +15,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from fused_decode_checks import PROMPTS as FUSED_PROMPTS
+from fused_decode_checks import assert_fused_equals_modules, count_fused_runs
+from fused_kernels import enable_or_skip
 from gguf import GGMLQuantizationType as QType
 from test_conversion import (
     CHAT_TEMPLATE,
@@ -33,6 +36,7 @@ from test_conversion import (
 from transformers import AutoModelForCausalLM
 
 import radixlm
+from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.models.default_model import resolve_model_path
 from radixlm.models.gguf.conversion import convert_gguf_to_hf
 from radixlm.models.layers.gguf_weight import GGUFBlockWeight, StackedWeight
@@ -144,6 +148,20 @@ def test_block_matrices_are_held_as_views_of_the_mapped_file(quantized_gguf, tmp
     assert embedding.qtype == QType.Q8_0 and model.embed_tokens.weight is None
     assert _mapped_file(down.blocks.data_ptr()) == str(quantized_gguf[0].resolve())
     assert _mapped_file(embedding.blocks.data_ptr()) == str(quantized_gguf[0].resolve())
+
+
+@pytest.mark.parametrize("dtype, requests", [("float32", 3), ("bfloat16", 1), ("bfloat16", 3)])
+def test_fused_decode_steps_over_the_blocks_equal_the_module_path_to_the_bit(
+        quantized_gguf, tmp_path, monkeypatch, dtype, requests):
+    """Every layer's decode step as one call of the kernels (the stack), each projection on
+    the blocks as stored: q, k and v of two types in one call (``quantized_matmul_parts``)."""
+    enable_or_skip()
+    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path))
+    fused_runs = count_fused_runs(monkeypatch)
+    used = assert_fused_equals_modules(resolve_model_path(str(quantized_gguf[0])), fused_runs,
+                                       monkeypatch, FUSED_PROMPTS[-requests:], dtype=dtype)
+    assert used == [ProjectionKernel.GGUF] * 4
+    assert fused_runs["stacked"] > 0
 
 
 def _mapped_file(address: int) -> str | None:

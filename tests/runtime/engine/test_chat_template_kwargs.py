@@ -151,6 +151,7 @@ def test_a_client_template_that_prints_without_end_fails_on_its_memory_cap(serve
     assert_engine_idle(engine)
 
 
+@pytest.mark.slow  # a server of its own (8 s): CI's last stage
 def test_renders_past_the_waiting_limit_are_refused(chat_model_dir):
     """With the worker held by one endless render, renders past ``max_waiting`` fail at
     once with 503 and the rest wait their turn."""

@@ -171,6 +171,7 @@ def test_aborting_while_a_step_is_in_flight_frees_everything(scheduler_for):
     assert expected[2][0][: len(got[2][0])] == got[2][0]
 
 
+@pytest.mark.slow  # two engines (7 s); the scheduler-level tests above stay
 def test_engine_streams_the_same_text_with_overlap_on_and_off(engine_for):
     prompts = [random_ids(120 + i, 12) for i in range(4)]
     params = [greedy(30, stop=["the"]), greedy(30, frequency_penalty=1.0), greedy(30),

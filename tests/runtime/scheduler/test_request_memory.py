@@ -106,6 +106,7 @@ def test_recently_used_prefixes_survive_eviction_and_the_oldest_go(engine_for):
     assert oldest["meta_info"]["cached_tokens"] == 0
 
 
+@pytest.mark.slow  # two engines of their own (8 s); the tree's lock tests stay
 def test_a_running_request_keeps_its_prefix_while_others_evict(engine_for):
     small = engine_for(max_total_tokens=384)
     small.flush_cache()

@@ -123,7 +123,8 @@ def test_requests_that_never_retract_report_zero_retractions(engine_for):
 
 @pytest.mark.parametrize(
     ("policy", "page_size", "ratios"),
-    [("lpm", 4, {}), ("lpm", 1, BOLD), ("fcfs", 4, BOLD), ("dfs-weight", 1, BOLD)],
+    [("lpm", 4, {}), pytest.param("lpm", 1, BOLD, marks=pytest.mark.slow),
+     ("fcfs", 4, BOLD), pytest.param("dfs-weight", 1, BOLD, marks=pytest.mark.slow)],
     ids=["lpm-page4", "lpm-bold", "fcfs-page4-bold", "dfs-weight-bold"],
 )
 def test_retraction_on_any_page_size_and_ratio_keeps_every_request_s_tokens(

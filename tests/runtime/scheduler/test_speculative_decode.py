@@ -716,6 +716,7 @@ def test_a_verify_pass_that_failed_before_computing_caches_no_unwritten_kv(sched
 # Through the Engine --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two engines (6 s); the scheduler-level tests above stay
 def test_the_engine_with_ngram_speculation_returns_what_it_returns_without(engine_for):
     """Native outputs (ids, finish reasons, logprobs) for greedy requests of every kind
     sent alone and together, n > 1 included, and seeded ones sent alone; the server info

@@ -28,7 +28,8 @@ def spec_stats(engine) -> dict:
     return engine.get_server_info()["stats"]
 
 
-@pytest.mark.parametrize("draft_seed", [None, 1], ids=["self-draft", "random-draft"])
+@pytest.mark.parametrize("draft_seed", [pytest.param(None, marks=pytest.mark.slow), 1],
+                         ids=["self-draft", "random-draft"])
 def test_greedy_outputs_equal_the_target_alone_and_batched(engine_for, tiny_model_dir,
                                                            draft_seed):
     plain = engine_for()
