@@ -82,7 +82,10 @@ at::Tensor quantized_matmul_parts(const at::Tensor& x, const std::vector<at::Ten
 void dequantize_blocks(const at::Tensor& blocks, int64_t type, at::Tensor& out);
 
 // quantized_matmul_bf16.cpp: quantized_matmul's few bfloat16 rows; _dots returns whether it
-// served (x contiguous, w its weight's blocks of N rows, out (M, N) bfloat16, rows ld apart).
+// served (x contiguous; parts: a weight's blocks stacked along N, each part of rows[i] rows of
+// types[i]; out (M, N) bfloat16, rows ld apart), which it does where every part's type does.
 bool quantized_bf16_dots_serve(const at::Tensor& x, int64_t type);
-bool quantized_matmul_bf16_dots(const at::Tensor& x, const uint8_t* w, int64_t N, int64_t type,
-                                at::BFloat16* out, int64_t ld);
+bool quantized_matmul_bf16_dots(const at::Tensor& x, const std::vector<const uint8_t*>& parts,
+                                const std::vector<int64_t>& rows,
+                                const std::vector<int64_t>& types, at::BFloat16* out,
+                                int64_t ld);

@@ -170,23 +170,34 @@ at::Tensor quantized_matmul_parts(const at::Tensor& x, const std::vector<at::Ten
   const int64_t M = a.size(0);
   at::Tensor out = at::empty({M, N}, a.options());
   if (M == 0 || N == 0) return out;
+  std::vector<const uint8_t*> blocks;
+  std::vector<int64_t> rows;
+  for (const at::Tensor& part : parts) {
+    blocks.push_back(part.data_ptr<uint8_t>());
+    rows.push_back(part.size(0));
+  }
+  if (a.scalar_type() == at::kBFloat16 &&
+      quantized_matmul_bf16_dots(a, blocks, rows, types, out.data_ptr<at::BFloat16>(), N)) {
+    return out;  // every part on the dot products, in one parallel region
+  }
   int64_t first = 0;  // the part's first output column
   for (size_t i = 0; i < parts.size(); ++i) {
-    const uint8_t* w = parts[i].data_ptr<uint8_t>();
-    const int64_t rows = parts[i].size(0), type = types[i];
+    const uint8_t* w = blocks[i];
+    const int64_t type = types[i];
     AT_DISPATCH_SWITCH(a.scalar_type(), "quantized_matmul", AT_DISPATCH_CASE(at::kFloat, [&] {
       radixlm_quant::dispatch_format(type, [&](auto format) {
-        radixlm_quant::matmul<decltype(format)>(a.data_ptr<scalar_t>(), M, K, w, rows,
+        radixlm_quant::matmul<decltype(format)>(a.data_ptr<scalar_t>(), M, K, w, rows[i],
                                                  out.data_ptr<scalar_t>() + first, N);
       });
     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
       scalar_t* o = out.data_ptr<scalar_t>() + first;
-      if (quantized_matmul_bf16_dots(a, w, rows, type, o, N)) return;
+      if (quantized_matmul_bf16_dots(a, {w}, {rows[i]}, {type}, o, N)) return;
       radixlm_quant::dispatch_format(type, [&](auto format) {
-        radixlm_quant::matmul<decltype(format)>(a.data_ptr<scalar_t>(), M, K, w, rows, o, N);
+        radixlm_quant::matmul<decltype(format)>(a.data_ptr<scalar_t>(), M, K, w, rows[i], o,
+                                                 N);
       });
     }));
-    first += rows;
+    first += rows[i];
   }
   return out;
 }

@@ -325,25 +325,59 @@ inline void row_groups(const at::BFloat16* x, const float* xf, const float* xsum
   }
 }
 
-// out (M, N; rows ld apart) = x (M, K) @ W.T in tiles of R weight rows (the rest one by
-// one), split between the threads.
-template <typename F, int R, int MB>
+// A weight's part: its blocks, rows and ggml type, and its first column of the output.
+struct Part {
+  const uint8_t* w;
+  int64_t rows, type, first;
+};
+
+// fn(F{}) for the block type of ggml type `type`; false where there is none here.
+template <typename Fn>
+bool with_type(int64_t type, Fn&& fn) {
+  switch (type) {
+    case radixlm_quant::kQ4_0: fn(Q4_0{}); return true;
+    case radixlm_quant::kQ4_1: fn(Q4_1{}); return true;
+    case radixlm_quant::kQ5_0: fn(Q5_0{}); return true;
+    case radixlm_quant::kQ5_1: fn(Q5_1{}); return true;
+    case radixlm_quant::kQ8_0: fn(Q8_0{}); return true;
+    case radixlm_quant::kQ4_K: fn(Q4_K{}); return true;
+    case radixlm_quant::kQ5_K: fn(Q5_K{}); return true;
+    case radixlm_quant::kQ6_K: fn(Q6_K{}); return true;
+    case radixlm_quant::kQ8_K: fn(Q8_K{}); return true;
+    default: return false;
+  }
+}
+
+// out (M, sum of the parts' rows; rows ld apart) = x (M, K) @ W.T for W stacked from
+// `parts`, in one parallel region: each part in tiles of R weight rows and then its rest row
+// by row, all the parts' tiles split between the threads.
+template <int R, int MB>
 void run(const at::BFloat16* x, const float* xf, const float* xsum, int64_t M, int64_t K,
-         const uint8_t* w, int64_t N, at::BFloat16* out, int64_t ld) {
-  const int64_t row_bytes = K / F::kValues * F::kBytes;
-  const int64_t tiles = N / R;
+         const std::vector<Part>& parts, at::BFloat16* out, int64_t ld) {
+  std::vector<int64_t> first_item{0};  // each part's first tile (then one past the last)
+  for (const Part& part : parts) first_item.push_back(first_item.back() + part.rows / R + part.rows % R);
   const int64_t grain = std::max<int64_t>(1, kParallelWork / (R * K * M));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    const Tables t = F::tables();
+  at::parallel_for(0, first_item.back(), grain, [&](int64_t begin, int64_t end) {
+    size_t p = 0;
     for (int64_t i = begin; i < end; ++i) {
-      row_groups<F, R, MB>(x, xf, xsum, M, K, w + i * R * row_bytes, row_bytes, t,
-                           out + i * R, ld);
+      while (i >= first_item[p + 1]) ++p;
+      const Part& part = parts[p];
+      const int64_t local = i - first_item[p], tiles = part.rows / R;
+      with_type(part.type, [&](auto format) {
+        using F = decltype(format);
+        const Tables t = F::tables();
+        const int64_t row_bytes = K / F::kValues * F::kBytes;
+        if (local < tiles) {
+          row_groups<F, R, MB>(x, xf, xsum, M, K, part.w + local * R * row_bytes, row_bytes, t,
+                               out + part.first + local * R, ld);
+        } else {
+          const int64_t n = tiles * R + local - tiles;
+          row_groups<F, 1, MB>(x, xf, xsum, M, K, part.w + n * row_bytes, row_bytes, t,
+                               out + part.first + n, ld);
+        }
+      });
     }
   });
-  const Tables t = F::tables();
-  for (int64_t n = tiles * R; n < N; ++n) {
-    row_groups<F, 1, MB>(x, xf, xsum, M, K, w + n * row_bytes, row_bytes, t, out + n, ld);
-  }
 }
 
 // Each 32 values' sum of x's M rows (M * K / 32 of them), in float32.
@@ -360,17 +394,23 @@ std::vector<float> sums_of_32(const at::BFloat16* x, int64_t M, int64_t K) {
   return sums;
 }
 
-template <typename F>
-void matmul(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+void matmul(const at::BFloat16* x, int64_t M, int64_t K, const std::vector<Part>& parts,
             at::BFloat16* out, int64_t ld) {
-  const std::vector<float> xsum = F::kAffine ? sums_of_32(x, M, K) : std::vector<float>();
-  constexpr bool kWideX = std::is_same_v<F, Q8_0> || std::is_same_v<F, Q8_K>;
-  std::vector<float> wide(kWideX ? M * K : 0);
-  if (kWideX) at::vec::convert(x, wide.data(), M * K);
-  const float *s = xsum.data(), *xf = kWideX ? wide.data() : nullptr;
+  bool affine = false, wide_x = false;
+  for (const Part& part : parts) {
+    with_type(part.type, [&](auto format) {
+      using F = decltype(format);
+      affine |= F::kAffine;
+      wide_x |= std::is_same_v<F, Q8_0> || std::is_same_v<F, Q8_K>;
+    });
+  }
+  const std::vector<float> xsum = affine ? sums_of_32(x, M, K) : std::vector<float>();
+  std::vector<float> wide(wide_x ? M * K : 0);
+  if (wide_x) at::vec::convert(x, wide.data(), M * K);
+  const float *s = xsum.data(), *xf = wide_x ? wide.data() : nullptr;
   // One row: 8 weight rows a tile (8 streams of weights); more: 4 by 4 rows of x.
-  if (M == 1) return run<F, 8, 1>(x, xf, s, M, K, w, N, out, ld);
-  return run<F, 4, 4>(x, xf, s, M, K, w, N, out, ld);
+  if (M == 1) return run<8, 1>(x, xf, s, M, K, parts, out, ld);
+  return run<4, 4>(x, xf, s, M, K, parts, out, ld);
 }
 
 }  // namespace radixlm_quant_bf16
@@ -392,25 +432,22 @@ bool quantized_bf16_dots_serve(const at::Tensor& x, int64_t type) {
 #endif
 }
 
-bool quantized_matmul_bf16_dots(const at::Tensor& x, const uint8_t* w, int64_t N, int64_t type,
-                                at::BFloat16* out, int64_t ld) {
-  if (!quantized_bf16_dots_serve(x, type)) return false;
+bool quantized_matmul_bf16_dots(const at::Tensor& x, const std::vector<const uint8_t*>& parts,
+                                const std::vector<int64_t>& rows,
+                                const std::vector<int64_t>& types, at::BFloat16* out,
+                                int64_t ld) {
+  for (int64_t type : types) {
+    if (!quantized_bf16_dots_serve(x, type)) return false;
+  }
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
   namespace q = radixlm_quant_bf16;
-  const at::BFloat16* a = x.data_ptr<at::BFloat16>();
-  const int64_t M = x.size(0), K = x.size(1);
-  switch (type) {
-    case radixlm_quant::kQ4_0: q::matmul<q::Q4_0>(a, M, K, w, N, out, ld); break;
-    case radixlm_quant::kQ4_1: q::matmul<q::Q4_1>(a, M, K, w, N, out, ld); break;
-    case radixlm_quant::kQ5_0: q::matmul<q::Q5_0>(a, M, K, w, N, out, ld); break;
-    case radixlm_quant::kQ5_1: q::matmul<q::Q5_1>(a, M, K, w, N, out, ld); break;
-    case radixlm_quant::kQ8_0: q::matmul<q::Q8_0>(a, M, K, w, N, out, ld); break;
-    case radixlm_quant::kQ4_K: q::matmul<q::Q4_K>(a, M, K, w, N, out, ld); break;
-    case radixlm_quant::kQ5_K: q::matmul<q::Q5_K>(a, M, K, w, N, out, ld); break;
-    case radixlm_quant::kQ6_K: q::matmul<q::Q6_K>(a, M, K, w, N, out, ld); break;
-    case radixlm_quant::kQ8_K: q::matmul<q::Q8_K>(a, M, K, w, N, out, ld); break;
-    default: return false;
+  std::vector<q::Part> stacked;
+  int64_t first = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    stacked.push_back(q::Part{parts[i], rows[i], types[i], first});
+    first += rows[i];
   }
+  q::matmul(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), stacked, out, ld);
   return true;
 #else
   return false;

@@ -120,10 +120,15 @@ class GGUFBlockWeight(PackedWeight):
             wide = self.buffer.take(shape, dtype, device)
         else:
             wide = torch.empty(shape, dtype=dtype, device=device)
-        if kernels is not None and blocks.device.type == "cpu" and device.type == "cpu":
+        return self.decode_into(blocks, wide, kernels)
+
+    def decode_into(self, blocks: torch.Tensor, wide: torch.Tensor, kernels) -> torch.Tensor:
+        """``blocks`` (some of the weight's rows) decoded into ``wide`` (contiguous, rows by
+        in), which it returns; ``kernels``: the fused kernels, or None."""
+        if kernels is not None and blocks.device.type == "cpu" and wide.device.type == "cpu":
             kernels.dequantize_blocks(blocks, int(self.qtype), wide)
             return wide
-        return wide.copy_(dequantize_rows(blocks.to(device), self.qtype))
+        return wide.copy_(dequantize_rows(blocks.to(wide.device), self.qtype))
 
     def dequantized(self) -> torch.Tensor:
         """float32 (out, in), equal to ``gguf.quants.dequantize``'s."""
@@ -169,15 +174,35 @@ class StackedWeight(PackedWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> (T, sum out_i) in x's dtype: GGUF parts that all run the kernels in
-        one call of theirs, else part by part."""
+        one call of theirs; GGUF parts of longer passes decoded side by side into one buffer
+        for one GEMM; else part by part."""
         kernels = fused_ops.for_tensor(x)
         if kernels is not None and self._on_kernels(x.shape[0], x.dtype):
             return kernels.quantized_matmul_parts(
                 x, [part.blocks for part in self.parts], [int(part.qtype) for part in self.parts])
+        wide = self._decoded(x, kernels)
+        if wide is not None:
+            return F.linear(x.to(wide.dtype), wide).to(x.dtype)
         out = x.new_empty(x.shape[0], self.bounds[-1][1])
         for part, (start, end) in zip(self.parts, self.bounds, strict=True):
             out[:, start:end] = part.matmul(x)
         return out
+
+    def _decoded(self, x: torch.Tensor, kernels) -> torch.Tensor | None:
+        """Every part decoded into its rows of the first part's buffer (sum out_i, in), in
+        the dtype the parts multiply x in; None unless every part is a GGUF weight with that
+        buffer and all of them fit one part of a long pass (``DECODE_CHUNK_VALUES``)."""
+        first = self.parts[0]
+        buffer = getattr(first, "buffer", None)
+        if (buffer is None or self.shape[0] * self.shape[1] > DECODE_CHUNK_VALUES
+                or any(not isinstance(part, GGUFBlockWeight) or part.buffer is not buffer
+                       for part in self.parts)):
+            return None
+        compute = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        wide = buffer.take(torch.Size(self.shape), compute, x.device)
+        for part, (start, end) in zip(self.parts, self.bounds, strict=True):
+            part.decode_into(part.blocks, wide[start:end], kernels)
+        return wide
 
     def _on_kernels(self, rows: int, dtype: torch.dtype) -> bool:
         return all(isinstance(part, GGUFBlockWeight) and part.on_kernels(rows, dtype)

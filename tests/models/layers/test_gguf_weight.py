@@ -14,6 +14,7 @@ import pytest
 import torch
 from quantized_cases import random_blocks, reference
 
+from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.kernels.quantized.block_formats import NATIVE_TYPES, QType
 from radixlm.models.layers.gguf_weight import (
     GGUFBlockWeight,
@@ -167,3 +168,31 @@ def test_a_stack_of_parts_of_different_types_writes_each_parts_columns(rows, cpu
     assert stacked.nbytes() == q.nbytes() + k.nbytes() + v.nbytes()
     assert stacked.tensors() == [q.blocks, k.blocks, v.weight]
     assert stacked.fused_projection(1, torch.float32) is None
+
+
+@pytest.mark.parametrize("rows, dtype", [(1, torch.float32), (1, torch.bfloat16),
+                                         (100, torch.float32), (100, torch.bfloat16)])
+def test_a_stack_of_gguf_parts_multiplies_them_together(rows, dtype, cpu_kernels):
+    """GGUF parts of several types: a pass on the kernels is one call of theirs
+    (``quantized_matmul_parts``), a longer one decodes them side by side into the shared
+    buffer for one GEMM; the fused decode layer gets every part's blocks."""
+    buffer = ConversionBuffer()
+    q, q_weight = weight_of(QType.Q4_K, 32, 1, seed=7, buffer=buffer)
+    k, k_weight = weight_of(QType.Q8_0, 8, 8, seed=8, buffer=buffer)
+    v, v_weight = weight_of(QType.Q6_K, 8, 1, seed=9, buffer=buffer)
+    stacked = StackedWeight([q, k, v])
+    weight = torch.cat([q_weight, k_weight, v_weight])
+    x = torch.randn(rows, 256).to(dtype)
+    got = stacked.matmul(x)
+    assert got.dtype == dtype and got.shape == (rows, 48)
+    assert_product(got.float(), x.float(), weight,
+                   tolerance=1e-6 if dtype == torch.float32 else 2**-7)
+    if dtype == torch.float32:  # as the parts one by one compute it, to float32 rounding
+        torch.testing.assert_close(got, torch.cat([p.matmul(x) for p in (q, k, v)], dim=1))
+    product = stacked.fused_projection(1, dtype)
+    assert product.kernel is ProjectionKernel.GGUF
+    assert product.parts == (q.blocks, k.blocks, v.blocks)
+    assert product.scales.tolist() == [[int(QType.Q4_K), 0], [int(QType.Q8_0), 1],
+                                       [int(QType.Q6_K), 2]]
+    assert stacked.fused_projection(kernel_max_rows(dtype) + 1, dtype) is None
+
