@@ -5,10 +5,10 @@
 // (N, K) stored as `blocks`, uint8 (N, row bytes), each row K / values blocks of the ggml
 // type `type` (gguf.GGMLQuantizationType's number). quantized_matmul_parts(x, parts, types):
 // the same for W stacked from parts of possibly different types along N (a checkpoint's q, k
-// and v), each part's product written into its columns of one output. The blocks of a few weight rows are
-// decoded in registers and multiplied there with up to 4 rows of x at a time, again for each
-// further 4 rows (from L1). Sums in float32, each output rounded once to x's type. Threads
-// split the output rows.
+// and v), each part's product written into its columns of one output. The blocks of a few
+// weight rows are decoded in registers and multiplied there with up to 4 rows of x at a time,
+// again for each further 4 rows (from L1). Sums in float32, each output rounded once to x's
+// type. Threads split the output rows.
 //
 // Passes of a few bfloat16 rows go to quantized_matmul_bf16.cpp's dot products where the
 // build has AVX-512 BF16 (quantized_bf16_dots_serve(x, type) says which).

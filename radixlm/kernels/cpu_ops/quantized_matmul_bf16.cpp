@@ -299,7 +299,8 @@ inline void tile(const at::BFloat16* x, const float* xf, const float* xsum, int6
   }
   for (int m = 0; m < MB; ++m) {
     for (int r = 0; r < R; ++r) {
-      out[m * ld + r] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m][r]) + offset_acc[m][r]);
+      out[m * ld + r] =
+          static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m][r]) + offset_acc[m][r]);
     }
   }
 }
@@ -355,17 +356,21 @@ template <int R, int MB>
 void run(const at::BFloat16* x, const float* xf, const float* xsum, int64_t M, int64_t K,
          const std::vector<Part>& parts, at::BFloat16* out, int64_t ld) {
   std::vector<int64_t> first_item{0};  // each part's first tile (then one past the last)
-  for (const Part& part : parts) first_item.push_back(first_item.back() + part.rows / R + part.rows % R);
+  for (const Part& part : parts) {
+    first_item.push_back(first_item.back() + part.rows / R + part.rows % R);
+  }
   const int64_t grain = std::max<int64_t>(1, kParallelWork / (R * K * M));
   at::parallel_for(0, first_item.back(), grain, [&](int64_t begin, int64_t end) {
     size_t p = 0;
+    Tables t;
+    int64_t tables_of = -1;  // the type t holds the tables of
     for (int64_t i = begin; i < end; ++i) {
       while (i >= first_item[p + 1]) ++p;
       const Part& part = parts[p];
       const int64_t local = i - first_item[p], tiles = part.rows / R;
       with_type(part.type, [&](auto format) {
         using F = decltype(format);
-        const Tables t = F::tables();
+        if (tables_of != part.type) t = F::tables(), tables_of = part.type;
         const int64_t row_bytes = K / F::kValues * F::kBytes;
         if (local < tiles) {
           row_groups<F, R, MB>(x, xf, xsum, M, K, part.w + local * R * row_bytes, row_bytes, t,
@@ -418,8 +423,9 @@ void matmul(const at::BFloat16* x, int64_t M, int64_t K, const std::vector<Part>
 #endif
 
 // Which passes the dot products take: bfloat16 x of 1 to kMaxRows rows, on a build with
-// AVX-512 BF16; for the 32-value types of 4 and 5 bits (Q4_0 to Q5_1), one row only (over more rows, one
-// scale a row per 32 values costs as many multiply-adds as the float32 lanes' decoding saves).
+// AVX-512 BF16; for the 32-value types of 4 and 5 bits (Q4_0 to Q5_1), one row only (over
+// more rows, one scale a row per 32 values costs as many multiply-adds as the float32 lanes'
+// decoding saves; from 8 rows on the two timed the same, benchmarks/RESULTS.md).
 bool quantized_bf16_dots_serve(const at::Tensor& x, int64_t type) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
   const bool nibbles = type == radixlm_quant::kQ4_0 || type == radixlm_quant::kQ4_1 ||
