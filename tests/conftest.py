@@ -116,7 +116,8 @@ def _shut_down_engines(_shut_down_engines_at_the_end):
 
 @pytest.fixture
 def engine_for(tiny_model_dir):
-    """Returns a function building (once per module) a float32 Engine over a tiny model.
+    """Returns a function building (once; kept across modules, see MAX_LIVE_ENGINES) a
+    float32 Engine over a tiny model.
     Its prompts are cut into chunks by size only, not by the measured prefill speed, and its
     kernels are chosen without timing them (``disable_adaptive_timing``): where a chunk ends
     or which kernel sums a row changes the float32 sums slightly (prompt logprobs against

@@ -63,7 +63,8 @@ class GemmaRMSNorm(nn.Module):
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual), the sum
         in x's dtype."""
         kernels = fused_ops.for_tensor(x)
-        if kernels is not None and (residual is None or residual.dtype == x.dtype):
+        if (kernels is not None and x.dtype == self.weight.dtype
+                and (residual is None or residual.dtype == x.dtype)):
             if residual is None:
                 return kernels.rms_norm(x, self.scale(), self.eps)
             return kernels.add_rms_norm(x, residual, self.scale(), self.eps)

@@ -44,12 +44,14 @@ def test_norms_compute_what_f_rms_norm_computes(kernels, dtype, d):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemmas_norm_on_the_kernels_computes_what_its_torch_path_computes(kernels, dtype):
     """A float32 weight (Gemma's 1 + w) beside 16-bit x: the product taken in float32 and
-    rounded once, as GemmaRMSNorm's own chain of torch operations does."""
+    rounded once, as GemmaRMSNorm's own chain of torch operations does. The module's weight
+    is in the serving dtype, as a loaded model's is, and the module runs the kernel."""
     torch.manual_seed(2)
-    norm = GemmaRMSNorm(100, 1e-6)
+    norm = GemmaRMSNorm(100, 1e-6).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(100) * 0.5)
     x, residual = torch.randn(5, 100, dtype=dtype), torch.randn(5, 100, dtype=dtype)
+    assert torch.equal(norm(x), kernels.rms_norm(x, 1.0 + norm.weight.float(), 1e-6))
     heads = torch.randn(5, 3, 200, dtype=dtype)[..., ::2]  # q/k heads as a view
     for inputs in [x, heads]:
         torch.testing.assert_close(norm(inputs), norm._norm(inputs), **TOLERANCE[dtype])
@@ -58,6 +60,7 @@ def test_gemmas_norm_on_the_kernels_computes_what_its_torch_path_computes(kernel
     torch.testing.assert_close(normed, norm._norm(x + residual), **TOLERANCE[dtype])
     with torch.no_grad():
         norm.weight.add_(1.0)  # a changed weight is read again
+    assert torch.equal(norm.scale(), 1.0 + norm.weight.float())
     torch.testing.assert_close(norm(x), norm._norm(x), **TOLERANCE[dtype])
 
 
