@@ -1,6 +1,6 @@
-"""Checks of the fused CPU decode steps (``models/layers/cpu_decode_layer.py`` and
-``cpu_decode_stack.py``) against the module path, for the tests of the layers and of the
-weight formats that run them."""
+"""Checks of the fused CPU decode steps (``models/layers/cpu_decode_layer.py``,
+``cpu_decode_stack.py`` and ``cpu_sandwich_decode.py``) against the module path, for the
+tests of the layers and of the weight formats and models that run them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
 from radixlm.kernels.forward_batch import ForwardMode
 from radixlm.models.layers.cpu_decode_layer import FusedDecodeLayer
 from radixlm.models.layers.cpu_decode_stack import FusedDecodeStack
+from radixlm.models.layers.cpu_sandwich_decode import FusedSandwichStack
+from radixlm.models.layers.layernorm import GemmaRMSNorm
 from radixlm.models.model_config import ModelConfig
 from radixlm.runtime.model_executor.model_runner import ModelRunner
 from radixlm.runtime.server_args import ServerArgs
@@ -96,7 +98,12 @@ def generate(runner: ModelRunner, prompts: list[list[int]] = PROMPTS,
         tokens = logits.argmax(-1).tolist()
         lens = [n + 1 for n in lens]
     used = torch.cat([table[row, :n] for row, n in zip(rows, lens)])
-    kv = [buffer[used].clone() for buffer in runner.kv_pool.layer_buffers()]
+    pool = runner.kv_pool
+    kv = []
+    for layer in range(len(runner.model.layers)):
+        slot_map = pool.slot_map_for(layer)  # a sliding layer's of a hybrid pool
+        kv += [buffer[used if slot_map is None else slot_map[used]].clone()
+               for buffer in pool.get_kv(layer)]
     return steps, kv
 
 
@@ -119,3 +126,49 @@ def assert_fused_equals_modules(path, fused_runs, monkeypatch, prompts=PROMPTS,
     for fused, module in zip(fused_steps + fused_kv, module_steps + module_kv, strict=True):
         assert torch.equal(fused, module)
     return used
+
+
+def make_gemma_runner(path, dtype="bfloat16", **options) -> ModelRunner:
+    """A runner whose every Gemma norm (four a layer, q and k) has weights of its own (the
+    tiny models' are all zeros: the identity scale)."""
+    args = ServerArgs(str(path), dtype=dtype, max_total_tokens=512, **options)
+    runner = ModelRunner(args, ModelConfig.from_path(str(path)))
+    norms = [m for m in runner.model.layers.modules() if isinstance(m, GemmaRMSNorm)]
+    with torch.no_grad():
+        for i, norm in enumerate(norms):
+            norm.weight.copy_(0.4 * torch.sin(torch.arange(norm.weight.numel()) + 3 * i))
+    return runner
+
+
+def count_sandwich_runs(monkeypatch) -> dict[str, int]:
+    """Counts, by observing the real ``run``: the sandwich stack's steps that ran fused and
+    those it declined."""
+    runs = {"fused": 0, "declined": 0}
+    real_run = FusedSandwichStack.run
+
+    def observed(self, *args):
+        out = real_run(self, *args)
+        runs["fused" if out is not None else "declined"] += 1
+        return out
+
+    monkeypatch.setattr(FusedSandwichStack, "run", observed)
+    return runs
+
+
+def assert_sandwich_equals_modules(path, monkeypatch, prompts=PROMPTS, **options) -> ModelRunner:
+    """Runs a Gemma model's decode steps fused (every step as one sandwich_decode_layers
+    call) and on its modules: hidden states, logits and stored KV equal to the bit. Returns
+    the fused path's runner."""
+    runs = count_sandwich_runs(monkeypatch)
+    runner = make_gemma_runner(path, **options)
+    assert runner.cpu_decode_runner.sandwich is not None
+    fused_steps, fused_kv = generate(runner, prompts)
+    assert runs == {"fused": DECODE_STEPS, "declined": 0}
+    monkeypatch.setattr(FusedSandwichStack, "build", classmethod(lambda cls, *args: None))
+    modules = make_gemma_runner(path, **options)
+    assert modules.cpu_decode_runner is None
+    module_steps, module_kv = generate(modules, prompts)
+    assert runs["fused"] == DECODE_STEPS  # no more
+    for fused, module in zip(fused_steps + fused_kv, module_steps + module_kv, strict=True):
+        assert torch.equal(fused, module)
+    return runner

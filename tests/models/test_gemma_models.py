@@ -1,7 +1,7 @@
 """Gemma 2 and Gemma 3 (text) against transformers on the same tiny weights (float32): prompt
 logprobs and greedy tokens alone, batched, in 16-token prefill chunks, with the radix cache
 serving a prefix, inside and beyond the 12-token window; and the pieces that need no engine
-(registry, per-layer windows and RoPE, the CPU decode runner leaving these layers alone).
+(registry, per-layer windows and RoPE, the CPU decode runner's one step for all layers).
 Gemma 3's multimodal checkpoints (``Gemma3ForConditionalGeneration``) serve their text
 decoder: its weights, and in the slow stage its outputs, equal transformers'."""
 
@@ -92,9 +92,11 @@ def test_gemma_norm_scales_by_one_plus_weight_in_float32():
 
 
 @pytest.mark.parametrize("architecture", GEMMAS)
-def test_cpu_decode_runner_leaves_gemma_layers_to_their_modules(architecture):
+def test_cpu_decode_runner_runs_gemma_layers_as_one_sandwich_stack(architecture):
+    """Their steps against the modules: tests/models/layers/test_cpu_sandwich_decode.py."""
     model = model_class(architecture)(tiny_config(architecture), max_position=64)
-    assert CpuDecodeRunner.build(model) is None
+    runner = CpuDecodeRunner.build(model)
+    assert runner.stack is None and len(runner.sandwich.layers) == 2
 
 
 @pytest.mark.parametrize("architecture", GEMMAS)

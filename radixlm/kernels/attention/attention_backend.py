@@ -14,12 +14,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from radixlm.kernels.attention.attention_layer import AttentionLayer
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
+
+
+class LayerDecodeTables(NamedTuple):
+    """Where one layer's decode step of a batch stores its new K/V and reads its keys when
+    the fused CPU kernels' ``paged_decode_attention`` attends over the pool: the layer's
+    slot map, window and softcap applied (``AttentionBackend.layer_decode_tables``)."""
+
+    write_slots: torch.Tensor  # (B,) the layer-buffer row of each new token's K/V
+    kv_slots: torch.Tensor  # (B, S) the layer-buffer rows of each request's visible keys
+    key_lens: torch.Tensor  # (B,) how many of a row's kv_slots hold its keys
+    softcap: float  # the scores' soft cap, 0.0 for none
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,17 @@ class AttentionBackend(ABC):
         ``paged_decode_attention`` over the pool, the (kv_slots (B, S), seq_lens (B,)) it
         reads them with, so that a layer may run its whole decode step in one kernel call
         (``models/layers/cpu_decode_layer.py``); else None (the default)."""
+        return None
+
+    def layer_decode_tables(
+        self, forward_batch: ForwardBatch, layer: AttentionLayer
+    ) -> LayerDecodeTables | None:
+        """Where this batch's decode attention for ``layer`` is the fused CPU kernels'
+        ``paged_decode_attention`` over the pool, whatever the layer's window, softcap or
+        slot map, the tables its step stores and reads with, so that its whole step may run
+        in one kernel call (``models/layers/cpu_sandwich_decode.py``); else None (the
+        default). Layers alike in window, softcap and slot map get equal tables (the caller
+        asks once per kind in a batch)."""
         return None
 
     def forward(

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels.attention.attention_backend import AttentionBackend
+from radixlm.kernels.attention.attention_backend import AttentionBackend, LayerDecodeTables
 from radixlm.kernels.attention.shared_prefix_decode import (
     SharedPrefixRun,
     attend_shared_prefix,
@@ -259,6 +259,18 @@ class TorchNativeAttentionBackend(AttentionBackend):
                 or self._windowed.pool_maps_slots()):
             return None
         return layout.kv_slots, forward_batch.seq_lens
+
+    def layer_decode_tables(self, forward_batch, layer):
+        """What the layer's ``forward_decode`` stores and attends with on the fused kernels:
+        the windowed path's tables where it goes there, else the batch's own."""
+        layout = self._layout
+        if (forward_batch.mode is not ForwardMode.DECODE or layout.shared is not None
+                or fused_ops.for_tensor(layout.kv_slots) is None):
+            return None
+        if needs_windowed_path(layer, forward_batch):
+            return self._windowed.decode_tables(layer)
+        return LayerDecodeTables(forward_batch.out_cache_loc, layout.kv_slots,
+                                 forward_batch.seq_lens, 0.0)
 
     def _decode_in_pool(self, kernels, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
         """Stores the new K/V, then attends over each request's keys where they lie in the

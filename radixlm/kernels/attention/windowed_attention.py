@@ -23,9 +23,10 @@ A layer with ``sliding_window`` W (query at position i sees keys j with i - W < 
   explicitly in float32, in chunks of ``QUERY_CHUNK`` query rows, so the scores of a long
   prompt over all its keys (a global layer of Gemma 2) do not take B * H * Q * S floats.
 
-What a batch needs (slot table, mask, where its queries and new keys sit in the grid) is
-built once a batch per distinct (window, slot map), when the first layer of that kind asks,
-and shared by all layers of the kind.
+What a batch needs is built once a batch per distinct (window, slot map), when the first
+layer of that kind asks, and shared by all layers of the kind: the slot table at once, the
+grid (mask, where its queries and new keys sit) only where a path other than the fused
+decode kernel asks for it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from radixlm.kernels.attention.attention_backend import LayerDecodeTables
 from radixlm.kernels.attention.attention_layer import AttentionLayer
 from radixlm.kernels.cpu_ops import fused_ops
 from radixlm.kernels.forward_batch import ForwardBatch, ForwardMode
@@ -51,11 +53,11 @@ def needs_windowed_path(layer: AttentionLayer, fb: ForwardBatch) -> bool:
 
 
 @dataclass
-class WindowedLayout:
-    """One (window, slot map)'s grid of a batch: B requests, Q query rows, S key columns."""
+class WindowedGrid:
+    """The padded grid of a batch for one (window, slot map), beside its ``WindowedLayout``:
+    B requests, Q query rows, S key columns (what the paths other than the fused decode
+    kernel need)."""
 
-    kv_slots: torch.Tensor  # (B, S) the layer-buffer slot of key column j of request b
-    key_lens: torch.Tensor  # (B,) the key columns of request b that hold its keys
     new_rows: torch.Tensor  # (T,) the flattened (B * S) key row of each new token
     query_rows: torch.Tensor | None  # (T,) each new token's (B * Q) grid row; None: B * Q = T
     visible: torch.Tensor  # (B, 1, Q, S) bool
@@ -73,13 +75,31 @@ class WindowedLayout:
         return mask
 
 
+@dataclass
+class WindowedLayout:
+    """One (window, slot map)'s keys of a batch: what the fused decode kernel reads, and the
+    grid the other paths attend in, built on first use (``grid``)."""
+
+    kv_slots: torch.Tensor  # (B, S) the layer-buffer slot of key column j of request b
+    key_lens: torch.Tensor  # (B,) the key columns of request b that hold its keys
+    columns: torch.Tensor  # (B, S) the position of key column j of request b
+    first: torch.Tensor  # (B,) the position of each request's first key column
+    window: int | None
+    fb: ForwardBatch
+    _grid: WindowedGrid | None = None
+
+    def grid(self) -> WindowedGrid:
+        if self._grid is None:
+            self._grid = build_grid(self)
+        return self._grid
+
+
 def build_layout(fb: ForwardBatch, window: int | None,
                  slot_map: torch.Tensor | None) -> WindowedLayout:
-    """The grid of batch ``fb`` for layers with ``window`` (None: unbounded) whose buffers
+    """The keys of batch ``fb`` for layers with ``window`` (None: unbounded) whose buffers
     are indexed through ``slot_map`` (None: by the request's slots)."""
     device = fb.input_ids.device
     seq_host, ext_host = fb.seq_lens_list, fb.extend_seq_lens_list
-    batch_size, max_q = len(seq_host), max(ext_host)
     first_host = [0 if window is None else max(0, s - e + 1 - window)
                   for s, e in zip(seq_host, ext_host)]
     num_keys = max(s - f for s, f in zip(seq_host, first_host))
@@ -90,7 +110,15 @@ def build_layout(fb: ForwardBatch, window: int | None,
     kv_slots = rows.gather(1, columns.clamp(max=max_kv - 1))  # past a request's keys: masked
     if slot_map is not None:
         kv_slots = slot_map[kv_slots]
+    return WindowedLayout(kv_slots, fb.seq_lens - first, columns, first, window, fb)
 
+
+def build_grid(layout: WindowedLayout) -> WindowedGrid:
+    """``layout``'s padded grid: the mask and where the new tokens' queries and keys sit."""
+    fb, columns, window = layout.fb, layout.columns, layout.window
+    device = columns.device
+    ext_host = fb.extend_seq_lens_list
+    batch_size, max_q, num_keys = len(ext_host), max(ext_host), columns.shape[1]
     i = torch.arange(max_q, device=device)
     # Padded query rows repeat the request's last query, so no row is fully masked.
     positions = fb.prefix_lens[:, None] + torch.minimum(
@@ -103,11 +131,11 @@ def build_layout(fb: ForwardBatch, window: int | None,
     req_of_token = torch.repeat_interleave(
         torch.arange(batch_size, device=device), fb.extend_seq_lens)  # (T,)
     offset_in_req = torch.arange(len(fb.input_ids), device=device) - starts[req_of_token]
-    new_rows = req_of_token * num_keys + (fb.prefix_lens - first)[req_of_token] + offset_in_req
+    new_rows = (req_of_token * num_keys + (fb.prefix_lens - layout.first)[req_of_token]
+                + offset_in_req)
     query_rows = None if sum(ext_host) == batch_size * max_q else (
         req_of_token * max_q + offset_in_req)
-    return WindowedLayout(kv_slots, fb.seq_lens - first, new_rows, query_rows,
-                          visible.unsqueeze(1), batch_size, max_q)
+    return WindowedGrid(new_rows, query_rows, visible.unsqueeze(1), batch_size, max_q)
 
 
 class WindowedAttention:
@@ -119,6 +147,7 @@ class WindowedAttention:
         self._layouts: dict[tuple[int | None, int], tuple[torch.Tensor | None,
                                                           WindowedLayout]] = {}
         self._maps_slots: bool | None = None
+        self._writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def pool_maps_slots(self) -> bool:
         """Whether the batch's pool holds any layer's K/V under a slot map of its own."""
@@ -137,6 +166,24 @@ class WindowedAttention:
             self._layouts[key] = known
         return known[1]
 
+    def decode_tables(self, layer: AttentionLayer) -> LayerDecodeTables:
+        """What ``forward`` stores a decode step's K/V at and attends with on the fused
+        kernels: the request slots through the layer's slot map, its window's keys."""
+        fb = self._fb
+        slot_map = fb.kv_pool.slot_map_for(layer.layer_id)
+        layout = self.layout(layer.sliding_window, slot_map)
+        writes = fb.out_cache_loc if slot_map is None else self._mapped_writes(slot_map)
+        return LayerDecodeTables(writes, layout.kv_slots, layout.key_lens,
+                                 layer.logit_softcap or 0.0)
+
+    def _mapped_writes(self, slot_map: torch.Tensor) -> torch.Tensor:
+        """The batch's new tokens' slots through ``slot_map``, taken once a batch a map."""
+        known = self._writes.get(id(slot_map))
+        if known is None or known[0] is not slot_map:
+            known = (slot_map, slot_map[self._fb.out_cache_loc])
+            self._writes[id(slot_map)] = known
+        return known[1]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayer) -> torch.Tensor:
         """Stores the new K/V (through the pool's ``set_kv``), then attends: q (T, H, D),
@@ -150,37 +197,39 @@ class WindowedAttention:
             return kernels.paged_decode_attention(q, k_buffer, v_buffer, layout.kv_slots,
                                                   layout.key_lens, layer.scaling,
                                                   layer.logit_softcap or 0.0)
-        keys, values = self._grid_kv(k, v, layer, layout)  # (B, H_kv, S, D|D_v)
-        b, num_q = layout.batch_size, layout.max_queries
-        if layout.query_rows is None:
+        grid = layout.grid()
+        keys, values = self._grid_kv(k, v, layer, layout.kv_slots, grid)  # (B, H_kv, S, D|D_v)
+        b, num_q = grid.batch_size, grid.max_queries
+        if grid.query_rows is None:
             queries = q.reshape(b, num_q, *q.shape[1:])
         else:
             queries = q.new_zeros(b * num_q, *q.shape[1:])
-            queries[layout.query_rows] = q
+            queries[grid.query_rows] = q
             queries = queries.view(b, num_q, *q.shape[1:])
         queries = queries.transpose(1, 2)  # (B, H, Q, D)
         if layer.logit_softcap is None:
             out = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=layout.mask(q.dtype), scale=layer.scaling,
+                queries, keys, values, attn_mask=grid.mask(q.dtype), scale=layer.scaling,
                 enable_gqa=layer.num_heads != layer.num_kv_heads)  # (B, H, Q, D_v)
         else:
-            out = _softcapped(queries, keys, values, layout.mask(torch.float32), layer)
+            out = _softcapped(queries, keys, values, grid.mask(torch.float32), layer)
         out = out.transpose(1, 2).reshape(b * num_q, q.shape[1], values.shape[-1])
-        return out if layout.query_rows is None else out[layout.query_rows]
+        return out if grid.query_rows is None else out[grid.query_rows]
 
-    def _grid_kv(self, k, v, layer, layout: WindowedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _grid_kv(self, k, v, layer, kv_slots: torch.Tensor,
+                 grid: WindowedGrid) -> tuple[torch.Tensor, torch.Tensor]:
         """The grid's keys (B, H_kv, S, D) and values (B, H_kv, S, D_v): the prefix's read
-        from the layer's buffers, the new tokens' as computed."""
+        from the layer's buffers at ``kv_slots``, the new tokens' as computed."""
         pool = self._fb.kv_pool
         k_buffer, v_buffer = pool.get_kv(layer.layer_id)
-        slots = layout.kv_slots.view(-1)
-        shape = (*layout.kv_slots.shape, *k_buffer.shape[1:])
-        keys = k_buffer.index_select(0, slots).index_copy_(0, layout.new_rows, k).view(shape)
+        slots = kv_slots.view(-1)
+        shape = (*kv_slots.shape, *k_buffer.shape[1:])
+        keys = k_buffer.index_select(0, slots).index_copy_(0, grid.new_rows, k).view(shape)
         if pool.values_view_keys:
             values = keys[..., : v_buffer.shape[-1]]
         else:
-            values = v_buffer.index_select(0, slots).index_copy_(0, layout.new_rows, v)
-            values = values.view(*layout.kv_slots.shape, *v_buffer.shape[1:])
+            values = v_buffer.index_select(0, slots).index_copy_(0, grid.new_rows, v)
+            values = values.view(*kv_slots.shape, *v_buffer.shape[1:])
         return keys.transpose(1, 2), values.transpose(1, 2)
 
 

@@ -35,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pair_matmul_available");
   m.def("decode_layer", torch::wrap_pybind_function(decode_layer), "decode_layer");
   m.def("decode_layers", torch::wrap_pybind_function(decode_layers), "decode_layers");
+  m.def("sandwich_decode_layers", torch::wrap_pybind_function(sandwich_decode_layers),
+        "sandwich_decode_layers");
   m.def("lora_add", torch::wrap_pybind_function(lora_add), "lora_add");
   m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
   m.def("quantized_matmul", torch::wrap_pybind_function(quantized_matmul), "quantized_matmul");

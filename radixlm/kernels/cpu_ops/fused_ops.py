@@ -48,6 +48,9 @@ operations inside ``F.rms_norm`` (figures in benchmarks/RESULTS.md). The kernels
   each projection multiplied as ``ProjectionKernel`` says (``models/layers/cpu_decode_layer.py``);
   ``decode_layers(...)``, every layer's in one call (``models/layers/cpu_decode_stack.py``);
   both add LoRA adapters' terms to the projections where a step has them;
+  ``sandwich_decode_layers(...)`` (in ``sandwich_decode_layers.cpp``), the same for Gemma's
+  sandwich layers (four norms, q/k norms, a RoPE table and attention table per layer, a
+  GELU gate; ``models/layers/cpu_sandwich_decode.py``);
 - ``lora_add(x, y, ...)`` (in ``lora_matmul.cpp``): every LoRA adapter's term of a pass added
   to a projection's output, each adapter's weights read once (``models/lora/lora_layers.py``);
 - ``argmax_rows(x)`` (in ``argmax.cpp``): ``x.argmax(dim=-1)`` over float32 logits, the
@@ -110,16 +113,17 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("fused_ops.cpp", "decode_attention.cpp", "few_rows_matmul.cpp",
                              "blocked_matmul.cpp", "prefill_attention.cpp",
                              "prefill_attention_float32.cpp", "pair_matmul.cpp",
-                             "decode_layer.cpp", "lora_matmul.cpp", "argmax.cpp",
-                             "quantized_matmul.cpp", "quantized_matmul_bf16.cpp",
-                             "bindings.cpp"))
+                             "decode_layer.cpp", "sandwich_decode_layers.cpp",
+                             "lora_matmul.cpp", "argmax.cpp", "quantized_matmul.cpp",
+                             "quantized_matmul_bf16.cpp", "bindings.cpp"))
 BUILD_PREFIX = "radixlm_cpu_ops_"  # a build's directory and module: this and a digest
 FUNCTIONS = ("rms_norm", "add_rms_norm", "paged_decode_attention", "rotary", "silu_mul",
              "scatter_rows", "int8_matmul", "dense_matmul", "blocked_matmul",
              "blocked_int8_matmul",
              "paged_prefill_attention", "prefill_attention_available", "pair_matmul",
              "int8_pair_matmul", "pair_matmul_silu", "int8_pair_matmul_silu",
-             "pair_matmul_available", "decode_layer", "decode_layers", "lora_add",
+             "pair_matmul_available", "decode_layer", "decode_layers", "sandwich_decode_layers",
+             "lora_add",
              "argmax_rows", "quantized_matmul", "quantized_matmul_parts", "dequantize_blocks",
              "quantized_bf16_dots_serve")
 COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp")

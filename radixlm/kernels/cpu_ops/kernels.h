@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -68,11 +69,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     double scale, const std::vector<at::Tensor>& lora_pass,
     const std::vector<at::Tensor>& lora_weights, const std::vector<at::Tensor>& gguf_parts);
 
-// argmax.cpp
+// sandwich_decode_layers.cpp
+std::tuple<at::Tensor, at::Tensor> sandwich_decode_layers(
+    const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
+    const std::vector<int64_t>& kernels, const std::vector<at::Tensor>& weights,
+    const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& ropes,
+    std::vector<at::Tensor> kv_buffers, const std::vector<at::Tensor>& tables,
+    const std::vector<double>& softcaps, int64_t heads, int64_t kv_heads, double scale,
+    bool qk_norm, const std::string& gelu_approximate, const std::vector<at::Tensor>& lora_pass,
+    const std::vector<at::Tensor>& lora_weights, const std::vector<at::Tensor>& gguf_parts);
+
+// lora_matmul.cpp
 void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& rows, const at::Tensor& starts,
               const at::Tensor& slots, const at::Tensor& a, const at::Tensor& b_t,
               const at::Tensor& scales, const at::Tensor& ranks, const at::Tensor& bounds);
 
+// argmax.cpp
 at::Tensor argmax_rows(const at::Tensor& x);
 
 // quantized_matmul.cpp

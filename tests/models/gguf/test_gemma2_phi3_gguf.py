@@ -2,13 +2,16 @@
 models written as llama.cpp lays them out, with the tensor names of ``gguf``'s own table
 (``gguf.TENSOR_NAMES``) and the metadata keys of its writer, Gemma's norms stored as 1 + w,
 Phi-3's q/k/v and gate/up fused, matrices in Q8_0. Served as stored, they must equal
-transformers on the same (dequantized) weights."""
+transformers on the same (dequantized) weights; Gemma 2's decode steps run fused on the
+blocks as stored, as its modules run them."""
 
 from __future__ import annotations
 
 import gguf
 import pytest
 import torch
+from fused_decode_checks import PROMPTS, assert_sandwich_equals_modules
+from fused_kernels import enable_or_skip
 from gguf import MODEL_TENSOR as T
 from gguf import GGMLQuantizationType as QType
 from test_conversion import MERGES, SPECIALS, tiny_vocab
@@ -16,6 +19,9 @@ from tiny_models import write_tiny_model
 from transformers import AutoModelForCausalLM
 
 import radixlm
+from radixlm.kernels.cpu_ops.fused_ops import ProjectionKernel
+from radixlm.models.default_model import resolve_model_path
+from radixlm.runtime.device_choice import cpu_has_native_bf16
 
 BLOCK_NAMES = {
     "input_layernorm": T.ATTN_NORM, "self_attn.q_proj": T.ATTN_Q, "self_attn.k_proj": T.ATTN_K,
@@ -118,3 +124,22 @@ def test_served_as_stored_equals_transformers(tmp_path, monkeypatch, architectur
         got = torch.tensor([e[0] for e in out["meta_info"]["input_token_logprobs"][1:]])
         torch.testing.assert_close(got, expected[:, 0], atol=1e-4, rtol=0)
         assert out["output_ids"] == greedy.tolist()
+
+
+def test_gemma2_decode_steps_on_the_blocks_as_stored_run_fused_as_the_modules(
+    tmp_path, monkeypatch
+):
+    """Every projection a GGUF block weight (``ProjectionKernel.GGUF``) in the one fused call
+    of Gemma's sandwich layers: its steps equal the modules' to the bit."""
+    enable_or_skip()
+    arch, overrides = MODELS["Gemma2ForCausalLM"]
+    directory = write_tiny_model(tmp_path / "hf", "Gemma2ForCausalLM", "gqa", tied=True,
+                                 vocab_size=len(tiny_vocab()), **overrides)
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    write_gguf(reference, arch, tmp_path / f"{arch}.gguf")
+    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path / "cache"))
+    view = resolve_model_path(tmp_path / f"{arch}.gguf")
+    dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    runner = assert_sandwich_equals_modules(view, monkeypatch, dtype=dtype)
+    qkv = runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.fused_projection(len(PROMPTS), runner.dtype).kernel is ProjectionKernel.GGUF
