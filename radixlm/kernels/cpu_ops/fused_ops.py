@@ -131,7 +131,7 @@ COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 class ProjectionKernel(enum.IntEnum):
     """How ``decode_layer`` multiplies a projection's weight (``Projection`` in
-    decode_layer.cpp, which switches on these values)."""
+    decode_projection.h, which switches on these values)."""
 
     PAIRS = 0  # pair_matmul(x, weight)
     INT8 = 1  # int8_matmul(x, weight, scales)

@@ -32,6 +32,15 @@ using radixlm_quant::half_at;
 
 constexpr int64_t kMaxRows = 32;  // (the row limits that pay are gguf_weight.py's)
 
+// The float16 at p (a block's scale) in all 16 lanes: broadcast as float16 and widened in
+// vector registers (the scalar conversion and broadcast took more of the shuffle port that
+// the blocks' decoding needs: benchmarks/RESULTS.md).
+inline __m512 broadcast_half(const uint8_t* p) {
+  int16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _mm512_cvtph_ps(_mm256_set1_epi16(bits));
+}
+
 // bfloat16 lookup tables of the integers a type's indices stand for (vpermw reads an index's
 // low 5 bits; vpermt2w its low 6 from two tables).
 struct Tables {
@@ -96,7 +105,7 @@ struct Q4_0 {
   static Tables tables() { return Tables{value_table(-8, 16)}; }
   template <typename Fn>
   static void block(const uint8_t* b, const Tables& t, float*, Fn&& fn) {
-    fn(0, dot_with(lookup(nibble_words(b + 2), t.low)), _mm512_set1_ps(half_at(b)));
+    fn(0, dot_with(lookup(nibble_words(b + 2), t.low)), broadcast_half(b));
   }
 };
 
@@ -107,7 +116,7 @@ struct Q4_1 {
   template <typename Fn>
   static void block(const uint8_t* b, const Tables& t, float* offsets, Fn&& fn) {
     offsets[0] = half_at(b + 2);
-    fn(0, dot_with(lookup(nibble_words(b + 4), t.low)), _mm512_set1_ps(half_at(b)));
+    fn(0, dot_with(lookup(nibble_words(b + 4), t.low)), broadcast_half(b));
   }
 };
 
@@ -117,7 +126,7 @@ struct Q5_0 {
   static Tables tables() { return Tables{value_table(-16, 32)}; }
   template <typename Fn>
   static void block(const uint8_t* b, const Tables& t, float*, Fn&& fn) {
-    fn(0, dot_with(lookup(five_bit_words(b + 2, b + 6), t.low)), _mm512_set1_ps(half_at(b)));
+    fn(0, dot_with(lookup(five_bit_words(b + 2, b + 6), t.low)), broadcast_half(b));
   }
 };
 
@@ -128,7 +137,7 @@ struct Q5_1 {
   template <typename Fn>
   static void block(const uint8_t* b, const Tables& t, float* offsets, Fn&& fn) {
     offsets[0] = half_at(b + 2);
-    fn(0, dot_with(lookup(five_bit_words(b + 4, b + 8), t.low)), _mm512_set1_ps(half_at(b)));
+    fn(0, dot_with(lookup(five_bit_words(b + 4, b + 8), t.low)), broadcast_half(b));
   }
 };
 
@@ -139,7 +148,7 @@ struct Q8_0 {
   template <typename Fn>
   static void block(const uint8_t* b, const Tables&, float*, Fn&& fn) {
     fn(0, [&](const at::BFloat16*, const float* xf) { return int8_dot(b + 2, xf); },
-       _mm512_set1_ps(half_at(b)));
+       broadcast_half(b));
   }
 };
 
@@ -213,7 +222,7 @@ struct Q6_K {
   template <typename Fn>
   static void block(const uint8_t* b, const Tables& t, float*, Fn&& fn) {
     const __m512 scales = _mm512_mul_ps(
-        _mm512_set1_ps(half_at(b + 208)),
+        broadcast_half(b + 208),
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
     const __m256i nibble = _mm256_set1_epi8(15), two_bits = _mm256_set1_epi8(0x30);

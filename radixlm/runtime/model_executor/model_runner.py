@@ -257,6 +257,8 @@ class ModelRunner:
         """hidden (N, H) -> float32 logits (N, vocab) (with the other ranks' shares)."""
         if self.step_sender is not None:
             self.step_sender.send_logits(hidden)
+        if self.thread_policy is not None and self.thread_policy.last_was_trial:
+            self._set_threads(self.thread_policy.last_choice)  # a trial times its pass only
         with torch.inference_mode(), self.cpu_plan.pass_scope(hidden.shape[0], prompt=False):
             return self.model.compute_logits(hidden)
 

@@ -46,10 +46,12 @@ of a count replaces the inherited one) or it is large and its last all-thread pa
 cores to itself (then it tries no fewer threads until one does not); a candidate's estimate
 otherwise only moves by ``record``. ``last_was_trial`` says whether the last pass ``run``
 ran was on a count other than the bucket's choice once that pass was measured, so that
-callers who time passes can leave it out. A fresh bucket's first pass makes its count the
-choice, so it counts: the scheduler's prefill pace is measured from a server's first long
-prompt, not its third (before, a 512-token prompt on a fresh 2-core server went as two
-chunks of 256, the second on one thread, slower than one pass on two).
+callers who time passes can leave it out, and ``last_choice`` what the rest of the step
+(its logits, which the pass's time leaves out) runs on, so that a trial costs its pass
+alone. A fresh bucket's first pass makes its count the choice, so it counts: the
+scheduler's prefill pace is measured from a server's first long prompt, not its third
+(before, a 512-token prompt on a fresh 2-core server went as two chunks of 256, the second
+on one thread, slower than one pass on two).
 """
 
 from __future__ import annotations
@@ -119,6 +121,9 @@ class ThreadPolicy:
         self.margin = margin
         self._buckets: dict[int, _Bucket] = {}
         self.last_was_trial = False
+        self.last_choice = max_threads
+        """The thread count the last pass's bucket runs (its choice once the pass was
+        measured): what the rest of a step runs on after a trial pass."""
 
     def choose(self, num_tokens: int) -> int:
         """The thread count for a pass of ``num_tokens`` new tokens."""
@@ -185,7 +190,8 @@ class ThreadPolicy:
         result = work()
         self.record(num_tokens, threads, time.perf_counter() - start,
                     time.process_time() - cpu_start)
-        self.last_was_trial = threads != self._buckets[_bucket_of(num_tokens)].current
+        self.last_choice = self._buckets[_bucket_of(num_tokens)].current
+        self.last_was_trial = threads != self.last_choice
         return result
 
     def chosen(self) -> dict[int, int]:

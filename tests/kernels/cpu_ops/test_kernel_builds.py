@@ -10,10 +10,10 @@ from radixlm.kernels.cpu_ops import fused_ops
 
 def test_every_projection_kernel_reaches_the_sources_as_a_define():
     defines = fused_ops.compile_defines()
-    decode_layer = Path(fused_ops.__file__).with_name("decode_layer.cpp").read_text()
+    projections = Path(fused_ops.__file__).with_name("decode_projection.h").read_text()
     for kernel in fused_ops.ProjectionKernel:
         assert f"-DRADIXLM_PROJECTION_{kernel.name}={kernel.value}" in defines
-        assert f"RADIXLM_PROJECTION_{kernel.name}," in decode_layer  # an enumerator's value
+        assert f"RADIXLM_PROJECTION_{kernel.name}," in projections  # an enumerator's value
     for name, dim in [("BFLOAT16", 128), ("FLOAT32", 256)]:
         assert f"-DRADIXLM_PREFILL_MAX_VALUE_DIM_{name}={dim}" in defines
     assert f"-DRADIXLM_PAIR_COLUMNS={fused_ops.PAIR_COLUMNS}" in defines

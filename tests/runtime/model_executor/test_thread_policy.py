@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
+import torch
+
+from radixlm.models.model_config import ModelConfig
+from radixlm.runtime.model_executor.model_runner import PROCESS_THREADS, ModelRunner
 from radixlm.runtime.model_executor.thread_policy import MAX_BACKOFF, ThreadPolicy
+from radixlm.runtime.server_args import ServerArgs
 
 
 def _serve(policy: ThreadPolicy, num_tokens: int, seconds_per_token: dict[int, float],
@@ -128,8 +134,8 @@ def test_a_pass_on_a_count_under_trial_is_reported_as_such():
     runs = []
     for _ in range(4):  # one thread takes ten times as long
         policy.run(128, runs.append, lambda: time.sleep(0.01 if runs[-1] == 1 else 0.001))
-        runs.append(policy.last_was_trial)
-    assert runs == [2, False, 1, True, 2, False, 2, False]
+        runs.extend([policy.last_was_trial, policy.last_choice])
+    assert runs == [2, False, 2, 1, True, 2, 2, False, 2, 2, False, 2]
 
 
 def test_trials_that_change_nothing_come_ever_more_rarely_but_do_come():
@@ -188,3 +194,36 @@ def test_a_neighbour_seen_in_large_passes_lets_them_try_one_thread_at_once():
     quiet = _serve(policy, 512, {1: 2e-3, 2: 1e-3}, passes=20 * MAX_BACKOFF + 4,
                    cpu_share=0.97)
     assert quiet[-4:] == [2] * 4 and policy.chosen()[512] == 2
+
+
+def test_the_logits_after_a_trial_pass_run_on_the_choice(tiny_model_dir, monkeypatch):
+    """A trial times the forward pass alone: the step's logits (the LM head, a large
+    product) run on the bucket's choice, not on the count under trial."""
+    if PROCESS_THREADS < 2:
+        pytest.skip("one thread is the only choice here")
+    path = str(tiny_model_dir())
+    runner = ModelRunner(ServerArgs(path, max_total_tokens=256), ModelConfig.from_path(path))
+    policy = runner.thread_policy
+    threads_of_logits = []
+    real_logits = runner.model.compute_logits
+
+    def observed(hidden):
+        threads_of_logits.append(torch.get_num_threads())
+        return real_logits(hidden)
+
+    monkeypatch.setattr(runner.model, "compute_logits", observed)
+    hidden = torch.zeros(1, runner.model.config.hidden_size, dtype=runner.dtype)
+    before = torch.get_num_threads()
+    try:
+        trials = []
+        for _ in range(20):  # a fresh bucket runs one thread a few passes, then tries all
+            policy.run(1, runner._set_threads,  # ten times slower on all threads
+                       lambda: time.sleep(0.01 if torch.get_num_threads() > 1 else 0.001))
+            trials.append(policy.last_was_trial)
+            runner.compute_logits(hidden)
+            if policy.last_was_trial:
+                break
+    finally:
+        torch.set_num_threads(before)
+    assert trials[-1] and len(trials) > 1 and policy.last_choice == 1
+    assert threads_of_logits == [1] * len(trials)
