@@ -155,19 +155,21 @@ def count_sandwich_runs(monkeypatch) -> dict[str, int]:
     return runs
 
 
-def assert_sandwich_equals_modules(path, monkeypatch, prompts=PROMPTS, **options) -> ModelRunner:
+def assert_sandwich_equals_modules(path, monkeypatch, prompts=PROMPTS, adapters=None,
+                                   **options) -> ModelRunner:
     """Runs a Gemma model's decode steps fused (every step as one sandwich_decode_layers
-    call) and on its modules: hidden states, logits and stored KV equal to the bit. Returns
-    the fused path's runner."""
+    call) and on its modules: hidden states, logits and stored KV equal to the bit.
+    ``adapters``: each prompt's LoRA adapter, as ``generate`` takes them. Returns the fused
+    path's runner."""
     runs = count_sandwich_runs(monkeypatch)
     runner = make_gemma_runner(path, **options)
     assert runner.cpu_decode_runner.sandwich is not None
-    fused_steps, fused_kv = generate(runner, prompts)
+    fused_steps, fused_kv = generate(runner, prompts, adapters)
     assert runs == {"fused": DECODE_STEPS, "declined": 0}
     monkeypatch.setattr(FusedSandwichStack, "build", classmethod(lambda cls, *args: None))
     modules = make_gemma_runner(path, **options)
     assert modules.cpu_decode_runner is None
-    module_steps, module_kv = generate(modules, prompts)
+    module_steps, module_kv = generate(modules, prompts, adapters)
     assert runs["fused"] == DECODE_STEPS  # no more
     for fused, module in zip(fused_steps + fused_kv, module_steps + module_kv, strict=True):
         assert torch.equal(fused, module)

@@ -2,8 +2,8 @@
 (``sandwich_decode_layers``) gives the hidden states, logits and stored KV of the module path
 to the bit: Gemma 2 (soft-capped attention) and Gemma 3 (q/k norms, a RoPE table per layer
 kind), bfloat16 and float32, prompts longer than the window, over the hybrid pool (sliding
-layers under its slot map) and the plain one; and it runs where, and only where, the layers
-and the step allow it."""
+layers under its slot map) and the plain one, with LoRA adapters; and it runs where, and
+only where, the layers and the step allow it."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from fused_decode_checks import (
     make_gemma_runner,
 )
 from fused_kernels import enable_or_skip
+from lora_adapters import ALL, write_raw_adapter
 from tiny_models import WINDOW
 
 from radixlm.kernels.cpu_ops import fused_ops
@@ -63,6 +64,25 @@ def test_fused_steps_equal_the_modules_over_the_plain_pool(
     runner = assert_sandwich_equals_modules(tiny_model_dir(architecture, "mqa", False),
                                             monkeypatch, PAST_THE_WINDOW, dtype=dtypes()[-1])
     assert type(runner.kv_pool) is MHATokenToKVPool
+
+
+def test_fused_steps_add_each_requests_lora_adapter_as_the_modules_do(
+    kernels_on, tiny_model_dir, monkeypatch, tmp_path
+):
+    """Two adapters (every projection; the MLP's) and a request of none in one batch."""
+    every = write_raw_adapter(tmp_path / "all", seed=1, rank=4, targets=tuple(ALL))
+    mlp = write_raw_adapter(tmp_path / "mlp", seed=2, rank=2,
+                            targets=("gate_proj", "up_proj", "down_proj"))
+    paths = [f"all={every}", f"mlp={mlp}"]
+    adapters = ["all", None, "mlp"]
+    runner = assert_sandwich_equals_modules(
+        tiny_model_dir("Gemma3ForCausalLM", "gqa", True), monkeypatch, PAST_THE_WINDOW,
+        adapters=adapters, dtype=dtypes()[-1], enable_lora=True, lora_paths=paths,
+        max_loras_per_batch=2, max_lora_rank=8)
+    adapted, _ = generate(runner, PAST_THE_WINDOW, adapters)
+    plain, _ = generate(runner, PAST_THE_WINDOW)
+    changed = [not torch.equal(a, b) for a, b in zip(adapted[0], plain[0])]  # first step's
+    assert changed == [True, False, True]
 
 
 @pytest.mark.parametrize("architecture", GEMMAS)
