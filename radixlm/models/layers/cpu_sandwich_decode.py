@@ -131,12 +131,12 @@ class FusedSandwichStack:
 
     def _operands(self, rows: int, dtype: torch.dtype,
                   ) -> tuple[list[torch.Tensor], ProjectionOperands] | None:
-        """Every layer's six norm scales (float32; the q/k ones repeat the input norm's
-        where the layers have none, unread) and projections for passes of ``rows`` rows of
-        ``dtype``, or None where a norm's weight is not of ``dtype`` (its module would not
-        take the kernels) or a projection runs none of the kernels. Kept per (rows, dtype)
-        while every norm weight is the tensor and version it was then and every projection
-        holds the weight it held then."""
+        """Every layer's six norm scales (float32; where the layers have no q/k norms, the layer's
+        first two stand in their places, unread) and projections for passes of ``rows`` rows of
+        ``dtype``, or None where a norm's weight is not of ``dtype`` (its module would not take
+        the kernels) or a projection runs none of the kernels. Kept per (rows, dtype) while
+        every norm weight is the tensor and version it was then and every projection holds the
+        weight it held then."""
         norm_weights = [norm.weight for layer in self.layers for norm in layer.norms]
         held = norm_weights + [w for layer in self.layers for w in layer.weights()]
         versions = [weight._version for weight in norm_weights]
