@@ -2,12 +2,11 @@
 
 Gemma's "sandwich" block (``models/gemma.py``: four norms a layer, q/k norms in Gemma 3, a
 GELU gate, local and global layers with their own RoPE tables and windows) is not Llama's,
-so ``cpu_decode_layer``'s step does not fit it; its layers ran their modules, and at batch 1
-on the gemma-3 file the Python between the kernels took about as long as the kernels
-(benchmarks/RESULTS.md). The kernels' ``sandwich_decode_layers`` runs every layer's step in
-C++: the same kernels, in the same order, on the same operands as the modules give them, so
-the hidden states and the stored KV equal the modules' to the bit
-(tests/models/layers/test_cpu_sandwich_decode.py).
+so ``cpu_decode_layer``'s step does not fit it; its layers ran their modules, with the
+Python between their kernels a large share of a batch-1 step (benchmarks/RESULTS.md). The
+kernels' ``sandwich_decode_layers`` runs every layer's step in C++: the same kernels, in
+the same order, on the same operands as the modules give them, so the hidden states and the
+stored KV equal the modules' to the bit (tests/models/layers/test_cpu_sandwich_decode.py).
 
 What differs between layers travels per layer: the RoPE table of the layer's kind, and the
 attention backend's ``layer_decode_tables`` for the layer (where its new K/V go and which
@@ -72,23 +71,28 @@ class FusedSandwichStack:
     _known: dict = field(default_factory=dict, repr=False)  # see _operands, lora_operands
 
     @classmethod
-    def build(cls, layers: Sequence[SandwichLayerParts | None], heads: int, kv_heads: int,
-              ) -> FusedSandwichStack | None:
+    def build(cls, layers: Sequence[SandwichLayerParts | None]) -> FusedSandwichStack | None:
         """The stack of ``layers`` (each decoder layer's parts, or None where a layer is not
         a sandwich layer the kernels serve), or None where one is None, a projection has a
-        bias, or they differ in eps, scale, activation or in having q/k norms."""
+        bias, or they differ in eps, heads, scale, activation or in having q/k norms."""
         if not layers or any(layer is None for layer in layers):
             return None
+
+        def shared(layer: SandwichLayerParts) -> tuple:
+            attention = layer.attention
+            return (attention.num_heads, attention.num_kv_heads, attention.scaling,
+                    len(layer.norms), GELU_APPROXIMATE[layer.activation])
+
         first = layers[0]
         eps = first.norms[0].eps
-        shared = (first.attention.scaling, len(first.norms), GELU_APPROXIMATE[first.activation])
         for layer in layers:
             if (any(p.bias is not None for p in layer.projections)
                     or any(norm.eps != eps for norm in layer.norms)
-                    or (layer.attention.scaling, len(layer.norms),
-                        GELU_APPROXIMATE[layer.activation]) != shared):
+                    or shared(layer) != shared(first)):
                 return None
-        return cls(tuple(layers), heads, kv_heads, first.attention.scaling, eps)
+        attention = first.attention
+        return cls(tuple(layers), attention.num_heads, attention.num_kv_heads,
+                   attention.scaling, eps)
 
     def run(self, rope: tuple[torch.Tensor, torch.Tensor] | dict, x: torch.Tensor,
             forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -72,12 +72,9 @@ def sandwich_parts(layer: torch.nn.Module) -> SandwichLayerParts | None:
 
 def fused_sandwich_stack(model: DecoderOnlyLM) -> FusedSandwichStack | None:
     """All of ``model``'s layers as one fused sandwich step, where they allow it."""
-    first = model.layers[0] if len(model.layers) else None
-    if type(first) is not GemmaDecoderLayer:
+    if not len(model.layers) or type(model.layers[0]) is not GemmaDecoderLayer:
         return None
-    attn = first.self_attn
-    return FusedSandwichStack.build([sandwich_parts(layer) for layer in model.layers],
-                                    attn.num_heads, attn.num_kv_heads)
+    return FusedSandwichStack.build([sandwich_parts(layer) for layer in model.layers])
 
 
 class CpuDecodeRunner:
@@ -107,10 +104,8 @@ class CpuDecodeRunner:
         """The decode step's hidden states (B, hidden), as ``model`` computes them."""
         model = self.model
         x, rope = model.embed(forward_batch.input_ids, forward_batch.positions)
-        stacked = None
-        for fused in (self.stack, self.sandwich):
-            if fused is not None and stacked is None:
-                stacked = fused.run(rope, x, forward_batch)
+        whole = self.stack if self.stack is not None else self.sandwich  # all layers at once
+        stacked = None if whole is None else whole.run(rope, x, forward_batch)
         if stacked is not None:
             x, residual = stacked
         else:
