@@ -12,7 +12,6 @@ from radixlm.kernels.cpu_ops import fused_ops, huge_pages
 from radixlm.kernels.cpu_ops.execution_plan import TORCH_CHOICES, CpuExecutionPlan
 from radixlm.models.gguf.conversion import gguf_source
 from radixlm.models.layers.cpu_weight_layout import lay_out_for_cpu, uses_blocked_layout
-from radixlm.models.layers.gguf_weight import GGUFBlockWeight, StackedWeight
 from radixlm.models.layers.linear import Linear
 from radixlm.models.layers.tensor_parallel import SINGLE, TensorParallel, building
 from radixlm.models.layers.vocab_parallel import VocabParallelEmbedding
@@ -92,13 +91,13 @@ def load_model(
 
 
 def _weight_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """The model's parameters, buffers and packed weights' tensors (not a GGUF's blocks:
-    they stay mapped from the file)."""
+    """The model's parameters, buffers and packed weights' tensors, a GGUF's blocks among
+    them: read in place from the file's mapping until they are moved (the mapping is then
+    dropped, so resident memory holds them once)."""
     tensors = [*model.parameters(), *model.buffers()]
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        if isinstance(packed, PackedWeight) and not isinstance(
-                packed, (GGUFBlockWeight, StackedWeight)):
+        if isinstance(packed, PackedWeight):
             tensors += packed.tensors()
     return tensors
 
@@ -121,7 +120,7 @@ def _load_gguf(model: nn.Module, path, dtype: torch.dtype, device, tp: TensorPar
         logger.warning("GGUF %s: block weights are served on one CPU rank; dequantizing them",
                        path.name)
     counts = load_gguf_weights(model, path, dtype, in_blocks)
-    logger.info("GGUF %s: %d matrices held in blocks (%.1f MiB, mapped from the file), %d "
+    logger.info("GGUF %s: %d matrices held in blocks (%.1f MiB, as the file stores them), %d "
                 "tensors loaded as floats", path.name, counts["blocks"], counts["bytes"] / 2**20,
                 counts["dequantized"])
 

@@ -3,7 +3,8 @@
 Each block-quantized matrix of a type served in blocks (``layers/gguf_weight.native_type``)
 that lands whole on a projection or on the token embedding / output head becomes that
 layer's packed weight (``GGUFBlockWeight``) over the file's bytes, memory-mapped: nothing is
-dequantized or copied (the q/k rows llama.cpp permuted are reordered, a copy of those two).
+dequantized or converted (the q/k rows llama.cpp permuted are reordered, a copy of those two;
+the loader may then move the bytes as they are onto huge pages).
 A fused projection (q/k/v, gate/up) whose checkpoint shards are all served in blocks holds
 them stacked, each in its own type (``StackedWeight``). Everything else, norms and biases,
 float matrices, and matrices of a type not served in blocks (each such type logged once,

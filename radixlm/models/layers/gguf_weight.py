@@ -2,14 +2,15 @@
 for good: the packed weights a GGUF checkpoint's layers hold (the GGUF loader builds them).
 
 ``GGUFBlockWeight`` keeps a matrix's blocks as the file stores them, uint8 (out, row bytes),
-possibly a view of the read-only memory-mapped file: it never writes them and copies them
-only where they are not contiguous. A pass of up to ``kernel_max_rows(x.dtype)`` rows on a
-CPU with the fused kernels on runs their ``quantized_matmul`` (blocks decoded in registers
-as the pass reads them); a longer pass decodes the whole weight into the model's reused
-``ConversionBuffer`` (the kernels' ``dequantize_blocks``, else ``dequantize_rows`` in torch,
-on any device) and multiplies there with torch's GEMM. The crossover was measured on a
-2-core AMX CPU (benchmarks/RESULTS.md, ``bench_gguf_matmul.py``). ``rows`` decodes only the
-rows asked for (the token embedding's lookup).
+possibly a view of the read-only memory-mapped file (or the loader's huge-page copy of those
+bytes): it never writes them and copies them only where they are not contiguous. A pass of
+up to ``kernel_max_rows(x.dtype)`` rows on a CPU with the fused kernels on runs their
+``quantized_matmul`` (blocks decoded in registers as the pass reads them); a longer pass
+decodes the whole weight into the model's reused ``ConversionBuffer`` (the kernels'
+``dequantize_blocks``, else ``dequantize_rows`` in torch, on any device) and multiplies
+there with torch's GEMM. The crossover was measured on a 2-core AMX CPU
+(benchmarks/RESULTS.md, ``bench_gguf_matmul.py``). ``rows`` decodes only the rows asked for
+(the token embedding's lookup).
 
 ``StackedWeight`` stacks packed weights of possibly different types along the output
 dimension (a checkpoint's q, k and v as one projection); GGUF parts on the kernels are

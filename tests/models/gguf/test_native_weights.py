@@ -126,28 +126,44 @@ def test_logprobs_and_greedy_tokens_equal_transformers_on_the_dequantized_weight
         assert out["output_ids"] == tokens.tolist()
 
 
-def test_block_matrices_are_held_as_views_of_the_mapped_file(quantized_gguf, tmp_path,
-                                                            monkeypatch):
+@pytest.mark.parametrize("huge", [False, True], ids=["mapped", "huge_pages"])
+def test_block_matrices_are_held_as_the_file_stores_them(quantized_gguf, tmp_path,
+                                                         monkeypatch, huge):
+    """Without huge pages the blocks are views of the file's mapping; with them they are
+    copied, byte for byte, into one huge-page mapping and the file is no longer mapped."""
+    from radixlm.kernels.cpu_ops import huge_pages
     from radixlm.models.loader import load_model
     from radixlm.models.model_config import ModelConfig
 
+    if huge and not huge_pages.available():
+        pytest.skip("transparent huge pages are off here")
     monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path))
     view = resolve_model_path(str(quantized_gguf[0]))
     assert not list(view.glob("*.safetensors"))  # no converted copy on disk
-    model = load_model(ModelConfig.from_path(view), torch.float32, torch.device("cpu"), 256)
-    reader = gguf.GGUFReader(quantized_gguf[0])
-    stored = {t.name: t for t in reader.tensors}
+    previous = huge_pages.enable(huge)
+    try:
+        model = load_model(ModelConfig.from_path(view), torch.float32, torch.device("cpu"), 256)
+    finally:
+        huge_pages.enable(previous)
+    file = str(quantized_gguf[0].resolve())
     layer = model.layers[1]
     qkv = layer.self_attn.qkv_proj.packed
     assert isinstance(qkv, StackedWeight) and layer.self_attn.qkv_proj.weight is None
     assert [p.qtype for p in qkv.parts] == [QType.Q5_1, QType.Q5_1, QType.Q5_0]
     down = layer.mlp.down_proj.packed
     assert isinstance(down, GGUFBlockWeight) and down.qtype == QType.Q5_1
-    np.testing.assert_array_equal(down.blocks.numpy(), stored["blk.1.ffn_down.weight"].data)
     embedding = model.embed_tokens.packed
     assert embedding.qtype == QType.Q8_0 and model.embed_tokens.weight is None
-    assert _mapped_file(down.blocks.data_ptr()) == str(quantized_gguf[0].resolve())
-    assert _mapped_file(embedding.blocks.data_ptr()) == str(quantized_gguf[0].resolve())
+    blocks = [down.blocks, embedding.blocks, *(part.blocks for part in qkv.parts)]
+    if huge:
+        assert file not in _mapped_files()
+        assert len({b.untyped_storage().data_ptr() for b in blocks}) == 1
+    else:
+        assert _mapped_file(down.blocks.data_ptr()) == file
+        assert _mapped_file(embedding.blocks.data_ptr()) == file
+    stored = {t.name: t for t in gguf.GGUFReader(quantized_gguf[0]).tensors}
+    np.testing.assert_array_equal(down.blocks.numpy(), stored["blk.1.ffn_down.weight"].data)
+    np.testing.assert_array_equal(embedding.blocks.numpy(), stored["token_embd.weight"].data)
 
 
 @pytest.mark.parametrize("dtype, requests", [("float32", 3), ("bfloat16", 1), ("bfloat16", 3)])
@@ -162,6 +178,13 @@ def test_fused_decode_steps_over_the_blocks_equal_the_module_path_to_the_bit(
                                        monkeypatch, FUSED_PROMPTS[-requests:], dtype=dtype)
     assert used == [ProjectionKernel.GGUF] * 4
     assert fused_runs["stacked"] > 0
+
+
+def _mapped_files() -> set[str]:
+    """The files this process has mapped (Linux's /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return {fields[5].strip() for fields in (line.split(maxsplit=5) for line in maps)
+                if len(fields) == 6}
 
 
 def _mapped_file(address: int) -> str | None:
