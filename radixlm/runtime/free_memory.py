@@ -5,7 +5,9 @@ allocations below its adaptive mmap threshold from them: attention scores of lon
 logits, large request bodies), where they stay counted in the process's RSS while it
 idles. ``return_free_memory`` trims them (glibc's ``malloc_trim``; a no-op elsewhere); the
 scheduler calls it on its first idle turn after work, the RequestTracker at its first
-scheduler heartbeat with no request in flight.
+scheduler heartbeat with no request in flight. Start-up leaves the same: parsing a
+tokenizer's JSON (tokenizers' own parser, in Rust) frees about twice what the tokenizer
+then holds, so every process trims once it has loaded what it serves with.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from radixlm.runtime import messages as wire
 from radixlm.runtime.detokenizer.incremental_detokenizer import IncrementalDetokenizer
 from radixlm.runtime.detokenizer.stop_matcher import StopMatcher
 from radixlm.runtime.detokenizer.text_decoder import RustTextDecoder, TextDecoder
+from radixlm.runtime.free_memory import return_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ def run_detokenizer_process(tokenizer_path: str, paths, ready,
         inbox.bind(paths.detokenizer)
         outbox = context.socket(zmq.PUSH)
         outbox.connect(paths.request_tracker)
+        return_free_memory()  # what parsing the tokenizer left in the heap
     except Exception as err:
         ready.send_bytes(wire.encode(wire.ProcessFailed("detokenizer", str(err))))
         context.destroy(linger=0)

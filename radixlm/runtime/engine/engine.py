@@ -57,6 +57,7 @@ from radixlm.runtime.engine.request_state import OutputDelta
 from radixlm.runtime.engine.request_tracker import RequestTracker
 from radixlm.runtime.engine.runtime_processes import start_runtime_processes
 from radixlm.runtime.engine.template_render_worker import TEMPLATE_FAILURES
+from radixlm.runtime.free_memory import return_free_memory
 from radixlm.runtime.grammar.factory import constraint_checker
 from radixlm.runtime.output_parsing.reasoning_parser import get_reasoning_parser
 from radixlm.runtime.output_parsing.tool_call_registry import get_tool_call_parser
@@ -121,6 +122,7 @@ class Engine:
         )
         self._thread.start()
         self._tracker: RequestTracker = self._call(self._make_request_tracker())
+        return_free_memory()  # what loading the tokenizer left in the heap
 
     # Generation -------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from radixlm.runtime.detokenizer.incremental_detokenizer import (
 )
 from radixlm.runtime.disaggregation.handoffs import build_handoffs
 from radixlm.runtime.disaggregation.transfer_backend import FAKE_BOOTSTRAP_HOST
-from radixlm.runtime.free_memory import IdleTrim
+from radixlm.runtime.free_memory import IdleTrim, return_free_memory
 from radixlm.runtime.grammar.factory import make_grammar_backend
 from radixlm.runtime.grammar.jump_forward import JumpForward
 from radixlm.runtime.model_executor.model_runner import ModelRunner
@@ -380,6 +380,7 @@ def run_scheduler_process(args: ServerArgs, model_path: str, paths: wire.SocketP
         scheduler = build_scheduler(args, model_path)
         loop = SchedulerLoop(scheduler, scheduler.sampling_step.tokenizer, context, paths)
         freeze_startup_objects()
+        return_free_memory()  # what loading the model and the tokenizer left in the heap
     except Exception as err:
         ready.send_bytes(wire.encode(wire.ProcessFailed("scheduler", _describe(err))))
         return
