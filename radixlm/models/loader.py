@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -102,14 +104,32 @@ def _weight_tensors(model: nn.Module) -> list[torch.Tensor]:
     return tensors
 
 
-def _without_init(skip: bool):
+@contextlib.contextmanager
+def _without_init(skip: bool) -> Iterator[None]:
     """Where the weights will be replaced (a GGUF's blocks), the model is built without
-    initialising them: untouched memory, freed as the blocks take their place."""
+    initialising them: untouched memory, freed as the blocks take their place. torch's init
+    functions (transformers' list of them and of the modules that bind them) are no-ops
+    meanwhile; transformers' own ``no_init_weights`` would import its modeling code, and
+    with it torch's compiler and triton (seconds of start-up, tens of MiB a process)."""
     if not skip:
-        return contextlib.nullcontext()
-    from transformers.initialization import no_init_weights
+        yield
+        return
+    from transformers.initialization import TORCH_INIT_FUNCTIONS, TORCH_MODULES_TO_PATCH
 
-    return no_init_weights()
+    bound = [sys.modules[name] for name in TORCH_MODULES_TO_PATCH if name in sys.modules]
+    originals = [(module, name, getattr(module, name))
+                 for module in bound for name in TORCH_INIT_FUNCTIONS if hasattr(module, name)]
+    for module, name, _ in originals:
+        setattr(module, name, _no_init)
+    try:
+        yield
+    finally:
+        for module, name, function in originals:
+            setattr(module, name, function)
+
+
+def _no_init(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
 
 
 def _load_gguf(model: nn.Module, path, dtype: torch.dtype, device, tp: TensorParallel) -> None:

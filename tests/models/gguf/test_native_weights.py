@@ -8,8 +8,12 @@ of test_gemma3_gguf.py and in the kernels' own tests).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -124,6 +128,30 @@ def test_logprobs_and_greedy_tokens_equal_transformers_on_the_dequantized_weight
             tokens = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
                                         eos_token_id=None, pad_token_id=0)[0, len(ids):]
         assert out["output_ids"] == tokens.tolist()
+
+
+LOAD_IMPORTS = """
+import json, sys, torch
+from radixlm.models.default_model import resolve_model_path
+from radixlm.models.loader import load_model
+from radixlm.models.model_config import ModelConfig
+config = ModelConfig.from_path(resolve_model_path(sys.argv[1]))
+load_model(config, torch.float32, torch.device("cpu"), 256)
+print(json.dumps({name: name in sys.modules for name in
+                  ["torch._dynamo", "triton", "transformers.modeling_utils"]}))
+"""
+
+
+def test_loading_a_gguf_imports_neither_torch_compiler_nor_transformers_models(tmp_path):
+    path = tmp_path / "tiny-llama.gguf"
+    write_quantized_gguf(path)
+    env = {**os.environ, "RADIXLM_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", LOAD_IMPORTS, str(path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert imported == {"torch._dynamo": False, "triton": False,
+                        "transformers.modeling_utils": False}
 
 
 @pytest.mark.parametrize("huge", [False, True], ids=["mapped", "huge_pages"])
