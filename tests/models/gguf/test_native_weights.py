@@ -210,22 +210,22 @@ def test_fused_decode_steps_over_the_blocks_equal_the_module_path_to_the_bit(
     assert fused_runs["stacked"] > 0
 
 
-def _mapped_files() -> set[str]:
-    """The files this process has mapped (Linux's /proc/self/maps)."""
+def _mappings() -> list[tuple[int, int, str | None]]:
+    """This process's mappings (Linux's /proc/self/maps): start, end, and the file mapped
+    (None for anonymous memory)."""
     with open("/proc/self/maps") as maps:
-        return {fields[5].strip() for fields in (line.split(maxsplit=5) for line in maps)
-                if len(fields) == 6}
+        rows = [line.split(maxsplit=5) for line in maps]
+    return [(*(int(x, 16) for x in fields[0].split("-")),
+             fields[5].strip() if len(fields) == 6 else None) for fields in rows]
+
+
+def _mapped_files() -> set[str]:
+    return {file for _, _, file in _mappings() if file is not None}
 
 
 def _mapped_file(address: int) -> str | None:
-    """The file this process has mapped at ``address`` (Linux's /proc/self/maps), or None."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if start <= address < end:
-                return fields[5].strip() if len(fields) == 6 else None
-    return None
+    """The file this process has mapped at ``address``, or None."""
+    return next((file for start, end, file in _mappings() if start <= address < end), None)
 
 
 def test_a_type_without_block_kernel_is_dequantized_with_one_warning(tmp_path, caplog,
