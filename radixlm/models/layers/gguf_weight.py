@@ -41,11 +41,14 @@ KERNEL_MAX_ROWS_FLOAT32 = 32
 decode the weight for torch's GEMM. Where the two crossed on the AMX CPU: the kernel ahead
 at 32 rows for a projection in Q4_K and Q8_0 and a vocabulary head in Q8_0, the two types
 apart at 48 (benchmarks/RESULTS.md)."""
-KERNEL_MAX_ROWS_BFLOAT16 = 12
+KERNEL_MAX_ROWS_BFLOAT16 = 16
 """The same for bfloat16 activations, whose GEMM after decoding is much cheaper there
-(oneDNN on AMX tiles): on the AMX CPU the kernel (the dot products; the register path for
-Q4_0 to Q5_1) ahead at 12 rows for Q4_K, Q5_0, Q6_K and Q8_0 projections and the Q8_0
-head, even or behind at 16 for the projections (benchmarks/RESULTS.md)."""
+(oneDNN on AMX tiles). On the AMX CPU the kernel (the dot products; the register path for
+Q4_0 to Q5_1) is ahead alone at 12 rows for Q4_K, Q5_0, Q6_K and Q8_0 projections and the
+Q8_0 head, even or behind at 16; but at 16 rows a decode step whose every projection runs
+the kernel is one fused call a layer (``cpu_decode_layer``), and that step beat the modules'
+decoding and GEMMs end to end on both GGUF files of ``bench_gguf.py`` (benchmarks/RESULTS.md).
+Past 16 the kernel's time grows with the rows while decoding's does not."""
 
 
 DECODE_CHUNK_VALUES = 1 << 22
