@@ -39,7 +39,7 @@ class DecoderOnlyLM(nn.Module):
     def __init__(self, config: PretrainedConfig, max_position: int, rope_head_dim: int):
         super().__init__()
         self.config = config
-        self.max_position = max_position  # the serving context (RoPE tables cover it)
+        self.max_position = max_position  # the serving context (dynamic NTK RoPE scales for it)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.make_layer(config, i) for i in range(config.num_hidden_layers)

@@ -34,8 +34,9 @@ def load_model(
     """The model of ``config.architecture`` with its checkpoint weights, in eval mode.
 
     ``max_position`` bounds the positions the model will see (the serving context length);
-    RoPE tables are sized by it. ``tp``: the share of a tensor-parallel rank (a size that
-    does not divide the model's heads or intermediate sizes is a ``ValueError``).
+    dynamic NTK RoPE scales its frequencies for it. ``tp``: the share of a tensor-parallel
+    rank (a size that does not divide the model's heads or intermediate sizes is a
+    ``ValueError``).
     ``weight_format``: a weight-only format (``weight_formats.py``) the projections and the
     output head are packed into, from the checkpoint's float32 weights (int8 by column pairs
     for a bfloat16 model on a CPU where the plan keeps kernel copies and runs column pairs);
@@ -77,7 +78,7 @@ def load_model(
                     and torch.device(device).type == "cpu")
         packed = pack_weights(model, weight_format, by_pairs, by_blocks=float32_kernels)
         logger.info("weights packed as %s: %.1f MiB", weight_format, packed / 2**20)
-    # RoPE tables stay float32; parameters take the serving dtype, except those marked
+    # RoPE frequencies stay float32; parameters take the serving dtype, except those marked
     # ``keep_float32`` (e.g. an MoE router's score correction bias).
     for param in model.parameters():
         if not getattr(param, "keep_float32", False):

@@ -88,8 +88,9 @@ def test_cos_sin_match_transformers_rope_init(setting):
     assert rope.attention_factor == pytest.approx(attention_factor, rel=1e-6)
     angles = transformers_angles(config, POSITIONS)
     expected_cos, expected_sin = angles.cos() * attention_factor, angles.sin() * attention_factor
-    torch.testing.assert_close(rope.cos[POSITIONS], expected_cos, atol=2e-5, rtol=0)
-    torch.testing.assert_close(rope.sin[POSITIONS], expected_sin, atol=2e-5, rtol=0)
+    cos, sin = rope.cos_sin(POSITIONS)
+    torch.testing.assert_close(cos, expected_cos, atol=2e-5, rtol=0)
+    torch.testing.assert_close(sin, expected_sin, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("setting", [s for s in ROPE_SETTINGS if s.startswith("yarn")])
@@ -109,7 +110,9 @@ def test_deepseek_yarn_is_an_alias_of_yarn():
     alias = RotaryEmbedding(
         HEAD_DIM, TRAINED_CONTEXT, {**params, "rope_type": "deepseek_yarn"}, TRAINED_CONTEXT
     )
-    assert torch.equal(yarn.cos, alias.cos) and torch.equal(yarn.sin, alias.sin)
+    positions = torch.arange(TRAINED_CONTEXT)
+    assert all(torch.equal(a, b) for a, b in zip(yarn.cos_sin(positions), alias.cos_sin(positions),
+                                                  strict=True))
 
 
 @pytest.mark.parametrize("setting", ["default", "yarn", "yarn_deepseek", "linear"])
@@ -127,14 +130,15 @@ def test_scaled_rope_really_differs_from_default(setting):
     """Guards the comparison above against a scaling that is silently ignored."""
     scaled = ours(llama_config(ROPE_SETTINGS[setting]))
     default = ours(llama_config(ROPE_SETTINGS["default"]))
-    assert (scaled.cos[POSITIONS[1:]] - default.cos[POSITIONS[1:]]).abs().max() > 0.1
+    difference = scaled.cos_sin(POSITIONS[1:])[0] - default.cos_sin(POSITIONS[1:])[0]
+    assert difference.abs().max() > 0.1
 
 
 def test_dynamic_below_trained_context_equals_default():
     dynamic = ours(llama_config(ROPE_SETTINGS["dynamic"]), max_position=2 * TRAINED_CONTEXT)
     default = ours(llama_config(ROPE_SETTINGS["default"]), max_position=2 * TRAINED_CONTEXT)
-    torch.testing.assert_close(dynamic.cos[:TRAINED_CONTEXT], default.cos[:TRAINED_CONTEXT])
-    torch.testing.assert_close(dynamic.sin[:TRAINED_CONTEXT], default.sin[:TRAINED_CONTEXT])
+    positions = torch.arange(TRAINED_CONTEXT)
+    torch.testing.assert_close(dynamic.cos_sin(positions), default.cos_sin(positions))
 
 
 def test_dynamic_beyond_trained_context_uses_ntk_base_for_the_serving_context():
@@ -143,8 +147,33 @@ def test_dynamic_beyond_trained_context_uses_ntk_base_for_the_serving_context():
     rope = ours(config, max_position=serving)
     positions = torch.tensor([TRAINED_CONTEXT, TRAINED_CONTEXT + 100, serving - 1])
     angles = transformers_angles(config, positions, seq_len=serving)
-    torch.testing.assert_close(rope.cos[positions], angles.cos(), atol=2e-5, rtol=0)
-    torch.testing.assert_close(rope.sin[positions], angles.sin(), atol=2e-5, rtol=0)
+    cos, sin = rope.cos_sin(positions)
+    torch.testing.assert_close(cos, angles.cos(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(sin, angles.sin(), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("setting", ["default", "dynamic", "longrope", "yarn"])
+@pytest.mark.parametrize("head_dim", [12, 64])
+def test_a_position_s_rotation_does_not_depend_on_its_batch(setting, head_dim):
+    """The angles are computed per batch, not read from a table: a position's cos and sin
+    must be bitwise the same in any batch (a key cached by one prefill is reused beside keys
+    of later batches), and equal the table of every position the module once kept."""
+    params = (dict(ROPE_SETTINGS[setting]) if setting != "longrope" else  # Phi-3's kind
+              {"rope_type": "longrope", "rope_theta": 10000.0,
+               "original_max_position_embeddings": TRAINED_CONTEXT // 2,
+               "short_factor": [1.0 + i / 10 for i in range(head_dim // 2)],
+               "long_factor": [2.0 + i for i in range(head_dim // 2)]})
+    rope = RotaryEmbedding(head_dim, 2 * TRAINED_CONTEXT, params, TRAINED_CONTEXT)
+    every = torch.arange(2 * TRAINED_CONTEXT)
+    table_cos, table_sin = rope.cos_sin(every)
+    generator = torch.Generator().manual_seed(3)
+    for size in (1, 3, 17, 40):
+        positions = torch.randint(0, 2 * TRAINED_CONTEXT, (size,), generator=generator)
+        cos, sin = rope.cos_sin(positions)
+        assert torch.equal(cos, table_cos[positions]) and torch.equal(sin, table_sin[positions])
+    if rope.long_inv_freq is None:  # one frequency set: the table the module used to keep
+        angles = torch.outer(every.float() / (rope.position_divisor or 1.0), rope.inv_freq)
+        assert torch.equal(table_cos, angles.cos() * rope.attention_factor)
 
 
 def test_rotation_uses_the_rotate_half_layout_of_transformers():

@@ -30,8 +30,11 @@ SUPPORTED_ROPE_TYPES = (
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to query and key heads at given positions.
 
-    cos/sin are tabulated once for ``max_position`` positions; ``forward`` indexes them, so
-    a batch of ragged sequences costs one gather.
+    The angles are computed for a batch's positions when ``lookup`` is called (one product
+    a position and frequency, bitwise what a table of every position would hold), once a
+    batch and shared by all layers; no table of ``max_position`` positions is kept, so
+    memory does not grow with the context a model serves (gemma-3's 32k positions and two
+    tables of head_dim 256 held 64 MiB) and no host sync is needed to index one.
 
     ``dynamic`` scaling: positions below the model's ``max_position_embeddings`` use the
     unscaled frequencies (exactly what transformers computes for such sequences); beyond
@@ -58,43 +61,52 @@ class RotaryEmbedding(nn.Module):
             )
         base = float(params.get("rope_theta", 10000.0))
         self.head_dim = head_dim
-        positions = torch.arange(max_position, dtype=torch.float32)
         self.attention_factor = 1.0
+        self.position_divisor = float(params["factor"]) if rope_type == "linear" else None
+        self.long_from: int | None = None  # positions from here on take ``long_inv_freq``
+        long_freq = None
         if rope_type == "dynamic" and max_position > trained_context:
             factor = params["factor"]
             scaled_base = base * (
                 (factor * max_position / trained_context) - (factor - 1)
             ) ** (head_dim / (head_dim - 2))
-            short = torch.outer(positions[:trained_context], default_inv_freq(head_dim, base))
-            long = torch.outer(positions[trained_context:], default_inv_freq(head_dim, scaled_base))
-            angles = torch.cat([short, long])
+            inv_freq = default_inv_freq(head_dim, base)
+            long_freq, self.long_from = default_inv_freq(head_dim, scaled_base), trained_context
         elif rope_type in ("longrope", "su"):
-            short_freq, long_freq, original, self.attention_factor = longrope_inv_freqs(
+            inv_freq, long_freq, self.long_from, self.attention_factor = longrope_inv_freqs(
                 head_dim, base, params, trained_context)
-            angles = torch.cat([torch.outer(positions[:original], short_freq),
-                                torch.outer(positions[original:], long_freq)])
+        elif rope_type == "llama3":
+            inv_freq = llama3_inv_freq(head_dim, base, params)
+        elif rope_type in ("yarn", "deepseek_yarn"):
+            inv_freq, self.attention_factor = yarn_inv_freq(head_dim, base, params,
+                                                            trained_context)
         else:
-            if rope_type == "llama3":
-                inv_freq = llama3_inv_freq(head_dim, base, params)
-            elif rope_type in ("yarn", "deepseek_yarn"):
-                inv_freq, self.attention_factor = yarn_inv_freq(
-                    head_dim, base, params, trained_context
-                )
-            else:
-                inv_freq = default_inv_freq(head_dim, base)
-            if rope_type == "linear":
-                positions = positions / params["factor"]
-            angles = torch.outer(positions, inv_freq)  # (max_position, head_dim / 2)
-        self.register_buffer("cos", angles.cos() * self.attention_factor, persistent=False)
-        self.register_buffer("sin", angles.sin() * self.attention_factor, persistent=False)
+            inv_freq = default_inv_freq(head_dim, base)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # (D/2,)
+        self.register_buffer("long_inv_freq", None if long_freq is None else long_freq.float(),
+                             persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 (T, D/2) cos and sin of ``positions`` (T,) times each frequency (and the
+        attention factor), on the positions' device."""
+        at = positions.to(torch.float32)
+        if self.position_divisor is not None:
+            at = at / self.position_divisor
+        angles = torch.outer(at, self.inv_freq)  # (T, D/2)
+        if self.long_inv_freq is not None:
+            late = (positions >= self.long_from).unsqueeze(1)
+            angles = torch.where(late, torch.outer(at, self.long_inv_freq), angles)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotation for ``positions`` (T,), computed once per batch and shared by all layers:
         (cos, signed sin), each (T, 1, D) in ``dtype``, for ``apply_rotary``."""
-        cos = self.cos.index_select(0, positions)  # (T, D/2)
-        sin = self.sin.index_select(0, positions)
+        cos, sin = self.cos_sin(positions)  # (T, D/2)
         cos_full = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(dtype)
         signed_sin = torch.cat([-sin, sin], dim=-1).unsqueeze(1).to(dtype)
         return cos_full, signed_sin
