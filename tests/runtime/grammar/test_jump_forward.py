@@ -11,7 +11,7 @@ import pytest
 from tiny_models import tiny_tokenizer
 
 from radixlm.runtime.grammar.constraints import GrammarKey
-from radixlm.runtime.grammar.jump_forward import JumpForward
+from radixlm.runtime.grammar.jump_forward import JumpForward, extendable_mask
 
 EOS = 0
 SCHEMA = json.dumps({
@@ -121,3 +121,20 @@ def test_a_sampled_token_ending_a_split_character_is_kept_and_the_forced_text_fo
     assert tokens[0] == second and tokens[1:] == tokenizer.encode("!!!")
     assert tokenizer.decode([first, *tokens]) == "ü!!!"
     assert matcher.is_completed()
+
+
+def test_extendable_tokens_are_those_whose_string_starts_another():
+    """The sorted-neighbour rule against the definition, on a hand vocabulary (a gap in its
+    ids, prefixes separated in sort order by other pieces) and the tiny tokenizer's."""
+    vocab = {"a": 0, "ab": 1, "abc": 2, "b": 3, "a!": 5, "ba": 7, "c": 8, "\u0120x": 9,
+             "\u0120": 10}
+    mask = extendable_mask(vocab)
+    assert len(mask) == 11
+    assert [i for i in range(11) if mask[i]] == [0, 1, 3, 10]
+    tokenizer = tiny_tokenizer()
+    vocab = tokenizer.get_vocab()
+    jump = JumpForward(tokenizer)
+    expected = {i for piece, i in vocab.items()
+                if any(other != piece and other.startswith(piece) for other in vocab)}
+    assert expected and expected != set(vocab.values())
+    assert {i for i in range(len(vocab) + 5) if jump.is_extendable(i)} == expected
