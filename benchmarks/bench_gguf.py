@@ -6,8 +6,10 @@ without torch; radixlm in this script's ``--worker`` mode, an ``Engine`` with it
 and detokenizer processes), alternating workload by workload, round by round, so ratios
 hold on a shared, noisy machine; medians of the rounds are printed. Resident memory is the
 sum over a system's process tree (``psutil``), sampled after every workload; the largest is
-reported. llama.cpp decodes a batch one sequence after another (llama-cpp-python's
-``Llama`` has one sequence); radixlm batches it.
+reported, as RSS (what the criterion compares: pages shared between processes, such as
+torch's libraries, counted in each) and as PSS (each shared page split between its
+processes: what the tree costs the machine). llama.cpp decodes a batch one sequence after
+another (llama-cpp-python's ``Llama`` has one sequence); radixlm batches it.
 
 Models: the public gemma-3-270m Q4_K_M (tests/gemma3_file.py) and a Q4_K_M of the default
 model made here by llama.cpp's own quantizer (``llama_model_quantize``) from an F32 GGUF of
@@ -68,14 +70,15 @@ def worker(gguf: str) -> None:
     engine.shutdown()
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants."""
+def tree_memory(pid: int) -> tuple[int, int]:
+    """Resident bytes (RSS, PSS) of a process and all its descendants."""
     root = psutil.Process(pid)
-    total = 0
+    rss = pss = 0
     for process in [root, *root.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess):
-            total += process.memory_info().rss
-    return total
+            memory = process.memory_full_info()
+            rss, pss = rss + memory.rss, pss + memory.pss
+    return rss, pss
 
 
 def prompts(round_: int, count: int, length: int, vocab: int) -> list[list[int]]:
@@ -130,20 +133,24 @@ def bench(gguf: Path, rounds: int, extra_buffers: bool) -> dict:
     systems[1].child.stdout.readline()  # "ready": loaded and warmed up
     times = {(s.name, w): [] for s in systems for w in WORKLOADS}
     rss = {s.name: 0 for s in systems}
+    pss = {s.name: 0 for s in systems}
     try:
         for round_ in range(rounds + 1):  # round 0 warms both up, unmeasured
             for name, (count, length, new, _) in WORKLOADS.items():
                 batch = prompts(round_ * 10 + len(name), count, length, vocab)
                 for system in systems:
                     seconds = system.generate(batch, new)
-                    rss[system.name] = max(rss[system.name], tree_rss(system.child.pid))
+                    resident, proportional = tree_memory(system.child.pid)
+                    rss[system.name] = max(rss[system.name], resident)
+                    pss[system.name] = max(pss[system.name], proportional)
                     if round_:
                         times[(system.name, name)].append(seconds)
     finally:
         for system in systems:
             system.close()
     return {"seconds": {f"{s} | {w}": statistics.median(v) for (s, w), v in times.items()},
-            "rss_mib": {s: r / 2**20 for s, r in rss.items()}}
+            "rss_mib": {s: r / 2**20 for s, r in rss.items()},
+            "pss_mib": {s: r / 2**20 for s, r in pss.items()}}
 
 
 def main() -> None:
@@ -174,9 +181,11 @@ def main() -> None:
             theirs = result["seconds"][f"llama.cpp | {workload}"]
             print(f"  {workload:15s} radixlm {tokens / ours:8.1f} tok/s  llama.cpp "
                   f"{tokens / theirs:8.1f} tok/s  ratio {theirs / ours:5.2f}x")
-        mem = result["rss_mib"]
-        print(f"  resident memory radixlm {mem['radixlm']:.0f} MiB, llama.cpp "
-              f"{mem['llama.cpp']:.0f} MiB, ratio {mem['radixlm'] / mem['llama.cpp']:.2f}x")
+        for kind in ("rss", "pss"):
+            mem = result[f"{kind}_mib"]
+            print(f"  resident memory ({kind.upper()}) radixlm {mem['radixlm']:.0f} MiB, "
+                  f"llama.cpp {mem['llama.cpp']:.0f} MiB, "
+                  f"ratio {mem['radixlm'] / mem['llama.cpp']:.2f}x")
 
 
 if __name__ == "__main__":
