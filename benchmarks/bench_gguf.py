@@ -32,7 +32,7 @@ from pathlib import Path
 
 import psutil
 from bench_generation import LlamaCpp
-from machine import cpu_flags
+from machine import cpu_flags, openmp_setting
 
 PREFILL, DECODE, BATCH, BATCH_NEW = 512, 64, 16, 32
 WORKLOADS = {  # name -> (sequences, prompt tokens, new tokens, tokens counted)
@@ -172,7 +172,7 @@ def main() -> None:
     files = {"gemma3": lambda: gemma3_gguf(),
              "smollm2": lambda: smollm2_q4_k_m(radixlm_cache_dir() / "bench")}
     print(f"cpu flags: {cpu_flags()}; {psutil.cpu_count()} cores; llama.cpp extra buffers "
-          f"{'on' if args.llama_extra_buffers else 'off'}")
+          f"{'on' if args.llama_extra_buffers else 'off'}; OpenMP wait: {openmp_setting()}")
     for model in args.models:
         result = bench(files[model](), args.rounds, args.llama_extra_buffers)
         print(f"\n{model}:")

@@ -22,3 +22,17 @@ def describe_machine() -> str:
     """One line: cores, the CPU's flags and the level torch's kernels run at."""
     return (f"cpu: {os.cpu_count()} cores, flags {cpu_flags()}, torch kernels at "
             f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
+
+
+def openmp_setting() -> str:
+    """The OpenMP wait settings the benchmark's processes inherit: a user's
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` overrides radixlm's short spin
+    (``radixlm.openmp_policy``); PASSIVE made the GGUF decode steps wait on libgomp's wakes
+    (benchmarks/RESULTS.md)."""
+    from radixlm.openmp_policy import SHORT_SPIN_COUNT
+
+    chosen = [f"{name}={os.environ[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+              if name in os.environ]
+    if chosen in ([], [f"GOMP_SPINCOUNT={SHORT_SPIN_COUNT}"]):  # (set by ``import radixlm``)
+        return "radixlm's short spin"
+    return ", ".join(chosen) + " (set by the caller)"
