@@ -61,7 +61,8 @@ class RustTextDecoder:
     def __init__(self, path: str | Path):
         import tokenizers
 
-        self._tokenizer = tokenizers.Tokenizer.from_str(without_merges(Path(path).read_text()))
+        self._tokenizer = tokenizers.Tokenizer.from_str(
+            without_merges(Path(path).read_text(encoding="utf-8")))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False,
                spaces_between_special_tokens: bool = True) -> str:
