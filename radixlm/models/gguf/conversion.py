@@ -51,7 +51,7 @@ class GGUFModel:
     """An opened, checked GGUF: its reader, metadata, architecture and Hugging Face config."""
 
     path: Path
-    reader: object  # gguf.GGUFReader
+    reader: object  # gguf_header.GGUFHeader (gguf.GGUFReader for a big-endian file)
     meta: Metadata
     arch: str
     spec: GGUFArchitecture

@@ -1,10 +1,11 @@
 """Opening a GGUF file (llama.cpp's format) and checking it before anything is built from it.
 
-The ``gguf`` package parses the file and memory-maps its tensors (``GGUFReader``); this
-module turns whatever it raises into one ``ValueError`` that names the file and what is
-wrong (not a GGUF, truncated, a tensor of a type the package does not know), and checks
-what the parser does not: every tensor's bytes lie inside the file, and its bytes are what
-its type and shape imply. Nothing here writes.
+``gguf_header.read_gguf`` parses the file's metadata and tensor table and memory-maps its
+tensors (the ``gguf`` package's records and types; its ``GGUFReader`` took seconds on a
+large vocabulary's metadata); this module turns whatever that raises into one
+``ValueError`` that names the file and what is wrong (not a GGUF, truncated, a tensor of a
+type the package does not know), and checks what the parser does not: every tensor's bytes
+lie inside the file, and its bytes are what its type and shape imply. Nothing here writes.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ from pathlib import Path
 
 import numpy as np
 
+from radixlm.models.gguf.gguf_header import read_gguf
+
 
 def open_reader(path: Path):
-    """``gguf.GGUFReader`` over ``path`` with its tensors checked (``check_tensors``); a
-    missing file is ``FileNotFoundError``, anything unreadable a ``ValueError`` naming it."""
-    import gguf
-
+    """``read_gguf(path)`` with its tensors checked (``check_tensors``); a missing file is
+    ``FileNotFoundError``, anything unreadable a ``ValueError`` naming it."""
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = read_gguf(path)
     except Exception as err:  # the reader raises ValueError, IndexError, struct/OS errors
         raise ValueError(f"{str(path)!r} is not a readable GGUF file: {_reason(err, path)}"
                          ) from None
