@@ -33,9 +33,10 @@ ARRAYS = {  # key -> (values, item type)
 }
 
 
-def write_every_kind(path, alignment: int = 64) -> None:
+def write_every_kind(path, alignment: int = 64,
+                     endianess: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE) -> None:
     rng = np.random.default_rng(5)
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, "llama", endianess=endianess)
     writer.add_custom_alignment(alignment)
     for key, (value, value_type) in SCALARS.items():
         writer.add_key_value(f"test.{key}", value, value_type)
@@ -102,6 +103,14 @@ def test_an_unknown_value_type_is_named(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="unknown GGUF value type 77"):
         read_gguf(path)
+
+
+def test_a_big_endian_file_is_left_to_gguf_s_reader(tmp_path):
+    path = tmp_path / "big.gguf"
+    write_every_kind(path, endianess=gguf.GGUFEndian.BIG)
+    reader = read_gguf(path)
+    assert isinstance(reader, gguf.GGUFReader)
+    assert reader.fields["test.i32"].contents() == SCALARS["i32"][0]
 
 
 @pytest.mark.slow  # the gemma-3 file (253 MB): 262,144 tokens, 514,906 merges
