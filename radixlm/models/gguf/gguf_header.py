@@ -20,6 +20,7 @@ Invariant: nothing is read past the file's end; a length or count that would is 
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ import numpy as np
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 8  # (ggml's tensors have at most 4)
 _SCALARS = {  # gguf.GGUFValueType's numbers -> struct format (little-endian)
     0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
     10: "<Q", 11: "<q", 12: "<d",
@@ -38,7 +40,7 @@ _FLOAT_TENSORS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8":
                   "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class HeaderField:
     """One metadata value: its type (and an array's item type and length) and where it
     starts; ``contents()`` decodes it."""
@@ -94,6 +96,8 @@ class GGUFHeader:
             for _ in range(tensor_count):
                 name, offset = _string(view, offset)
                 (dims_count,) = _unpack(view, offset, "<I")
+                if dims_count > MAX_DIMS:
+                    raise ValueError(f"tensor {name!r} has {dims_count} dimensions")
                 dims = _unpack(view, offset + 4, f"<{dims_count}Q")
                 raw_type, relative = _unpack(view, offset + 4 + 8 * dims_count, "<IQ")
                 offset += 4 + 8 * dims_count + 12
@@ -113,7 +117,9 @@ class GGUFHeader:
     def _tensor(self, gguf, start: int, name: str, dims: tuple[int, ...], ggml_type,
                 relative: int):
         """The ``ReaderTensor`` ``GGUFReader`` builds for one tensor info."""
-        elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        elements = math.prod(dims)  # (1 for a scalar, as GGUFReader has it)
+        if elements > len(self.data) * 8:  # (no type stores a value in under a bit)
+            raise ValueError(f"the file is truncated: tensor {name!r} has {elements} values")
         block, type_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
         n_bytes = elements * type_bytes // block
         offset = start + relative

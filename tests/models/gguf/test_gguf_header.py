@@ -105,6 +105,19 @@ def test_an_unknown_value_type_is_named(tmp_path):
         read_gguf(path)
 
 
+def test_a_tensor_of_too_many_dimensions_is_refused(tmp_path):
+    path = tmp_path / "every.gguf"
+    write_every_kind(path)
+    data = bytearray(path.read_bytes())
+    entry = (3).to_bytes(8, "little") + b"f16"  # the tensor info's name, then its dims count
+    at = data.index(entry) + len(entry)
+    assert int.from_bytes(data[at:at + 4], "little") == 3
+    data[at:at + 4] = (1000).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="'f16' has 1000 dimensions"):
+        read_gguf(path)
+
+
 def test_a_big_endian_file_is_left_to_gguf_s_reader(tmp_path):
     path = tmp_path / "big.gguf"
     write_every_kind(path, endianess=gguf.GGUFEndian.BIG)
