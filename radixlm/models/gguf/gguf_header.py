@@ -1,17 +1,17 @@
 """A GGUF file's metadata and tensor table, read without parsing what is not asked for.
 
 ``gguf.GGUFReader`` builds a NumPy view for every element of every metadata array as it
-opens a file: for a vocabulary of 262,144 tokens and 514,906 merges that is over a million
-views and 8 s, paid by every scheduler start although loading weights reads no tokenizer
-metadata. ``read_gguf`` walks the same layout (llama.cpp's ``gguf.md``: header, key/value
-pairs, tensor infos, aligned data) with ``struct`` over the memory-mapped file, skipping an
-array's elements by their lengths, and decodes a value only when its ``contents()`` is
-asked for. Its ``tensors`` are the ``gguf`` package's own ``ReaderTensor`` records with the
-views ``GGUFReader`` gives (the block bytes of a quantized tensor, the values of a float
-one), and ``contents()`` returns what ``GGUFReader``'s fields return
-(``tests/models/gguf/test_gguf_header.py`` compares the two on written files and on the
-gemma-3 file). Little-endian files only (llama.cpp writes those); a big-endian one is read
-by ``GGUFReader``.
+opens a file: for a vocabulary of 262,144 tokens that is over a million views and seconds
+of every scheduler start, although loading weights reads no tokenizer metadata
+(benchmarks/RESULTS.md). ``read_gguf`` walks the same layout (llama.cpp's ``gguf.md``:
+header, key/value pairs, tensor infos, aligned data) with ``struct`` over the memory-mapped
+file, skipping an array's elements by their lengths, and decodes a value only when its
+``contents()`` is asked for. Its ``tensors`` are the ``gguf`` package's own
+``ReaderTensor`` records with the views ``GGUFReader`` gives (the block bytes of a quantized
+tensor, the values of a float one), and ``contents()`` returns what ``GGUFReader``'s fields
+return (``tests/models/gguf/test_gguf_header.py`` compares the two on written files and on
+the gemma-3 file). Little-endian files only (llama.cpp writes those); a big-endian one is
+read by ``GGUFReader``.
 
 Invariant: nothing is read past the file's end; a length or count that would is a
 ``ValueError`` saying the file is truncated, and an unknown value or tensor type a

@@ -33,8 +33,8 @@ class RotaryEmbedding(nn.Module):
     The angles are computed for a batch's positions when ``lookup`` is called (one product
     a position and frequency, bitwise what a table of every position would hold), once a
     batch and shared by all layers; no table of ``max_position`` positions is kept, so
-    memory does not grow with the context a model serves (gemma-3's 32k positions and two
-    tables of head_dim 256 held 64 MiB) and no host sync is needed to index one.
+    memory does not grow with the context a model serves (a table per layer kind of every
+    position, cos and sin, in float32) and no host sync is needed to index one.
 
     ``dynamic`` scaling: positions below the model's ``max_position_embeddings`` use the
     unscaled frequencies (exactly what transformers computes for such sequences); beyond

@@ -73,8 +73,9 @@ class RustTextDecoder:
 
 def without_merges(tokenizer_json: str) -> str:
     """A serialized tokenizer with its BPE merges dropped: they only say how text is split
-    into tokens, and decoding (each id's token, then the decoders) never reads them. For
-    gemma-3's 514,906 merges that is 27 of the Rust tokenizer's 96 MiB."""
+    into tokens, and decoding (each id's token, then the decoders) never reads them; a large
+    vocabulary's merges are a good part of the Rust tokenizer's memory
+    (benchmarks/RESULTS.md)."""
     import json
 
     tokenizer = json.loads(tokenizer_json)
