@@ -35,7 +35,7 @@ _SCALARS = {  # gguf.GGUFValueType's numbers -> struct format (little-endian)
     0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
     10: "<Q", 11: "<q", 12: "<d",
 }
-_STRING, _ARRAY = 8, 9
+_UINT32, _STRING, _ARRAY = 4, 8, 9
 _FLOAT_TENSORS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
                   "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
@@ -106,9 +106,10 @@ class GGUFHeader:
             view.release()
         alignment = DEFAULT_ALIGNMENT
         if "general.alignment" in self.fields:
-            alignment = self.fields["general.alignment"].contents()
-            if self.fields["general.alignment"].value_type != 4 or alignment <= 0:
-                raise ValueError("bad general.alignment field")
+            field = self.fields["general.alignment"]
+            alignment = field.contents() if field.value_type == _UINT32 else 0
+            if alignment <= 0:
+                raise ValueError("bad general.alignment field (a positive uint32 expected)")
         start = -(-offset // alignment) * alignment
         self.tensors = [self._tensor(gguf, start, *info) for info in infos]
         if len({t.name for t in self.tensors}) != len(self.tensors):
@@ -159,11 +160,17 @@ def _unpack(view: memoryview, offset: int, layout: str) -> tuple:
     return struct.unpack_from(layout, view, offset)
 
 
-def _string(view: memoryview, offset: int) -> tuple[str, int]:
+def _string_end(view: memoryview, offset: int) -> int:
+    """The offset past the string (a uint64 length, then its bytes) at ``offset``."""
     (length,) = _unpack(view, offset, "<Q")
     end = offset + 8 + length
     if end > len(view):
         raise ValueError(f"the file is truncated: a string runs past byte {len(view)}")
+    return end
+
+
+def _string(view: memoryview, offset: int) -> tuple[str, int]:
+    end = _string_end(view, offset)
     return str(view[offset + 8:end], encoding="utf-8"), end
 
 
@@ -191,10 +198,7 @@ def _skip(view: memoryview, offset: int, value_type: int) -> int:
         _unpack(view, offset, _SCALARS[value_type])
         return offset + struct.calcsize(_SCALARS[value_type])
     if value_type == _STRING:
-        (length,) = _unpack(view, offset, "<Q")
-        if offset + 8 + length > len(view):
-            raise ValueError(f"the file is truncated: a string runs past byte {len(view)}")
-        return offset + 8 + length
+        return _string_end(view, offset)
     if value_type == _ARRAY:
         return _field(view, None, offset, value_type)[1]
     raise ValueError(f"unknown GGUF value type {value_type}")

@@ -93,28 +93,36 @@ def test_a_file_cut_anywhere_is_a_value_error_saying_so(tmp_path):
             read_gguf(cut)
 
 
-def test_an_unknown_value_type_is_named(tmp_path):
+def every_kind_with(tmp_path, after: bytes, was: int, value: int):
+    """The file of ``write_every_kind`` with the uint32 right after ``after`` (which must be
+    ``was``) set to ``value``."""
     path = tmp_path / "every.gguf"
     write_every_kind(path)
     data = bytearray(path.read_bytes())
-    key = b"test.u8"
-    at = data.index(key) + len(key)  # the value type follows the key
-    data[at:at + 4] = (77).to_bytes(4, "little")
+    at = data.index(after) + len(after)
+    assert int.from_bytes(data[at:at + 4], "little") == was
+    data[at:at + 4] = value.to_bytes(4, "little")
     path.write_bytes(bytes(data))
+    return path
+
+
+def test_an_unknown_value_type_is_named(tmp_path):
+    path = every_kind_with(tmp_path, b"test.u8", int(gguf.GGUFValueType.UINT8), 77)
     with pytest.raises(ValueError, match="unknown GGUF value type 77"):
         read_gguf(path)
 
 
 def test_a_tensor_of_too_many_dimensions_is_refused(tmp_path):
-    path = tmp_path / "every.gguf"
-    write_every_kind(path)
-    data = bytearray(path.read_bytes())
-    entry = (3).to_bytes(8, "little") + b"f16"  # the tensor info's name, then its dims count
-    at = data.index(entry) + len(entry)
-    assert int.from_bytes(data[at:at + 4], "little") == 3
-    data[at:at + 4] = (1000).to_bytes(4, "little")
-    path.write_bytes(bytes(data))
+    name = (3).to_bytes(8, "little") + b"f16"  # a tensor info's name, then its dims count
+    path = every_kind_with(tmp_path, name, 3, 1000)
     with pytest.raises(ValueError, match="'f16' has 1000 dimensions"):
+        read_gguf(path)
+
+
+def test_an_alignment_that_is_no_positive_uint32_is_refused(tmp_path):
+    path = every_kind_with(tmp_path, b"general.alignment", int(gguf.GGUFValueType.UINT32),
+                           int(gguf.GGUFValueType.INT32))
+    with pytest.raises(ValueError, match="bad general.alignment"):
         read_gguf(path)
 
 
